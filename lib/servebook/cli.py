@@ -1,0 +1,186 @@
+"""``servebook``: the pipeline and each stage's library from a terminal."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from servebook.errors import ServebookError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+
+def _fail(exc: ServebookError) -> None:
+    typer.echo(f"servebook: {exc}", err=True)
+    raise typer.Exit(exc.exit_code)
+
+
+@app.command()
+def run(
+    params_file: Path = typer.Argument(..., help="params YAML, e.g. params/default.yaml"),
+    set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE (repeatable)"),
+    stages: Optional[str] = typer.Option(None, help="comma-separated stages to run, e.g. reconnaissance,launch"),
+) -> None:
+    """Run the stage notebooks into a new outputs/<timestamp>-<run_name>/ folder."""
+    from servebook import params
+
+    try:
+        params.load(params_file, set_)  # in a fraction of a second, before papermill and vLLM are imported
+        from servebook import runner
+
+        run_dir, code = runner.run(params_file, set_, stages)
+    except ServebookError as exc:
+        _fail(exc)
+    typer.echo(str(run_dir))
+    raise typer.Exit(code)
+
+
+@app.command()
+def prepare(
+    params_file: Path = typer.Argument(..., help="params YAML"),
+    out: Path = typer.Option(..., help="folder for the parameterized notebooks"),
+    set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE (repeatable)"),
+    run_dir: Optional[Path] = typer.Option(None, help="run folder the notebooks write results into"),
+) -> None:
+    """Write parameterized copies of the stage notebooks without running them (for nbval)."""
+    from servebook import runner
+
+    try:
+        for path in runner.prepare(params_file, out, set_, run_dir):
+            typer.echo(str(path))
+    except ServebookError as exc:
+        _fail(exc)
+
+
+@app.command()
+def check(params_file: Path = typer.Argument(..., help="params YAML to validate")) -> None:
+    """Validate a params file without running anything."""
+    from servebook import params
+
+    try:
+        p = params.load(params_file)
+    except ServebookError as exc:
+        _fail(exc)
+    typer.echo(f"{params_file}: ok ({len(p.model_fields_set)} parameters set, world size {p.world_size})")
+
+
+@app.command("params")
+def list_params() -> None:
+    """List every parameter of the shared vocabulary with its default."""
+    from servebook.params import Params
+
+    for name, f in Params.model_fields.items():
+        default = f.get_default(call_default_factory=True)
+        typer.echo(f"{name:24} {default!r:32} {f.description or ''}")
+
+
+@app.command()
+def gpus(as_json: bool = typer.Option(False, "--json", help="print the full inventory as JSON")) -> None:
+    """Print the GPU inventory: memory, processes, links, topology."""
+    from servebook import hardware, recon
+
+    inv = hardware.inventory()
+    if as_json:
+        typer.echo(json.dumps(inv.to_dict(), indent=2))
+        return
+    if not inv.available:
+        typer.echo(f"no GPUs: {inv.error}")
+        return
+    typer.echo(f"driver {inv.driver_version}, CUDA {inv.cuda_driver_version}, {len(inv.gpus)} GPU(s)")
+    results = {"inventory": inv.to_dict()}
+    typer.echo(recon.gpu_table(results).to_string(index=False))
+    if inv.pairs:
+        typer.echo("\ntopology (NVML common ancestor):")
+        typer.echo(recon.pair_matrix(results, "topology").to_string())
+        typer.echo("\nNVLink P2P:")
+        typer.echo(recon.pair_matrix(results, "p2p_nvlink").to_string())
+
+
+@app.command("build-model")
+def build_model(
+    force: bool = typer.Option(False, help="rebuild even when cached"),
+    quiet: bool = typer.Option(False, help="print only the path"),
+) -> None:
+    """Build (or find cached) the embedded tiny Qwen3-MoE checkpoint."""
+    import time
+
+    from servebook import models
+
+    start = time.monotonic()
+    existed = (models.tiny_model_dir() / "servebook-build.json").is_file()
+    path = models.build_tiny_model(force=force)
+    if not quiet:
+        typer.echo(f"{'reused' if existed and not force else 'built'} in {time.monotonic() - start:.1f} s")
+    typer.echo(str(path))
+
+
+def _server_config(params_file: Path, set_: list[str]):
+    from servebook import params, recon, hardware, server
+
+    p = params.load(params_file, set_)
+    device = recon.resolve_device(p.device, hardware.inventory())
+    return p, server.ServerConfig.from_params(p.model_dump(), device)
+
+
+@app.command()
+def launch(
+    params_file: Path = typer.Argument(..., help="params YAML"),
+    set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE"),
+    log_dir: Path = typer.Option(None, help="where the server log goes (default outputs/servers)"),
+) -> None:
+    """Start a vLLM server (or reuse a matching healthy one) and wait until it is ready."""
+    from servebook import server
+    from servebook.results import outputs_root
+
+    try:
+        p, cfg = _server_config(params_file, set_)
+        result = server.launch(cfg, log_dir or outputs_root() / "servers", stop_leftovers=p.stop_leftovers,
+                               on_progress=lambda msg, t: typer.echo(f"[{t:6.1f} s] {msg}"), log=typer.echo)
+    except ServebookError as exc:
+        _fail(exc)
+    typer.echo(f"{'reused' if result.reused else 'ready'}: {result.url} (pid {result.pid}, log {result.log_path})")
+
+
+@app.command()
+def status(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List servers servebook launched, their health, and orphaned vLLM processes."""
+    from servebook import server
+
+    rows = server.status()
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        typer.echo("no servebook servers and no orphaned vLLM processes")
+    for r in rows:
+        typer.echo(f"port {r['port']}  pid {r['pid']}  {r['health']:8}  processes {r['processes']}  {r['model']}  {r['log']}")
+
+
+@app.command()
+def stop(
+    port: Optional[int] = typer.Option(None, help="stop the server on this port (default: every servebook server)"),
+    orphans: bool = typer.Option(True, help="also stop orphaned VLLM:: processes left by earlier crashes"),
+) -> None:
+    """Stop servers (SIGTERM, grace, SIGKILL on the whole group) and verify nothing is left."""
+    from servebook import server
+
+    try:
+        outcome = server.stop(port=port, orphans=orphans)
+    except ServebookError as exc:
+        _fail(exc)
+    typer.echo(outcome["summary"])
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

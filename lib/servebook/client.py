@@ -1,0 +1,155 @@
+"""Talking to a running server: the smoke test and Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import httpx
+
+from servebook.errors import ServebookError
+
+SMOKE_PROMPT = "The server is ready to serve the model"
+SMOKE_CHAT = [{"role": "user", "content": "Say something about expert parallel serving."}]
+# Some random-weight checkpoints emit end-of-sequence at once; a few forced tokens keep the text non-empty.
+MIN_TOKENS = 4
+GAUGES = {
+    "vllm:num_requests_running": "requests running",
+    "vllm:num_requests_waiting": "requests waiting",
+    "vllm:kv_cache_usage_perc": "KV-cache usage (0-1)",
+    "vllm:gpu_cache_usage_perc": "KV-cache usage (0-1)",  # before vLLM renamed it
+}
+COUNTERS = ("vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+
+
+class SmokeTestFailed(ServebookError):
+    pass
+
+
+def headers(api_key_env: str = "") -> dict[str, str]:
+    key = os.environ.get(api_key_env) if api_key_env else None
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum each vLLM metric over its label sets (one engine, one model: the sum is the value)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            values[name] = values.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return values
+
+
+def metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
+    r = httpx.get(f"{url}/metrics", timeout=timeout)
+    r.raise_for_status()
+    return parse_metrics(r.text)
+
+
+def key_gauges(values: dict[str, float]) -> dict[str, float]:
+    shown = {label: values[name] for name, label in GAUGES.items() if name in values}
+    shown.update({name.removeprefix("vllm:"): values[name] for name in COUNTERS if name in values})
+    return shown
+
+
+def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = client.post(path, json=body)
+    if r.status_code != 200:
+        raise SmokeTestFailed(f"POST {path} answered {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
+def stream_timing(client: httpx.Client, model: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: time to first token and single-stream decode speed."""
+    body = {"model": model, "prompt": SMOKE_PROMPT, "max_tokens": max_tokens, "temperature": 0,
+            "min_tokens": max_tokens, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first = last = None
+    usage: dict[str, Any] = {}
+    chunks = 0
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise SmokeTestFailed(f"streamed completion answered {r.status_code}: {r.read()[:500]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            if event.get("choices") and event["choices"][0].get("text"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                chunks += 1
+    if first is None:
+        raise SmokeTestFailed("the streamed completion returned no text")
+    out = usage.get("completion_tokens", chunks)
+    decode_s = (last - first) if last and out > 1 else 0.0
+    return {
+        "ttft_s": first - sent,
+        "e2e_s": last - sent,
+        "completion_tokens": out,
+        "chunks": chunks,
+        "decode_tok_per_s": (out - 1) / decode_s if decode_s > 0 else None,
+        "end_to_end_tok_per_s": out / (last - sent),
+    }
+
+
+def smoke_test(url: str, model: str, max_tokens: int = 32, api_key_env: str = "", timeout: float = 120.0) -> dict[str, Any]:
+    """Does the server answer, correctly and deterministically, and how fast is one stream?
+
+    Returns the results with a ``checks`` list; raises :class:`SmokeTestFailed` naming every failed check.
+    """
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        checks.append({"check": name, "ok": bool(ok), "detail": detail})
+
+    out: dict[str, Any] = {"url": url, "model": model}
+    with httpx.Client(base_url=url, headers=headers(api_key_env), timeout=timeout) as client:
+        listed = client.get("/v1/models").json()
+        names = [m["id"] for m in listed.get("data", [])]
+        out["models"] = names
+        check("models lists the served name", model in names, f"/v1/models: {names}")
+
+        chat_body = {"model": model, "messages": SMOKE_CHAT, "max_tokens": max_tokens, "temperature": 0, "min_tokens": MIN_TOKENS}
+        chats = [_post(client, "/v1/chat/completions", chat_body) for _ in range(2)]
+        texts = [c["choices"][0]["message"]["content"] or "" for c in chats]
+        out["chat"] = {"text": texts[0], "finish_reason": chats[0]["choices"][0]["finish_reason"], "usage": chats[0].get("usage")}
+        check("chat completion is non-empty", bool(texts[0].strip()), repr(texts[0][:80]))
+        check("chat completion is deterministic at temperature 0", texts[0] == texts[1], "two identical answers" if texts[0] == texts[1] else f"{texts[0][:60]!r} != {texts[1][:60]!r}")
+        check("chat completion has a finish reason and usage", bool(chats[0]["choices"][0]["finish_reason"]) and bool(chats[0].get("usage", {}).get("completion_tokens")), str(chats[0].get("usage")))
+
+        comp_body = {"model": model, "prompt": SMOKE_PROMPT, "max_tokens": max_tokens, "temperature": 0, "min_tokens": MIN_TOKENS}
+        comps = [_post(client, "/v1/completions", comp_body) for _ in range(2)]
+        ctexts = [c["choices"][0]["text"] or "" for c in comps]
+        out["completion"] = {"text": ctexts[0], "finish_reason": comps[0]["choices"][0]["finish_reason"], "usage": comps[0].get("usage")}
+        check("completion is non-empty", bool(ctexts[0].strip()), repr(ctexts[0][:80]))
+        check("completion is deterministic at temperature 0", ctexts[0] == ctexts[1], "two identical answers" if ctexts[0] == ctexts[1] else f"{ctexts[0][:60]!r} != {ctexts[1][:60]!r}")
+        check("completion has a finish reason and usage", bool(comps[0]["choices"][0]["finish_reason"]) and bool(comps[0].get("usage", {}).get("completion_tokens")), str(comps[0].get("usage")))
+
+        out["stream"] = stream_timing(client, model, max_tokens)
+        check("stream honours max_tokens", out["stream"]["completion_tokens"] == max_tokens,
+              f"{out['stream']['completion_tokens']} of {max_tokens} tokens")
+
+        values = metrics(url)
+        out["metrics"] = key_gauges(values)
+        check("metrics expose the running/waiting gauges", "requests running" in out["metrics"] and "requests waiting" in out["metrics"], ", ".join(out["metrics"]))
+    out["checks"] = checks
+    out["passed"] = all(c["ok"] for c in checks)
+    return out
+
+
+def raise_on_failure(result: dict[str, Any]) -> None:
+    failed = [c for c in result["checks"] if not c["ok"]]
+    if failed:
+        raise SmokeTestFailed("smoke test failed: " + "; ".join(f"{c['check']} ({c['detail']})" for c in failed))

@@ -1,0 +1,207 @@
+"""Every NVML call servebook makes, and a fake NVML fed by scenario files.
+
+The real backend is NVIDIA's ``nvidia-ml-py`` (imported as ``pynvml``).  The fake
+implements the same functions from a YAML scenario, so tests and demos exercise
+exactly the code paths that run on a GPU server.  ``SERVEBOOK_FAKE_NVML=<scenario
+name or path>`` selects the fake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from enum import IntEnum
+from importlib import resources
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import pynvml
+import yaml
+
+from servebook.errors import NvmlUnavailable
+
+FAKE_ENV = "SERVEBOOK_FAKE_NVML"
+NVLINK_MAX_LINKS = 36
+GiB = 1024**3
+MiB = 1024**2
+
+
+class P2PCap(IntEnum):
+    # nvidia-ml-py 13.615.71 defines NVML_P2P_CAPS_INDEX_READ as the tuple (0,); keep our own integers.
+    READ = 0
+    WRITE = 1
+    NVLINK = 2
+
+
+TOPOLOGY_LEVELS = {0: "INTERNAL", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+TOPOLOGY_CODES = {name: code for code, name in TOPOLOGY_LEVELS.items()}
+
+
+def _nvml_error(name: str) -> pynvml.NVMLError:
+    return pynvml.NVMLError(getattr(pynvml, f"NVML_ERROR_{name}"))
+
+
+@dataclass
+class _FakeHandle:
+    index: int
+    spec: dict[str, Any]
+
+
+class FakeNvml:
+    """The subset of ``pynvml`` that servebook calls, answered from a scenario."""
+
+    NVMLError = pynvml.NVMLError
+    nvmlMemory_v2 = pynvml.nvmlMemory_v2
+
+    def __init__(self, scenario: dict[str, Any]):
+        self.scenario = scenario
+        template = scenario.get("gpu", {})
+        count = scenario.get("count", 0)
+        overrides = scenario.get("overrides", {}) or {}
+        self.gpus = []
+        for i in range(count):
+            spec = {**template, **overrides.get(i, {})}
+            spec.setdefault("uuid", f"GPU-{i:08d}-fake-{scenario.get('name', 'scenario')}")
+            spec.setdefault("pci_bus_id", f"00000000:{0x18 + i * 0x10:02X}:00.0")
+            self.gpus.append(_FakeHandle(i, spec))
+        self.processes = {int(k): v for k, v in (scenario.get("processes") or {}).items()}
+
+    def nvmlInit(self) -> None:
+        if "init_error" in self.scenario:
+            raise _nvml_error(self.scenario["init_error"])
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.scenario["driver_version"]
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        return self.scenario["cuda_driver_version"]
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _FakeHandle:
+        return self.gpus[index]
+
+    def nvmlDeviceGetName(self, h: _FakeHandle) -> str:
+        return h.spec["name"]
+
+    def nvmlDeviceGetUUID(self, h: _FakeHandle) -> str:
+        return h.spec["uuid"]
+
+    def nvmlDeviceGetPciInfo_v3(self, h: _FakeHandle) -> SimpleNamespace:
+        return SimpleNamespace(busId=h.spec["pci_bus_id"])
+
+    def nvmlDeviceGetMemoryInfo(self, h: _FakeHandle, version: Any = None) -> SimpleNamespace:
+        total = int(h.spec["memory_total_mib"] * MiB)
+        reserved = int(h.spec.get("memory_reserved_mib", 500) * MiB)
+        used = int(h.spec.get("memory_used_mib", 1) * MiB)
+        used += sum(int(p.get("used_mib", 0) * MiB) for p in self.processes.get(h.index, []))
+        return SimpleNamespace(total=total, reserved=reserved, used=used, free=total - reserved - used)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: _FakeHandle) -> list[SimpleNamespace]:
+        return [
+            SimpleNamespace(pid=p["pid"], usedGpuMemory=int(p["used_mib"] * MiB))
+            for p in self.processes.get(h.index, [])
+            if not p.get("invisible")
+        ]
+
+    def nvmlSystemGetProcessName(self, pid: int) -> str:
+        for procs in self.processes.values():
+            for p in procs:
+                if p["pid"] == pid:
+                    return p["name"]
+        raise _nvml_error("NOT_FOUND")
+
+    def nvmlDeviceGetMigMode(self, h: _FakeHandle) -> list[int]:
+        if h.spec.get("mig") is None:
+            raise _nvml_error("NOT_SUPPORTED")
+        return [int(h.spec["mig"]), int(h.spec["mig"])]
+
+    def _pcie(self, h: _FakeHandle, key: str) -> int:
+        if key not in h.spec:
+            raise _nvml_error("NOT_SUPPORTED")
+        return h.spec[key]
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: _FakeHandle) -> int:
+        return self._pcie(h, "pcie_gen_current")
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h: _FakeHandle) -> int:
+        return self._pcie(h, "pcie_gen_max")
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: _FakeHandle) -> int:
+        return self._pcie(h, "pcie_width_current")
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h: _FakeHandle) -> int:
+        return self._pcie(h, "pcie_width_max")
+
+    def nvmlDeviceGetNvLinkState(self, h: _FakeHandle, link: int) -> int:
+        links = h.spec.get("nvlink_links", 0)
+        if not links:
+            raise _nvml_error("NOT_SUPPORTED")
+        if link >= links:
+            raise _nvml_error("INVALID_ARGUMENT")
+        return 1
+
+    def _group(self, index: int) -> int:
+        for n, group in enumerate(self.scenario.get("numa_groups", [list(range(len(self.gpus)))])):
+            if index in group:
+                return n
+        return -1
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a: _FakeHandle, b: _FakeHandle) -> int:
+        topo = self.scenario.get("topology", {})
+        same = self._group(a.index) == self._group(b.index)
+        return TOPOLOGY_CODES[topo.get("same_group" if same else "cross_group", "SYS")]
+
+    def nvmlDeviceGetP2PStatus(self, a: _FakeHandle, b: _FakeHandle, index: int) -> int:
+        p2p = self.scenario.get("p2p", {})
+        if index == P2PCap.NVLINK:
+            return 0 if a.spec.get("nvlink_links") and b.spec.get("nvlink_links") else 5
+        same = self._group(a.index) == self._group(b.index)
+        return 0 if p2p.get("same_group" if same else "cross_group", True) else 3
+
+
+def scenario_names() -> list[str]:
+    return sorted(p.stem for p in resources.files("servebook").joinpath("scenarios").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_scenario(name_or_path: str) -> dict[str, Any]:
+    path = Path(name_or_path)
+    if not path.is_file():
+        candidate = resources.files("servebook").joinpath("scenarios", f"{name_or_path}.yaml")
+        if not candidate.is_file():
+            raise FileNotFoundError(f"{FAKE_ENV}={name_or_path}: no such scenario; known: {', '.join(scenario_names())}")
+        return yaml.safe_load(candidate.read_text())
+    return yaml.safe_load(path.read_text())
+
+
+@contextlib.contextmanager
+def session(fake: str | None = None) -> Iterator[Any]:
+    """Yield an initialised NVML (real or fake); raise :class:`NvmlUnavailable` without a driver."""
+    fake = fake or os.environ.get(FAKE_ENV)
+    backend: Any = FakeNvml(load_scenario(fake)) if fake else pynvml
+    try:
+        backend.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise NvmlUnavailable(
+            f"NVML is not available ({exc}): no NVIDIA driver is loaded on this host, "
+            "or libnvidia-ml.so.1 is not on the library path"
+        ) from None
+    try:
+        yield backend
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            backend.nvmlShutdown()
+
+
+def optional(fn, *args, **kwargs):
+    """Call an NVML query that some GPUs or drivers do not support; None when unsupported."""
+    try:
+        return fn(*args, **kwargs)
+    except pynvml.NVMLError:
+        return None

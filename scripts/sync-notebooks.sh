@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# After editing a notebook's py:percent twin (or the .ipynb in JupyterLab): make the pair equal
+# again and strip outputs, so what is committed is reviewable and output-free.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+for nb in notebooks/[0-9][0-9]_*.ipynb; do
+  .venv/bin/jupytext --sync --quiet "$nb"
+done
+.venv/bin/nbstripout notebooks/[0-9][0-9]_*.ipynb

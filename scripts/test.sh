@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# README's test command: set up, then unit tests, integration tests against real vLLM
+# on the CPU, and every stage notebook executed by nbval with CI parameters.
+# Extra arguments go to pytest (e.g. -m "not integration" for the fast unit tests only).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+started=$(date +%s)
+
+nbval_port=8151
+cleanup() { .venv/bin/servebook stop --port "$nbval_port" >/dev/null 2>&1 || true; }
+trap cleanup EXIT
+
+# notebooks are committed without outputs
+.venv/bin/nbstripout --verify notebooks/*.ipynb
+
+rm -rf build/nbval
+.venv/bin/servebook prepare params/ci.yaml --out build/nbval --set port=$nbval_port \
+  --run-dir "$PWD/build/nbval/run" > /dev/null
+
+.venv/bin/python -m pytest tests build/nbval --nbval-lax --nbval-cell-timeout=900 -p no:cacheprovider \
+  --durations=15 -ra "$@"
+echo "tests: wall time $(( $(date +%s) - started )) s (after setup)"

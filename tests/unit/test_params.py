@@ -1,0 +1,87 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from servebook import params
+from servebook.errors import ParamsError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_every_shipped_params_file_is_valid():
+    files = sorted((REPO / "params").glob("*.yaml"))
+    assert {f.name for f in files} >= {"default.yaml", "ci.yaml", "minimax-m2.5-8gpu.yaml", "kimi-k2.5-8gpu.yaml"}
+    for f in files:
+        params.load(f)
+
+
+def test_unknown_key_suggests_the_closest_name(tmp_path):
+    with pytest.raises(ParamsError) as exc:
+        params.load(write(tmp_path, "modle: x\ntensor_paralel_size: 2\n"))
+    text = str(exc.value)
+    assert "unknown parameter 'modle': did you mean 'model'?" in text
+    assert "unknown parameter 'tensor_paralel_size': did you mean 'tensor_parallel_size'?" in text
+
+
+def test_every_problem_is_reported_at_once_by_name(tmp_path):
+    with pytest.raises(ParamsError) as exc:
+        params.load(write(tmp_path, "port: abc\ngpu_memory_utilization: 1.5\nkv_cache_dtype: fp4\n"))
+    problems = exc.value.problems
+    assert len(problems) == 3
+    assert any("'port'" in p and "valid integer" in p for p in problems)
+    assert any("'gpu_memory_utilization'" in p and "less than or equal to 1" in p for p in problems)
+    assert any("'kv_cache_dtype'" in p for p in problems)
+
+
+def test_impossible_combination_is_named(tmp_path):
+    with pytest.raises(ParamsError, match="gpu_ids lists 2 GPUs but .* = 8"):
+        params.load(write(tmp_path, "tensor_parallel_size: 8\ngpu_ids: [0, 1]\n"))
+
+
+def test_secrets_are_refused_in_params(tmp_path):
+    with pytest.raises(ParamsError, match="extra_env.HF_TOKEN looks like a secret"):
+        params.load(write(tmp_path, "extra_env: {HF_TOKEN: hf_abcdefgh}\n"))
+    with pytest.raises(ParamsError, match="--api-key"):
+        params.load(write(tmp_path, "extra_args: ['--api-key', 'sk-123']\n"))
+
+
+def test_overrides_are_typed_and_validated(tmp_path):
+    f = write(tmp_path, "port: 8000\n")
+    p = params.load(f, ["port=8001", "enforce_eager=true", "extra_args=['--enable-prefix-caching']"])
+    assert p.port == 8001 and p.enforce_eager is True and p.extra_args == ["--enable-prefix-caching"]
+    with pytest.raises(ParamsError, match="did you mean 'port'"):
+        params.load(f, ["prot=1"])
+    with pytest.raises(ParamsError, match="not KEY=VALUE"):
+        params.load(f, ["port"])
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    with pytest.raises(ParamsError, match="no such params file"):
+        params.load(tmp_path / "nope.yaml")
+    with pytest.raises(ParamsError, match="must be a mapping"):
+        params.load(write(tmp_path, "- a\n- b\n"))
+
+
+def test_cli_rejects_a_misspelled_key_without_creating_a_run_folder(tmp_path):
+    f = write(tmp_path, "run_name: typo\nmodle: x\n")
+    outputs = tmp_path / "outputs"
+    proc = subprocess.run([sys.executable, "-m", "servebook.cli", "run", str(f)], capture_output=True, text=True,
+                          env={**__import__("os").environ, "SERVEBOOK_OUTPUTS": str(outputs)}, timeout=60)
+    assert proc.returncode == 2
+    assert "unknown parameter 'modle': did you mean 'model'?" in proc.stderr
+    assert not outputs.exists()
+
+
+def test_notebook_namespace_is_validated():
+    p = params.from_namespace({"port": 9000, "run_dir": "x", "unrelated": 1})
+    assert p.port == 9000
+    with pytest.raises(ParamsError, match="'port'"):
+        params.from_namespace({"port": 80})

@@ -1,0 +1,126 @@
+"""Server pieces that need no running vLLM: command, environment, log reading, root causes."""
+
+import pytest
+
+from servebook import server, vllm_compat
+from servebook.errors import PreflightError
+
+CPU_LOG = """\
+(APIServer pid=4061) INFO 11-30 12:53:46 [api_utils.py:347]  ▄▄ ▄█ █     █     █ ▀▄▀ █  version 0.32.0
+(Worker pid=3060) INFO 11-30 12:49:00 [cpu_model_runner.py:68] Starting to load model /m/tiny...
+(Worker pid=3060) INFO 11-30 12:49:01 [weight_utils.py:842] Loading safetensors checkpoint shards:   0% Completed | 0/1 [00:00<?, ?it/s]
+(Worker pid=3060) INFO 11-30 12:49:01 [weight_utils.py:842] Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00, 60.1it/s]
+(Worker pid=3060) INFO 11-30 12:49:01 [default_loader.py:507] Loading weights took 0.02 seconds
+(EngineCore pid=3048) INFO 11-30 12:49:01 [kv_cache_utils.py:2327] CPU KV cache size: 2,097,152 tokens, Maximum concurrency for 2,048 tokens per request: 1024.00x
+(EngineCore pid=3048) INFO 11-30 12:49:06 [core.py:400] init engine (profile, create kv cache, warmup model) took 5.06 seconds
+(APIServer pid=3030) INFO:     Application startup complete.
+"""
+GPU_LOG = """\
+(Worker_TP0 pid=11) INFO [gpu_model_runner.py:5089] Model loading took 68.41 GiB memory and 2160.5 seconds
+(Worker_TP0 pid=11) INFO [gpu_worker.py:773] Available KV cache memory: 12.50 GiB
+(EngineCore pid=9) INFO [kv_cache_utils.py:1147] GPU KV cache size: 187,264 tokens, Maximum concurrency for 65,536 tokens per request: 2.86x
+(Worker_TP0 pid=11) INFO [gpu_model_runner.py:6517] Graph capturing finished in 41 secs, took 1.25 GiB
+"""
+
+
+def test_load_progress_reads_every_phase():
+    progress = server.LoadProgress()
+    said = [progress.feed(line, i) for i, line in enumerate((CPU_LOG + GPU_LOG).splitlines())]
+    v = progress.values
+    assert v["vllm_version"] == "0.32.0" and v["shards_percent"] == 100 and v["weights_load_s"] == 0.02
+    assert v["kv_cache_tokens"] == 187_264 and v["kv_cache_device"] == "GPU"  # the later GPU line wins
+    assert v["max_concurrency"] == 2.86 and v["max_concurrency_context"] == 65_536
+    assert v["model_memory_gib"] == 68.41 and v["model_load_s"] == 2160.5 and v["kv_cache_memory_gib"] == 12.5
+    assert v["graph_capture_s"] == 41 and v["graph_memory_gib"] == 1.25 and v["engine_init_s"] == 5.06
+    assert "checkpoint shards 100% (1/1)" in said
+    assert progress.seen["shards"] == 3 and progress.seen["api_up"] == 7
+
+
+@pytest.mark.parametrize("log, expected", [
+    ("usage: vllm serve ...\nvllm serve: error: unrecognized arguments: --enable-pcie-oneshot-allreduce\n",
+     "bad command-line flag: unrecognized arguments: --enable-pcie-oneshot-allreduce"),
+    ("(EngineCore pid=3) ValueError: The output_size of gate's and up's weight = 192 is not divisible by weight quantization block_n = 128.\n"
+     "(EngineCore pid=3) RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n",
+     "FP8 block alignment"),
+    ("(Worker_TP3 pid=9) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n", "out of GPU memory"),
+    ("(APIServer pid=1) OSError: [Errno 98] Address already in use\n", "port already in use"),
+    ("(EngineCore pid=3) KeyError: 'experts'\nRuntimeError: Engine core initialization failed. See root cause above.\n",
+     "exception while starting: KeyError: 'experts'"),
+    ("\x1b[31m(APIServer pid=1) ValueError: User-specified max_model_len (100000) is greater than the derived max_model_len\x1b[0m\n",
+     "exception while starting: ValueError: User-specified max_model_len"),
+])
+def test_root_cause_names_the_failure(log, expected):
+    assert expected in server.root_cause(log)
+
+
+def test_warnings_are_not_root_causes():
+    log = "(APIServer pid=1) WARNING Found ulimit ... This can cause fd limit errors like `OSError: [Errno 24] Too many open files`.\n"
+    assert server.root_cause(log).startswith("the server exited without a recognised error")
+
+
+def cfg(**kw):
+    base = dict(model="m", model_path="/models/m", served_model_name="m", device="cuda")
+    base.update(kw)
+    return server.ServerConfig(**base)
+
+
+def test_serve_args_follow_the_layout():
+    args = cfg(tensor_parallel_size=8, enable_expert_parallel=True, kv_cache_dtype="fp8", max_num_seqs=64,
+               extra_args=["--enable-prefix-caching"]).serve_args()
+    assert args[:4] == ["--served-model-name", "m", "--host", "127.0.0.1"]
+    for flag in (["--tensor-parallel-size", "8"], ["--kv-cache-dtype", "fp8"], ["--max-num-seqs", "64"]):
+        i = args.index(flag[0])
+        assert args[i:i + 2] == flag
+    assert "--enable-expert-parallel" in args and args[-1] == "--enable-prefix-caching"
+    assert "--pipeline-parallel-size" not in args
+    cpu = cfg(device="cpu").serve_args()
+    assert "--gpu-memory-utilization" not in cpu
+
+
+def test_environment_keeps_the_api_key_off_the_command_line(monkeypatch):
+    monkeypatch.setenv("MY_KEY", "sk-secret-123456")
+    c = cfg(api_key_env="MY_KEY", gpu_ids=[4, 5], extra_env={"NCCL_DEBUG": "WARN"}, load_timeout_s=4200)
+    env = c.environment()
+    assert env["VLLM_API_KEY"] == "sk-secret-123456"
+    assert all("sk-secret" not in a for a in c.command())
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and env["NCCL_DEBUG"] == "WARN"
+    assert env["VLLM_ENGINE_READY_TIMEOUT_S"] == "4200"
+    recorded = server._server_env_record(c, env)
+    assert recorded["VLLM_API_KEY"] == "***"
+
+
+def test_missing_api_key_variable_is_a_preflight_error(monkeypatch):
+    monkeypatch.delenv("NOPE_KEY", raising=False)
+    with pytest.raises(PreflightError, match="NOPE_KEY, which is not set"):
+        cfg(api_key_env="NOPE_KEY").environment()
+
+
+def test_load_budget_grows_with_checkpoint_size(monkeypatch):
+    monkeypatch.setattr(server.ServerConfig, "checkpoint_gb", lambda self: 547.0)
+    assert cfg().load_budget_s() == pytest.approx(server.BASE_BUDGET_S + 547 * server.SECONDS_PER_GB)
+    assert cfg().load_budget_s() > 36 * 60  # the story's load fits
+    assert cfg(load_timeout_s=60).load_budget_s() == 60
+
+
+def test_fingerprint_ignores_only_the_budget():
+    assert cfg().fingerprint() == cfg(load_timeout_s=99).fingerprint()
+    assert cfg().fingerprint() != cfg(max_model_len=8192).fingerprint()
+
+
+def test_unknown_flags_against_a_cached_option_list():
+    options = ["--max-model-len", "--enforce-eager", "--enable-prefix-caching", "--tensor-parallel-size", "-tp"]
+    assert vllm_compat.unknown_flags(["--max-model-len", "4", "--enable-pcie-oneshot-allreduce"], options) == ["--enable-pcie-oneshot-allreduce"]
+    assert vllm_compat.unknown_flags(["--max_model_len=4", "--no-enable-prefix-caching", "--enforce", "-tp", "2",
+                                      "--compilation-config.mode=none"], options) == []
+    assert vllm_compat.unknown_flags(["--en"], options) == ["--en"]  # ambiguous prefix
+
+
+def test_removed_vllm_variables_get_a_hint():
+    problems = vllm_compat.unknown_vllm_env(["VLLM_USE_V1", "VLLM_ALL2ALL_BACKEND", "VLLM_LOGGING_LEVEL", "NCCL_DEBUG"],
+                                            ["VLLM_LOGGING_LEVEL"])
+    assert len(problems) == 2
+    assert "only the V1 engine" in problems[0] and "--all2all-backend" in problems[1]
+
+
+def test_health_of_nothing_listening_is_loading():
+    assert server.health("http://127.0.0.1:9") == "loading"
