@@ -75,7 +75,7 @@ launched = launch_stage.run(p, run_dir or "")
 
 # %%
 state = "reused (already running with the same configuration)" if launched["reused"] else f"ready in {launched['seconds_to_ready']:.1f} s"
-display(Markdown(f"**{launched['url']}** serving `{launched['served_model_name']}` — {state}; "
+display(Markdown(f"`{launched['url']}` serving `{launched['served_model_name']}` — {state}; "
                  f"pid {launched['pid']}, process group {launched['pgid']}; log `{launched['log_path']}`"))
 print(launched["command_line"])
 display({k: v for k, v in launched["environment"].items() if k.startswith(("VLLM_", "CUDA_", "NCCL_"))})
@@ -97,3 +97,13 @@ if "per_gpu" in mem:
         print(f"GPU {g['gpu']}: {g['used_bytes'] / 2**30:.1f} of {g['total_bytes'] / 2**30:.1f} GiB in use")
 else:
     print(f"server processes resident memory: {mem['rss_total_bytes'] / 2**30:.2f} GiB in {len(mem['processes'])} processes")
+
+# %% [markdown]
+# ## The plan, checked against vLLM
+# When the plan stage ran, its prediction for this layout is set beside what vLLM logged.
+
+# %%
+if launched["plan_check"]:
+    display(launched["plan_check"])
+else:
+    print("the plan stage did not run in this run")

@@ -3,7 +3,8 @@
 # again and strip outputs, so what is committed is reviewable and output-free.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for nb in notebooks/[0-9][0-9]_*.ipynb; do
-  .venv/bin/jupytext --sync --quiet "$nb"
+for src in notebooks/[0-9][0-9]_*.py; do
+  nb="${src%.py}.ipynb"
+  if [ -f "$nb" ]; then .venv/bin/jupytext --sync --quiet "$nb"; else .venv/bin/jupytext --quiet --to ipynb "$src"; fi
 done
 .venv/bin/nbstripout notebooks/[0-9][0-9]_*.ipynb

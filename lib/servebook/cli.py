@@ -146,6 +146,92 @@ def launch(
 
 
 @app.command()
+def plan(
+    model: str = typer.Argument(..., help="checkpoint folder, config.json, hub repo id, or builtin:tiny-qwen3-moe"),
+    gpus_: int = typer.Option(8, "--gpus", help="number of GPUs"),
+    gpu: str = typer.Option("H200", help="GPU model: " + ", ".join(["H200", "H100-SXM", "H100-PCIe", "B200", "A100-80GB",
+                                                                    "L40S", "RTX-PRO-6000"])),
+    max_model_len: int = typer.Option(4096, help="context length each request may reach"),
+    gpu_memory_utilization: float = typer.Option(0.92, help="share of GPU memory vLLM may use"),
+    kv_cache_dtype: str = typer.Option("auto", help="auto or fp8"),
+    batch: int = typer.Option(64, help="concurrent sequences for the throughput ranking"),
+    as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON"),
+) -> None:
+    """Which TP/PP/DP/EP layouts vLLM accepts for a model on N GPUs, memory per GPU, KV tokens, a recommendation."""
+    from servebook import gpus as gpu_table, modelspec, planner
+
+    try:
+        spec = modelspec.load(model)
+        g = gpu_table.lookup(gpu)
+        device = planner.Device(g.name, gpus_, g.memory_bytes, g.bandwidth_bytes_s,
+                                collective_latency_s=30e-6 if "NVLink" in g.interconnect else 45e-6, source=g.source)
+        result = planner.plan(spec, device, max_model_len, gpu_memory_utilization, kv_cache_dtype, batch=batch)
+    except KeyError as exc:
+        typer.echo(f"servebook: {exc.args[0]}", err=True)
+        raise typer.Exit(2)
+    except (ServebookError, ValueError) as exc:
+        typer.echo(f"servebook: {exc}", err=True)
+        raise typer.Exit(2)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, default=str))
+        return
+    from servebook import plan_stage
+
+    typer.echo(f"{spec.architecture} on {gpus_} x {g.name}; weights {result['weights_total_bytes'] / 1e9:,.1f} GB")
+    typer.echo(plan_stage.table(result).drop(columns=["why not"]).to_string(index=False))
+    for l in result["layouts"]:
+        if l["reasons"]:
+            typer.echo(f"{l['name']}: {l['reasons'][0]}")
+    typer.echo(f"recommended: {result['why']}")
+    if result["recommended"]:
+        typer.echo("  " + " ".join(result["recommended"]["flags"]))
+
+
+@app.command()
+def bench(
+    params_file: Path = typer.Argument(..., help="params YAML (server and bench_* parameters)"),
+    set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE"),
+) -> None:
+    """Launch (or reuse) the server, sweep concurrency to saturation, write tables to a new run folder."""
+    from servebook import bench_stage, launch_stage, params, runner
+
+    try:
+        p = params.load(params_file, set_)
+        run_dir = runner.new_run_dir(f"{p.run_name}-bench")
+        launched = launch_stage.run(p, run_dir)
+        try:
+            data = bench_stage.run(p, run_dir)
+        finally:
+            if launched["started_by_this_run"] and not p.keep_server:
+                runner.stop_started_server(run_dir, typer.echo)
+        typer.echo(f"stopped: {data['stop_reason']}")
+        if data["best"]:
+            typer.echo(f"best {data['best']['output_throughput']:.0f} output tok/s at concurrency "
+                       f"{data['best']['concurrency']}, plateau from {data['plateau_concurrency']}")
+        bench_stage.raise_on_fault(data)
+    except ServebookError as exc:
+        _fail(exc)
+    typer.echo(str(run_dir))
+
+
+@app.command()
+def compare(
+    run_dirs: List[Path] = typer.Argument(..., help="two or more run folders with 05_benchmark_levels.parquet"),
+    html: Optional[Path] = typer.Option(None, help="also write the figure to this HTML file"),
+) -> None:
+    """Compare benchmark runs on shared axes and report where one overtakes another."""
+    from servebook import plots
+
+    fig, crossings = plots.compare(run_dirs)
+    for c in crossings:
+        where = f"crosses over at concurrency {c['crossover_concurrency']}" if c["crossover_concurrency"] else "never cross"
+        typer.echo(f"{c['a']} vs {c['b']}: {where}")
+    if html:
+        fig.write_html(html, include_plotlyjs=True)
+        typer.echo(str(html))
+
+
+@app.command()
 def status(as_json: bool = typer.Option(False, "--json")) -> None:
     """List servers servebook launched, their health, and orphaned vLLM processes."""
     from servebook import server
@@ -163,13 +249,14 @@ def status(as_json: bool = typer.Option(False, "--json")) -> None:
 @app.command()
 def stop(
     port: Optional[int] = typer.Option(None, help="stop the server on this port (default: every servebook server)"),
-    orphans: bool = typer.Option(True, help="also stop orphaned VLLM:: processes left by earlier crashes"),
+    orphans: Optional[bool] = typer.Option(None, help="also stop orphaned VLLM:: processes left by earlier crashes "
+                                           "(default: yes without --port, no with it)"),
 ) -> None:
     """Stop servers (SIGTERM, grace, SIGKILL on the whole group) and verify nothing is left."""
     from servebook import server
 
     try:
-        outcome = server.stop(port=port, orphans=orphans)
+        outcome = server.stop(port=port, orphans=port is None if orphans is None else orphans)
     except ServebookError as exc:
         _fail(exc)
     typer.echo(outcome["summary"])

@@ -20,9 +20,30 @@ def device_for(params: Params, run_dir: Path) -> str:
 
 
 def planned_layout(run_dir: Path) -> dict[str, Any] | None:
-    """The layout the plan stage recommended, when it ran in this run."""
+    """The layout the plan stage handed over (only when layout_from_plan was set)."""
     plan = results.read(run_dir, "plan")
-    return (plan or {}).get("recommended", {}).get("launch") if plan else None
+    return ((plan or {}).get("recommended") or {}).get("launch")
+
+
+def plan_check(run_dir: Path, reported: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any] | None:
+    """The plan's predictions for the layout that launched, beside what vLLM reported."""
+    plan = results.read(run_dir, "plan")
+    if not plan:
+        return None
+    match = next((l for l in plan["layouts"] if (l["tp"], l["pp"], l["dp"], l["ep"]) == (
+        layout["tensor_parallel_size"], layout["pipeline_parallel_size"], layout["data_parallel_size"],
+        layout["enable_expert_parallel"])), None)
+    if not match:
+        return None
+    out = {"layout": match["name"], "predicted_kv_tokens": match["max_kv_tokens"],
+           "reported_kv_tokens": reported.get("kv_cache_tokens"),
+           "predicted_weight_gib": match["weight_bytes_per_gpu"] / 2**30,
+           "reported_weight_gib": reported.get("model_memory_gib")}
+    if out["reported_kv_tokens"]:
+        out["kv_tokens_error_pct"] = 100 * (out["predicted_kv_tokens"] - out["reported_kv_tokens"]) / out["reported_kv_tokens"]
+    if out["reported_weight_gib"]:
+        out["weight_error_pct"] = 100 * (out["predicted_weight_gib"] - out["reported_weight_gib"]) / out["reported_weight_gib"]
+    return out
 
 
 def memory_after_load(launch: server.Launch) -> dict[str, Any]:
@@ -52,6 +73,9 @@ def run(params: Params, run_dir: str | Path) -> dict[str, Any]:
     data = launch.results()
     data["layout_source"] = "plan" if layout else "params"
     data["memory_after_load"] = memory_after_load(launch)
+    data["plan_check"] = plan_check(run_dir, data["vllm_reported"], {
+        "tensor_parallel_size": cfg.tensor_parallel_size, "pipeline_parallel_size": cfg.pipeline_parallel_size,
+        "data_parallel_size": cfg.data_parallel_size, "enable_expert_parallel": cfg.enable_expert_parallel})
     results.write(run_dir, "launch", data)
     return data
 

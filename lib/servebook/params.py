@@ -61,8 +61,31 @@ class Params(BaseModel):
     stop_leftovers: bool = Field(False, description="stop leftover vLLM processes holding our GPUs or port")
     require_ready: bool = Field(True, description="stop the pipeline at reconnaissance when the verdict is not ready")
 
+    # plan
+    plan_gpu: str = Field("", description="GPU model to plan for (H200, RTX-PRO-6000...); empty means what NVML found")
+    plan_gpu_count: int = Field(0, ge=0, le=64, description="GPUs to plan for; 0 means all GPUs reconnaissance found")
+    plan_rank_by: Literal["throughput", "latency", "concurrency"] = Field(
+        "throughput", description="throughput, latency (one stream) or concurrency (KV capacity)")
+    plan_batch: int = Field(64, ge=1, description="concurrent sequences the throughput ranking assumes")
+    plan_reserve_gib: float = Field(0.0, ge=0, description="activation and CUDA-graph reserve per GPU; 0 means max(3 GiB, 2%)")
+    layout_from_plan: bool = Field(False, description="launch with the plan's recommended layout instead of the params' layout")
+
     # smoke test
     smoke_max_tokens: int = Field(32, ge=2, le=4096)
+
+    # benchmark
+    bench_input_len: int = Field(128, ge=1, description="prompt tokens per request")
+    bench_output_len: int = Field(128, ge=2, description="output tokens per request (ignore_eos)")
+    bench_endpoint: Literal["completions", "chat"] = Field("completions", description="completions or chat")
+    bench_shared_prefix_len: int = Field(0, ge=0, description="tokens every prompt shares; 0 means all unique")
+    bench_max_concurrency: int = Field(256, ge=1, le=16384)
+    bench_repeats: int = Field(2, ge=1, le=10)
+    bench_prompts_per_level: int = Field(64, ge=4, description="measured requests per repeat (at least 4x concurrency)")
+    bench_plateau_gain: float = Field(0.05, gt=0, lt=1, description="stop when two doublings gain less than this")
+    bench_ttft_slo_ms: float = Field(0.0, ge=0, description="TTFT objective; 0 means none")
+    bench_tpot_slo_ms: float = Field(0.0, ge=0, description="TPOT objective; 0 means none")
+    bench_e2el_slo_ms: float = Field(0.0, ge=0, description="end-to-end latency objective; 0 means none")
+    bench_request_timeout_s: float = Field(600.0, gt=0)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Params":
@@ -78,6 +101,16 @@ class Params(BaseModel):
                     f"extra_env.{key} looks like a secret; secrets come from the environment only "
                     f"(set api_key_env to the variable's name, or export it before running)"
                 )
+        if self.bench_shared_prefix_len >= self.bench_input_len:
+            raise ValueError(
+                f"bench_shared_prefix_len ({self.bench_shared_prefix_len}) must be shorter than bench_input_len "
+                f"({self.bench_input_len})"
+            )
+        if self.bench_input_len + self.bench_output_len > self.max_model_len:
+            raise ValueError(
+                f"bench_input_len + bench_output_len = {self.bench_input_len + self.bench_output_len} exceeds "
+                f"max_model_len {self.max_model_len}; shorten the requests or raise max_model_len"
+            )
         for flag in self.extra_args:
             if re.search(r"--api-key\b", flag):
                 raise ValueError("extra_args must not carry --api-key; set api_key_env to the variable that holds it")

@@ -75,8 +75,9 @@ def build(run_dir: str | Path, manifest: dict[str, Any], out_name: str = "report
         cell["id"] = f"cell-{i}"
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(merged)
-    plotly_js = f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>'
-    body = body.replace("</head>", plotly_js + "\n</head>", 1)
+    if "Plotly.newPlot" in body:  # embed plotly.js once, and only when a figure needs it
+        plotly_js = f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>'
+        body = body.replace("</head>", plotly_js + "\n</head>", 1)
     target = run_dir / out_name
     target.write_text(mask(body))
     return target

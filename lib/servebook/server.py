@@ -620,8 +620,9 @@ def _wait_ready(proc: subprocess.Popen, cfg: ServerConfig, log_path: Path, budge
 
 # ---------------------------------------------------------------- stop and status
 
-def stop(port: int | None = None, host: str = "127.0.0.1", orphans: bool = True, grace_s: float = STOP_GRACE_S) -> dict[str, Any]:
-    """Stop the registered server on a port (or every registered one), then orphaned vLLM processes; verify."""
+def stop(port: int | None = None, host: str = "127.0.0.1", orphans: bool = False, grace_s: float = STOP_GRACE_S) -> dict[str, Any]:
+    """Stop the registered server on a port (or every registered one), and with ``orphans`` also every
+    orphaned ``VLLM::`` process on the host; then verify nothing of theirs is left."""
     records = [r for r in ([registered(port)] if port is not None else all_registered()) if r]
     outcome: dict[str, Any] = {"servers": [], "orphans": None, "remaining": []}
     for rec in records:
@@ -636,8 +637,8 @@ def stop(port: int | None = None, host: str = "127.0.0.1", orphans: bool = True,
         if found:
             outcome["orphans"] = terminate(None, extra=found, grace_s=grace_s)
             outcome["remaining"] += outcome["orphans"]["remaining"]
-    survivors = vllm_orphans()
-    outcome["remaining"] += [describe(p) for p in survivors if describe(p) not in outcome["remaining"]]
+    if orphans:
+        outcome["remaining"] += [describe(p) for p in vllm_orphans() if describe(p) not in outcome["remaining"]]
     gpu_left = _gpu_leftovers(records)
     outcome["gpu_holders"] = gpu_left
     stopped = sum(len(s["signalled"]) for s in outcome["servers"]) + (len(outcome["orphans"]["signalled"]) if outcome["orphans"] else 0)

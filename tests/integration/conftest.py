@@ -14,7 +14,7 @@ SHARED_PORT = 8131
 
 def config(port: int, **kw) -> server.ServerConfig:
     values = dict(model="builtin:tiny-qwen3-moe", served_model_name="", port=port, max_model_len=1024,
-                  enforce_eager=True, cpu_kv_cache_gib=1)
+                  enforce_eager=True, cpu_kv_cache_gib=1, extra_env={"VLLM_SERVER_DEV_MODE": "1"})
     values.update(kw)
     return server.ServerConfig.from_params(values, "cpu")
 

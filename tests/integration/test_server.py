@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from servebook import client, server
+from servebook import client, modelspec, planner, server
 from servebook.errors import LaunchError, PreflightError
 
 from .conftest import SHARED_PORT, config, ours_left, vllm_titles
@@ -26,6 +26,11 @@ def test_good_launch_is_ready_and_passes_the_smoke_test(shared_server):
     assert v["kv_cache_tokens"] == 2**30 // (2 * 2 * 2 * 32 * 2)
     assert v["max_concurrency_context"] == 1024
     assert {"loading_model", "kv_cache", "ready"} <= set(shared_server.phases)
+    # the planner predicts what vLLM itself computed
+    spec = modelspec.load(shared_server.config.model_path)
+    cpu = planner.Device("CPU", 1, 0, 0.0, kind="cpu", cpu_kv_bytes=2**30)
+    plan = {l["name"]: l for l in planner.plan(spec, cpu, max_model_len=1024)["layouts"]}
+    assert plan["TP=1"]["max_kv_tokens"] == v["kv_cache_tokens"]
     result = client.smoke_test(shared_server.url, "tiny-qwen3-moe", max_tokens=16)
     assert result["passed"], result["checks"]
     assert result["stream"]["completion_tokens"] == 16 and result["stream"]["ttft_s"] > 0
@@ -102,14 +107,14 @@ def test_sigkilled_api_server_leaves_orphans_that_stop_finds(tmp_path):
     assert survivors, "the engine core outlives a SIGKILLed API server (vllm#55510)"
     assert any(server._title(p).startswith("VLLM::") for p in survivors)
 
-    # A launcher that lost its registry still sees them by title and refuses to start beside them.
-    record = server.registered(8135)
+    # The next launch's preflight sees them by title, even with the registry lost, and refuses to start beside them.
     server._unregister(8135)
     with pytest.raises(PreflightError, match="orphaned vLLM processes"):
         server.preflight(config(8135), log=print)
-    server._register(record)
 
-    outcome = server.stop(port=8135)
-    assert outcome["remaining"] == [] and ours_left(launched.pgid) == []
-    assert server.vllm_orphans() == []
-    assert server.registered(8135) is None
+    # `servebook stop` finds them by title and stops them; nothing is left.
+    proc = subprocess.run([sys.executable, "-m", "servebook.cli", "stop", "--port", "8135", "--orphans"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing left" in proc.stdout
+    assert ours_left(launched.pgid) == [] and server.vllm_orphans() == []

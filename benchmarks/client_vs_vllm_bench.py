@@ -1,0 +1,132 @@
+"""servebook's load generator against vLLM's own serving benchmark, on one server and one workload.
+
+    .venv/bin/python benchmarks/client_vs_vllm_bench.py [--rounds 3] [--port 8162]
+
+Starts the embedded server once (or reuses it), then alternates the two clients on the
+same workload (random 128 in / 128 out, 256 prompts, concurrency 16, ignore_eos), each in
+its own process so its CPU time can be read. Prints, for both: output tok/s, median TTFT,
+median TPOT and client CPU seconds per 1,000 output tokens. Then runs servebook's client
+alone at 512 concurrent streams and prints its errors and CPU share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from servebook import server
+
+SERVEBOOK_CLIENT = r"""
+import json, sys
+from servebook import loadgen, metrics
+url, model, path, n, c, inp, out = sys.argv[1:8]
+n, c, inp, out = int(n), int(c), int(inp), int(out)
+maker = loadgen.PromptMaker(loadgen.load_tokenizer(path), seed=int(sys.argv[8]))
+prompts = maker.prompts(n + c, inp)
+import resource, time
+cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+recs, _, _ = loadgen.run_level(url, model, loadgen.Workload(inp, out), prompts, c, warmup=c)
+cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+s = metrics.summarize(recs)
+s["client_cpu_s"] = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+print("RESULT " + json.dumps({k: v for k, v in s.items() if not isinstance(v, dict)} | {"errors": s["errors"]}))
+"""
+
+VLLM_CLIENT = r"""
+import json, resource, sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.benchmarks.serve import add_cli_args, main
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+args = parser.parse_args(sys.argv[1:])
+import time
+cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+result = main(args)
+cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+result["client_cpu_s"] = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+print("RESULT " + json.dumps({k: result.get(k) for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms",
+      "total_output_tokens", "completed", "client_cpu_s")}))
+"""
+
+
+def parse(out: str) -> dict:
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(out[-3000:])
+
+
+def run_servebook(url, model, path, n, c, inp, out, seed) -> dict:
+    proc = subprocess.run([sys.executable, "-c", SERVEBOOK_CLIENT, url, model, path, str(n), str(c), str(inp), str(out), str(seed)],
+                          capture_output=True, text=True, timeout=3600)
+    r = parse(proc.stdout + proc.stderr)
+    return {"output_tok_s": r["output_throughput"], "ttft_ms": 1000 * r["ttft_p50"], "tpot_ms": 1000 * r["tpot_p50"],
+            "cpu_s": r["client_cpu_s"], "tokens": r["output_tokens"], "failed": r["failed"], "errors": r["errors"],
+            "duration_s": r["duration_s"]}
+
+
+def run_vllm(url, model, path, n, c, inp, out, seed) -> dict:
+    host, port = url.removeprefix("http://").split(":")
+    args = ["--backend", "vllm", "--host", host, "--port", port, "--model", model, "--tokenizer", path,
+            "--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len", str(out),
+            "--num-prompts", str(n), "--max-concurrency", str(c), "--ignore-eos", "--seed", str(seed),
+            "--num-warmups", str(c), "--disable-tqdm"]
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", VLLM_CLIENT, *args], capture_output=True, text=True, timeout=3600)
+    r = parse(proc.stdout + proc.stderr)
+    return {"output_tok_s": r["output_throughput"], "ttft_ms": r["median_ttft_ms"], "tpot_ms": r["median_tpot_ms"],
+            "cpu_s": r["client_cpu_s"], "tokens": r["total_output_tokens"], "failed": n - r["completed"], "errors": {}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--port", type=int, default=8162)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--stress-concurrency", type=int, default=512)
+    args = ap.parse_args()
+    cfg = server.ServerConfig.from_params(dict(model="builtin:tiny-qwen3-moe", served_model_name="", port=args.port,
+                                               max_model_len=2048, enforce_eager=True, cpu_kv_cache_gib=1), "cpu")
+    launched = server.launch(cfg, Path(tempfile.mkdtemp(prefix="servebook-cmp-")), log=lambda _: None)
+    url, model, path = launched.url, cfg.served_model_name, cfg.model_path
+    results = {"servebook": [], "vllm bench serve": []}
+    try:
+        for rnd in range(args.rounds):
+            for name, fn in (("vllm bench serve", run_vllm), ("servebook", run_servebook)):
+                r = fn(url, model, path, args.prompts, args.concurrency, 128, 128, 1000 + rnd)
+                results[name].append(r)
+                print(f"round {rnd + 1} {name:17} {r['output_tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_ms']:6.1f} ms  "
+                      f"TPOT p50 {r['tpot_ms']:5.1f} ms  client CPU {r['cpu_s']:5.1f} s", flush=True)
+        stress_n = max(args.prompts, 2 * args.stress_concurrency)
+        t0 = time.monotonic()
+        stress = run_servebook(url, model, path, stress_n, args.stress_concurrency, 128, 128, 99)
+        wall = time.monotonic() - t0
+    finally:
+        server.stop(port=args.port)
+    print(f"\nrandom 128 in / 128 out, {args.prompts} prompts, concurrency {args.concurrency}, ignore_eos; "
+          f"median of {args.rounds} alternating rounds")
+    print(f"{'client':17} {'output tok/s':>12} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'CPU s/1k tok':>13}")
+    med = {}
+    for name, rs in results.items():
+        m = {k: statistics.median(r[k] for r in rs) for k in ("output_tok_s", "ttft_ms", "tpot_ms")}
+        m["cpu_per_1k"] = statistics.median(1000 * r["cpu_s"] / r["tokens"] for r in rs)
+        med[name] = m
+        print(f"{name:17} {m['output_tok_s']:12.1f} {m['ttft_ms']:12.1f} {m['tpot_ms']:12.2f} {m['cpu_per_1k']:13.3f}")
+    a, b = med["servebook"], med["vllm bench serve"]
+    for k in ("output_tok_s", "ttft_ms", "tpot_ms"):
+        print(f"difference in {k}: {100 * (a[k] - b[k]) / b[k]:+.1f}%")
+    print(f"\nservebook client alone at {args.stress_concurrency} streams: {stress_n} requests, {stress['failed']} failed "
+          f"{stress['errors'] or ''}, {stress['output_tok_s']:.0f} output tok/s, client CPU {stress['cpu_s']:.1f} s "
+          f"over {stress['duration_s']:.1f} s measured ({100 * stress['cpu_s'] / stress['duration_s']:.0f}% of one core; "
+          f"{wall:.0f} s wall including prompt building)")
+
+
+if __name__ == "__main__":
+    main()

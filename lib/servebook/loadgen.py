@@ -1,0 +1,240 @@
+"""An asynchronous, streaming load generator for vLLM's OpenAI-compatible endpoints.
+
+One process, one event loop, one aiohttp session whose connection pool never
+throttles the requested concurrency and whose read buffer holds long chunks
+(aiohttp's 64 KB default collapsed ``vllm bench serve`` ten-fold at long context,
+vllm#39963).  Every request records its own timeline; :mod:`servebook.metrics`
+turns timelines into numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+
+READ_BUFFER = 16 * 1024 * 1024
+Endpoint = Literal["completions", "chat"]
+
+
+@dataclass
+class Workload:
+    input_len: int = 128
+    output_len: int = 128
+    endpoint: Endpoint = "completions"
+    shared_prefix_len: int = 0  # tokens every prompt starts with (0: every prompt unique from its first token)
+    seed: int = 0
+
+
+@dataclass
+class RequestRecord:
+    """One request's timeline. Times are seconds on the client's monotonic clock."""
+
+    index: int
+    level: str
+    warmup: bool
+    arrival: float  # when the request was ready to go
+    send: float = 0.0  # when it left (after waiting for a concurrency slot)
+    first_chunk: float | None = None  # first content chunk
+    end: float | None = None  # last content chunk
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int | None = None  # from the server's usage
+    completion_tokens: int | None = None
+    expected_input: int = 0
+    expected_output: int = 0
+    error: str = ""  # empty on success; otherwise its kind and message
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+class PromptMaker:
+    """Prompts of exactly the requested length in the served model's tokens, each unique.
+
+    Token ids are drawn at random from the vocabulary, decoded, and the text is
+    re-tokenized and trimmed until its length is exact, since decode/encode is not
+    always an identity.  A shared prefix, when asked for, is the same for every prompt.
+    """
+
+    def __init__(self, tokenizer: Any, seed: int = 0):
+        self.tok = tokenizer
+        self.rng = random.Random(seed)
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self.vocab = [i for i in range(len(tokenizer)) if i not in special]
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text))  # with special tokens, as the completions endpoint counts
+
+    def _random_text(self, n: int) -> str:
+        return self.tok.decode([self.rng.choice(self.vocab) for _ in range(max(n, 0))])
+
+    def exact(self, n: int, prefix: str = "") -> str:
+        """A text of exactly ``n`` tokens that starts with ``prefix``."""
+        for _ in range(20):
+            text = prefix + self._random_text(n - self.count(prefix))
+            for _ in range(50):
+                have = self.count(text)
+                if have == n and text.startswith(prefix):
+                    return text
+                if have > n:
+                    ids = self.tok.encode(text, add_special_tokens=False)
+                    text = self.tok.decode(ids[: len(ids) - (have - n)])
+                else:
+                    text += self._random_text(n - have)
+        raise ValueError(f"could not build a prompt of exactly {n} tokens with this tokenizer")
+
+    def chat_overhead(self) -> int:
+        """Tokens the chat template adds around one user message."""
+        empty = self.tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True)
+        return len(empty["input_ids"] if isinstance(empty, dict) else empty)
+
+    def prompts(self, count: int, length: int, shared_prefix_len: int = 0) -> list[str]:
+        if shared_prefix_len >= length:
+            raise ValueError("bench_shared_prefix_len must be shorter than bench_input_len")
+        prefix = self.exact(shared_prefix_len) if shared_prefix_len else ""
+        out: dict[str, None] = {}
+        while len(out) < count:
+            out[self.exact(length, prefix)] = None
+        return list(out)
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _body(workload: Workload, model: str, prompt: str) -> tuple[str, dict[str, Any]]:
+    common = {
+        "model": model,
+        "max_tokens": workload.output_len,
+        "min_tokens": workload.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        # usage on every chunk tells how many tokens each chunk carried
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if workload.endpoint == "chat":
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
+    return "/v1/completions", {**common, "prompt": prompt}
+
+
+def _content(event: dict[str, Any]) -> str:
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    if "text" in c:
+        return c.get("text") or ""
+    delta = c.get("delta") or {}
+    return (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+
+
+async def _one(session: aiohttp.ClientSession, url: str, workload: Workload, model: str, prompt: str,
+               rec: RequestRecord, gate: asyncio.Semaphore, timeout_s: float, headers: dict[str, str]) -> None:
+    path, body = _body(workload, model, prompt)
+    async with gate:
+        rec.send = time.perf_counter()
+        seen_tokens = 0
+        try:
+            async with session.post(url + path, json=body, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:300]
+                    rec.error = f"http {resp.status}: {text}"
+                    return
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    now = time.perf_counter()
+                    event = json.loads(data)
+                    if "error" in event:
+                        rec.error = f"stream error: {str(event['error'])[:300]}"
+                        return
+                    usage = event.get("usage") or {}
+                    if _content(event):
+                        total = usage.get("completion_tokens")
+                        tokens = (total - seen_tokens) if total is not None else 1
+                        seen_tokens = total if total is not None else seen_tokens + 1
+                        rec.first_chunk = rec.first_chunk or now
+                        rec.end = now
+                        rec.chunk_times.append(now)
+                        rec.chunk_tokens.append(max(tokens, 0))
+                    if usage:
+                        rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+                        rec.completion_tokens = usage.get("completion_tokens", rec.completion_tokens)
+                if rec.first_chunk is None:
+                    rec.error = "empty: the stream carried no content"
+                elif rec.completion_tokens is not None and sum(rec.chunk_tokens) < rec.completion_tokens:
+                    # tokens whose text the detokenizer held back (part of a UTF-8 character) came without content
+                    rec.chunk_tokens[-1] += rec.completion_tokens - sum(rec.chunk_tokens)
+        except asyncio.TimeoutError:
+            rec.error = f"timeout: no complete answer within {timeout_s:.0f} s"
+        except aiohttp.ClientConnectorError as exc:
+            rec.error = f"connection refused: {exc}"
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            rec.error = f"connection lost: {type(exc).__name__}: {exc}"
+
+
+async def _run(url: str, model: str, workload: Workload, prompts: list[str], concurrency: int, level: str,
+               warmup: int, timeout_s: float, headers: dict[str, str]) -> tuple[list[RequestRecord], float, float]:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
+        gate = asyncio.Semaphore(concurrency)
+        warm = [RequestRecord(i, level, True, time.perf_counter(), expected_input=workload.input_len,
+                              expected_output=workload.output_len) for i in range(warmup)]
+        await asyncio.gather(*(_one(session, url, workload, model, prompts[i], r, gate, timeout_s, headers)
+                               for i, r in enumerate(warm)))
+        start = time.perf_counter()
+        measured = [RequestRecord(i, level, False, start, expected_input=workload.input_len,
+                                  expected_output=workload.output_len) for i in range(warmup, len(prompts))]
+        await asyncio.gather(*(_one(session, url, workload, model, prompts[r.index], r, gate, timeout_s, headers)
+                               for r in measured))
+        return warm + measured, start, time.perf_counter()
+
+
+def run_level(url: str, model: str, workload: Workload, prompts: list[str], concurrency: int, level: str = "",
+              warmup: int | None = None, timeout_s: float = 600.0, headers: dict[str, str] | None = None
+              ) -> tuple[list[RequestRecord], float, float]:
+    """Send ``prompts`` keeping ``concurrency`` requests in flight; the first ``warmup`` (default: the
+    concurrency) are sent and awaited first and excluded from measurement.  Returns records and the
+    measured window's start and end on the client clock."""
+    warmup = concurrency if warmup is None else warmup
+    if warmup >= len(prompts):
+        raise ValueError(f"{len(prompts)} prompts leave nothing to measure after {warmup} warm-up requests")
+    coro = _run(url, model, workload, prompts, concurrency, level or f"c{concurrency}", warmup, timeout_s, headers or {})
+    # A thread of its own gets a fresh event loop, also inside Jupyter, whose kernel already runs one.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def records_frame(records: list[RequestRecord]):
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        row = asdict(r)
+        row["chunk_times"] = json.dumps([round(t - r.send, 6) for t in r.chunk_times])
+        row["chunk_tokens"] = json.dumps(r.chunk_tokens)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def save_records(records: list[RequestRecord], path: Path) -> None:
+    frame = records_frame(records)
+    frame.to_parquet(path.with_suffix(".parquet"), index=False)
+    frame.to_csv(path.with_suffix(".csv"), index=False)

@@ -1,0 +1,371 @@
+"""Which parallel layouts vLLM will accept for a model on G devices, and what each holds per GPU.
+
+Every rule is vLLM's, checked in the order of ../shared/research/vllm-parallelism.md section 8,
+and a rejected layout carries the message vLLM would print.  Sizes follow vLLM's own
+arithmetic: weights per GPU (experts sharded or split across TP x DP, everything else
+sharded by TP and replicated per DP rank, layers split across PP stages), KV bytes per
+token per GPU (``2 x kv_heads/TP x head_dim`` per layer, or the MLA latent replicated on
+every TP rank), and KV tokens = (memory x utilization - weights - reserve) rounded down to
+whole blocks, as ``kv_cache_utils`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from servebook.modelspec import ModelSpec
+
+GiB = 1024**3
+BLOCK_SIZE = 16  # vLLM's default KV block size
+VOCAB_PAD = 64  # vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+MARLIN_GROUPS = (-1, 32, 64, 128)
+
+
+@dataclass
+class Device:
+    """What the plan packs into: ``count`` devices of ``memory_bytes`` at ``bandwidth_bytes_s``."""
+
+    name: str
+    count: int
+    memory_bytes: int
+    bandwidth_bytes_s: float
+    kind: str = "cuda"  # or "cpu": the KV cache is a fixed size (VLLM_CPU_KVCACHE_SPACE)
+    cpu_kv_bytes: int = 0
+    collective_latency_s: float = 30e-6  # one small all-reduce; PCIe boxes measure 26-48 us (gpu-ops.md section 2)
+    source: str = ""
+
+
+@dataclass
+class Weights:
+    """Bytes by component for the whole model."""
+
+    attention: float  # per layer, TP-sharded part
+    attention_replicated: float  # per layer, replicated on every TP rank (MLA down-projections)
+    experts: float  # per MoE layer, all routed experts
+    shared: float  # per MoE layer, shared experts
+    dense_mlp: float  # per dense layer
+    embedding: float
+    lm_head: float
+    router: float  # per MoE layer
+    scaled_to_checkpoint: float = 1.0
+
+    def total(self, spec: ModelSpec) -> float:
+        return (spec.layers * (self.attention + self.attention_replicated)
+                + spec.moe_layers * (self.experts + self.shared + self.router)
+                + spec.dense_layers * self.dense_mlp + self.embedding + self.lm_head)
+
+
+def weight_bytes(spec: ModelSpec) -> Weights:
+    """Bytes per component from the shapes and the quantization; scaled to the index's exact total when known."""
+    q = spec.quant
+    quantized_linear = q.weight_bytes_per_param(not q.experts_only)
+    expert_b = q.weight_bytes_per_param(True)
+    h = spec.hidden
+    if spec.mla:
+        q_proj = (h * spec.q_lora_rank + spec.q_lora_rank * spec.heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+                  if spec.q_lora_rank else h * spec.heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim))
+        replicated = h * (spec.kv_lora_rank + spec.qk_rope_head_dim) + (h * spec.q_lora_rank if spec.q_lora_rank else 0)
+        sharded = q_proj - (h * spec.q_lora_rank if spec.q_lora_rank else 0)
+        sharded += spec.kv_lora_rank * spec.heads * (spec.qk_nope_head_dim + spec.v_head_dim) + spec.heads * spec.v_head_dim * h
+        attn, attn_rep = sharded * quantized_linear, replicated * quantized_linear
+    else:
+        attn = (h * spec.heads * spec.head_dim * 2 + h * spec.kv_heads * spec.head_dim * 2) * quantized_linear
+        attn_rep = 0.0
+    w = Weights(
+        attention=attn,
+        attention_replicated=attn_rep,
+        experts=spec.experts * 3 * h * spec.expert_intermediate * expert_b,
+        shared=3 * h * spec.shared_intermediate * quantized_linear,
+        dense_mlp=3 * h * spec.dense_intermediate * quantized_linear,
+        embedding=spec.vocab * h * 2.0,
+        lm_head=0.0 if spec.tie_embeddings else spec.vocab * h * 2.0,
+        router=h * spec.experts * 2.0,
+    )
+    if spec.checkpoint_bytes:
+        scale = spec.checkpoint_bytes / w.total(spec)
+        if 0.8 < scale < 1.25:  # a checkpoint carrying MTP layers or a vision tower differs more: keep the estimate
+            for name in ("attention", "attention_replicated", "experts", "shared", "dense_mlp", "embedding", "lm_head", "router"):
+                setattr(w, name, getattr(w, name) * scale)
+            w.scaled_to_checkpoint = scale
+    return w
+
+
+def pp_split(layers: int, pp: int) -> list[int]:
+    """vLLM's get_pp_indices: L // pp each, the remainder to the partitions other than the last."""
+    base, rem = divmod(layers, pp)
+    sizes = [base] * pp
+    for i in range(rem):
+        sizes[i] += 1  # earlier partitions take the extra layers
+    return sizes
+
+
+@dataclass
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    ep: bool
+    accepted: bool = True
+    reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    moe_tp: int = 1
+    ep_size: int = 1
+    experts_per_gpu: int = 0
+    weight_bytes_per_gpu: float = 0.0
+    weight_breakdown: dict[str, float] = field(default_factory=dict)
+    kv_bytes_per_token_per_gpu: float = 0.0
+    available_kv_bytes_per_gpu: float = 0.0
+    max_kv_tokens: int = 0  # per engine (one DP rank)
+    max_concurrency: float = 0.0  # requests of max_model_len, all DP ranks together
+    fits: bool = True
+    allreduces_per_token: int = 0
+    all2all_per_token: int = 0
+    decode_tok_s_single: float = 0.0
+    decode_tok_s_batch: float = 0.0
+    batch: int = 0
+    score: float = 0.0
+
+    @property
+    def name(self) -> str:
+        parts = [f"TP={self.tp}"] + ([f"PP={self.pp}"] if self.pp > 1 else []) + ([f"DP={self.dp}"] if self.dp > 1 else [])
+        return "+".join(parts) + ("+EP" if self.ep else "")
+
+    def flags(self) -> list[str]:
+        out = ["--tensor-parallel-size", str(self.tp)]
+        if self.pp > 1:
+            out += ["--pipeline-parallel-size", str(self.pp)]
+        if self.dp > 1:
+            out += ["--data-parallel-size", str(self.dp)]
+        if self.ep:
+            out.append("--enable-expert-parallel")
+        return out
+
+    def launch(self) -> dict[str, Any]:
+        return {"tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
+                "data_parallel_size": self.dp, "enable_expert_parallel": self.ep}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(name=self.name, flags=self.flags())
+        return d
+
+
+def _reject(layout: Layout, message: str) -> None:
+    layout.accepted = False
+    layout.reasons.append(message)
+
+
+def check_rules(spec: ModelSpec, layout: Layout) -> None:
+    """vLLM's acceptance rules, in the reference checklist's order; each failure adds vLLM's message."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    # 1. expert parallelism spans TP x DP and needs an MoE model
+    if layout.ep:
+        if not spec.is_moe:
+            _reject(layout, "ValueError: Number of experts in the model must be greater than 0 when expert parallelism is enabled.")
+        elif tp * dp == 1:
+            _reject(layout, "expert parallelism needs TP x DP > 1 (EP size = TP x DP = 1): vLLM would run without it")
+    # 2. attention heads and KV heads
+    if spec.heads % tp:
+        _reject(layout, f"ValueError: Total number of attention heads ({spec.heads}) must be divisible by tensor parallel size ({tp}).")
+    if not spec.mla:
+        if spec.model_type == "gpt_oss" and tp > spec.kv_heads:
+            _reject(layout, f"gpt-oss shards {spec.kv_heads} KV heads without replication: tensor_parallel_size must be <= {spec.kv_heads}")
+        elif spec.kv_heads % tp and tp % spec.kv_heads:
+            bigger, smaller = (spec.kv_heads, tp) if spec.kv_heads > tp else (tp, spec.kv_heads)
+            _reject(layout, f"AssertionError: {bigger} is not divisible by {smaller} (KV heads {spec.kv_heads} vs tensor parallel size {tp})")
+    # 3. vocabulary padding and pipeline support
+    padded_vocab = math.ceil(spec.vocab / VOCAB_PAD) * VOCAB_PAD
+    if padded_vocab % tp:
+        _reject(layout, f"AssertionError: {padded_vocab} is not divisible by {tp} (padded vocabulary against tensor parallel size)")
+    if pp > 1 and not spec.supports_pp:
+        _reject(layout, "NotImplementedError: Pipeline parallelism is not supported for this model.")
+    if pp > spec.layers:
+        _reject(layout, f"pipeline_parallel_size {pp} exceeds the model's {spec.layers} layers")
+    if not spec.is_moe:
+        layout.moe_tp = 1
+    else:
+        # 4. MoE tensor-parallel size: EP keeps experts whole; otherwise they are sliced over TP x DP
+        layout.moe_tp = 1 if layout.ep else tp * dp
+        layout.ep_size = tp * dp if layout.ep else 1
+        per_rank = spec.expert_intermediate // layout.moe_tp if spec.expert_intermediate % layout.moe_tp == 0 else None
+        if spec.model_type in ("minimax_m2", "qwen3_moe") and tp > spec.experts:
+            _reject(layout, f"ValueError: Tensor parallel size {tp} is greater than the number of experts {spec.experts}.")
+        if per_rank is None:
+            _reject(layout, f"AssertionError: intermediate_size {spec.expert_intermediate} % moe tensor-parallel size {layout.moe_tp} != 0")
+        q = spec.quant
+        # 5. FP8 block alignment, experts then linear layers
+        if q.method == "fp8" and per_rank is not None:
+            bn, bk = q.block or (128, 128)
+            if per_rank % bn:
+                _reject(layout, f"ValueError: The output_size of gate's and up's weight = {per_rank} is not divisible by "
+                                f"weight quantization block_n = {bn}.")
+            elif tp > 1 and per_rank % bk:
+                _reject(layout, f"ValueError: The input_size of down's weight = {per_rank} is not divisible by "
+                                f"weight quantization block_k = {bk}.")
+        # 6. INT4 Marlin MoE
+        if q.method == "int4" and per_rank is not None:
+            g = q.group_size or 128
+            if g not in MARLIN_GROUPS:
+                _reject(layout, f"INT4 group_size {g} is not one Marlin supports {MARLIN_GROUPS}")
+            elif spec.hidden % 128 or per_rank % max(64, g):
+                if q.actorder in ("group", "dynamic"):
+                    _reject(layout, "ValueError: WNA16MoE is not supported with actorder=group/dynamic.")
+                else:
+                    layout.warnings.append(f"Marlin MoE needs hidden % 128 == 0 and intermediate per rank ({per_rank}) % "
+                                           f"{max(64, g)} == 0: vLLM falls back to the slower Triton WNA16 kernel")
+            if not q.symmetric:
+                _reject(layout, "Only symmetric quantization is supported for MoE")
+        # 7. experts per rank
+        if layout.ep:
+            layout.experts_per_gpu = math.ceil(spec.experts / layout.ep_size)
+            if spec.experts < layout.ep_size:
+                layout.warnings.append(f"{layout.ep_size - spec.experts} of {layout.ep_size} EP ranks hold no expert")
+            elif spec.experts % layout.ep_size:
+                layout.warnings.append(f"{spec.experts} experts over {layout.ep_size} ranks: uneven ({layout.experts_per_gpu} on the "
+                                       f"first {spec.experts % layout.ep_size}); --enable-eplb would refuse this split")
+        else:
+            layout.experts_per_gpu = spec.experts
+    if spec.quant.method == "fp8" and not spec.quant.experts_only and tp > 1:
+        bn, bk = spec.quant.block or (128, 128)
+        if spec.mla:
+            row_in = spec.heads * spec.v_head_dim // tp
+            col_out = spec.heads * (spec.qk_nope_head_dim + spec.v_head_dim) // tp
+        else:
+            row_in = spec.heads * spec.head_dim // tp
+            col_out = None
+        if row_in % bk:
+            _reject(layout, f"ValueError: Weight input_size_per_partition = {row_in} is not divisible by weight quantization block_k = {bk}.")
+        if col_out is not None and col_out % bn:
+            _reject(layout, f"ValueError: Weight output_partition_size = {col_out} is not divisible by weight quantization block_n = {bn}.")
+        if spec.dense_layers and spec.dense_intermediate and (spec.dense_intermediate // tp) % bk:
+            _reject(layout, f"ValueError: Weight input_size_per_partition = {spec.dense_intermediate // tp} is not divisible by "
+                            f"weight quantization block_k = {bk}.")
+
+
+def size(spec: ModelSpec, layout: Layout, device: Device, weights: Weights, max_model_len: int,
+         gpu_memory_utilization: float, kv_dtype_bytes: int, reserve_bytes: float, batch: int) -> None:
+    """Memory per GPU, KV capacity, communication and a bandwidth ceiling for decode."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    stage_layers = max(pp_split(spec.layers, pp))
+    moe_share = spec.moe_layers / spec.layers if spec.layers else 0
+    moe_stage, dense_stage = stage_layers * moe_share, stage_layers * (1 - moe_share)
+    if layout.ep and spec.experts:
+        expert_fraction = layout.experts_per_gpu / spec.experts
+    else:
+        expert_fraction = 1 / (tp * dp) if spec.is_moe else 0
+    emb = (weights.embedding + weights.lm_head) / tp if pp == 1 else max(weights.embedding, weights.lm_head) / tp
+    parts = {
+        "attention": stage_layers * (weights.attention / tp + weights.attention_replicated),
+        "experts": moe_stage * weights.experts * expert_fraction,
+        "shared_and_dense": moe_stage * (weights.shared / tp + weights.router) + dense_stage * weights.dense_mlp / tp,
+        "embeddings": emb,
+    }
+    layout.weight_breakdown = parts
+    layout.weight_bytes_per_gpu = sum(parts.values())
+    if spec.mla:
+        per_layer = (spec.kv_lora_rank + spec.qk_rope_head_dim) * kv_dtype_bytes
+    else:
+        per_layer = 2 * max(1, spec.kv_heads // tp) * spec.head_dim * kv_dtype_bytes
+    layout.kv_bytes_per_token_per_gpu = stage_layers * per_layer
+    if device.kind == "cpu":
+        available = float(device.cpu_kv_bytes)
+    else:
+        available = device.memory_bytes * gpu_memory_utilization - layout.weight_bytes_per_gpu - reserve_bytes
+    layout.available_kv_bytes_per_gpu = max(0.0, available)
+    page = BLOCK_SIZE * per_layer
+    blocks = int(layout.available_kv_bytes_per_gpu // page // stage_layers) if page and stage_layers else 0
+    layout.max_kv_tokens = blocks * BLOCK_SIZE
+    layout.max_concurrency = dp * layout.max_kv_tokens / max_model_len if max_model_len else 0.0
+    if layout.accepted and layout.max_kv_tokens < max_model_len:
+        layout.fits = False
+        need = max_model_len * layout.kv_bytes_per_token_per_gpu / GiB
+        if available <= 0:
+            layout.reasons.append(f"ValueError: No available memory for the cache blocks: weights {layout.weight_bytes_per_gpu / GiB:.1f} GiB "
+                                  f"+ reserve {reserve_bytes / GiB:.1f} GiB exceed {gpu_memory_utilization:.0%} of "
+                                  f"{device.memory_bytes / GiB:.0f} GiB per GPU")
+        else:
+            layout.reasons.append(f"ValueError: To serve at least one request with the model's max seq len ({max_model_len}), "
+                                  f"({need:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
+                                  f"({available / GiB:.2f} GiB).")
+    # Collectives per decode step (per token of one sequence): two all-reduces per layer under TP; MoE layers
+    # spanning DP add an all-gather/reduce-scatter (no EP) or a dispatch/combine all-to-all (EP) each.
+    layout.allreduces_per_token = 2 * spec.layers if tp > 1 else 0
+    layout.all2all_per_token = 2 * spec.moe_layers if spec.is_moe and dp > 1 else 0
+    stage_collectives = (layout.allreduces_per_token + layout.all2all_per_token) * stage_layers / max(spec.layers, 1)
+    # Bandwidth ceiling: bytes each GPU of a stage reads per step (weights of the experts the batch touches,
+    # everything else, the batch's KV), plus a fixed latency per collective. Stages run in sequence for one
+    # sequence; with a batch, vLLM keeps PP micro-batches in flight, so stages overlap.
+    non_expert = parts["attention"] + parts["shared_and_dense"] + parts["embeddings"]
+    expert_per_layer_gpu = weights.experts * expert_fraction
+    context = min(max_model_len, 2048)
+
+    def step_seconds(b: float) -> float:
+        experts = 0.0
+        if spec.is_moe:
+            # distinct experts a batch of b sequences touches in a layer (uniform routing)
+            touched = spec.experts * (1 - (1 - spec.experts_per_token / spec.experts) ** max(b, 1))
+            experts = moe_stage * expert_per_layer_gpu * touched / spec.experts
+        read = non_expert + experts + b * context * layout.kv_bytes_per_token_per_gpu
+        return read / device.bandwidth_bytes_s + stage_collectives * device.collective_latency_s
+
+    layout.batch = batch
+    if device.bandwidth_bytes_s:
+        layout.decode_tok_s_single = 1 / (pp * step_seconds(1))
+        per_micro = max(batch / (dp * pp), 1)
+        layout.decode_tok_s_batch = min(batch, dp * pp * per_micro) / (pp * step_seconds(per_micro))
+
+
+def enumerate_layouts(count: int) -> list[tuple[int, int, int]]:
+    out = []
+    for tp in range(1, count + 1):
+        for pp in range(1, count + 1):
+            if count % (tp * pp) == 0:
+                out.append((tp, pp, count // (tp * pp)))
+    return out
+
+
+def plan(spec: ModelSpec, device: Device, max_model_len: int = 4096, gpu_memory_utilization: float = 0.92,
+         kv_cache_dtype: str = "auto", reserve_gib: float | None = None, batch: int = 64) -> dict[str, Any]:
+    """Every TP x PP x DP = G layout, with and without expert parallelism, checked, sized and ranked."""
+    if max_model_len > spec.max_position_embeddings > 0:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{spec.max_position_embeddings}; vLLM refuses it")
+    return _plan(spec, device, max_model_len, gpu_memory_utilization, kv_cache_dtype, reserve_gib, batch)
+
+
+def _plan(spec: ModelSpec, device: Device, max_model_len: int, gpu_memory_utilization: float,
+          kv_cache_dtype: str, reserve_gib: float | None, batch: int) -> dict[str, Any]:
+    kv_bytes = 1 if kv_cache_dtype.startswith("fp8") else 2
+    reserve = 0.0 if device.kind == "cpu" else (reserve_gib if reserve_gib is not None else max(3.0, 0.02 * device.memory_bytes / GiB)) * GiB
+    weights = weight_bytes(spec)
+    layouts = []
+    for tp, pp, dp in enumerate_layouts(device.count):
+        for ep in ((False, True) if spec.is_moe else (False,)):
+            layout = Layout(tp, pp, dp, ep)
+            check_rules(spec, layout)
+            size(spec, layout, device, weights, max_model_len, gpu_memory_utilization, kv_bytes, reserve, batch)
+            layouts.append(layout)
+    usable = [l for l in layouts if l.accepted and l.fits]
+    for l in usable:
+        l.score = l.decode_tok_s_batch
+    # the highest ceiling at the batch; among equals, fewer pipeline stages, then fewer collectives
+    usable.sort(key=lambda l: (-round(l.score, 6), l.pp, l.allreduces_per_token + l.all2all_per_token))
+    recommended = usable[0] if usable else None
+    return {
+        "model": spec.to_dict(),
+        "device": asdict(device),
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "kv_cache_dtype": kv_cache_dtype,
+        "activation_reserve_bytes": reserve,
+        "weights_total_bytes": weights.total(spec),
+        "weights_scaled_to_checkpoint": weights.scaled_to_checkpoint,
+        "batch": batch,
+        "layouts": [l.to_dict() for l in layouts],
+        "recommended": ({**recommended.to_dict(), "launch": recommended.launch()} if recommended else None),
+        "why": (f"{recommended.name}: highest decode ceiling at {batch} concurrent sequences "
+                f"({recommended.decode_tok_s_batch:,.0f} tok/s) among {len(usable)} layouts that vLLM accepts and that fit"
+                if recommended else "no layout is both accepted by vLLM and fits in memory"),
+    }

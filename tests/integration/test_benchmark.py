@@ -1,0 +1,53 @@
+"""The sweep against real vLLM: exact lengths, tables, and a server that dies mid-level."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pandas as pd
+import pytest
+
+from servebook import bench, loadgen, metrics, server
+
+from .conftest import config
+
+pytestmark = pytest.mark.integration
+
+
+def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path):
+    cfg = bench.SweepConfig(workload=loadgen.Workload(input_len=48, output_len=24), max_concurrency=4, repeats=2,
+                            prompts_per_level=8, objectives=metrics.Objectives(ttft_ms=60_000))
+    data = bench.sweep(shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path)
+    assert data["fault"] == "" and [l["concurrency"] for l in data["levels"]] == [1, 2, 4]
+    assert data["length_mismatches"] == {"input": 0, "output": 0} and data["warnings"] == []
+    assert data["best"]["output_throughput"] > 0 and data["single_stream"]["per_user_tok_s"] > 0
+    assert all(l["repeats"] == 2 and l["failed"] == 0 for l in data["levels"])
+    reqs = pd.read_parquet(tmp_path / "05_benchmark_requests.parquet")
+    measured = reqs[~reqs.warmup]
+    assert len(measured) == 2 * (8 + 8 + 16)  # two repeats of max(8, 4 x concurrency) measured requests
+    assert set(measured.prompt_tokens) == {48} and set(measured.completion_tokens) == {24}
+    assert len(reqs[reqs.warmup]) == 2 * (1 + 2 + 4)  # as many warm-up requests as the concurrency
+    assert all(sum(json.loads(t)) == 24 for t in measured.chunk_tokens)
+    assert (tmp_path / "05_benchmark_levels.csv").is_file() and (tmp_path / "05_benchmark_runs.parquet").is_file()
+    runs = pd.read_parquet(tmp_path / "05_benchmark_runs.parquet")
+    assert set(runs.prefix_cache_reset) == {"reset"}  # the shared server runs with VLLM_SERVER_DEV_MODE=1
+
+
+def test_a_server_killed_mid_level_stops_the_sweep_and_keeps_results(tmp_path):
+    launched = server.launch(config(8136), tmp_path / "server", log=print)
+    cfg = bench.SweepConfig(workload=loadgen.Workload(input_len=32, output_len=256), max_concurrency=8, repeats=1,
+                            prompts_per_level=64, request_timeout_s=30)
+    killer = threading.Timer(25.0, lambda: os.killpg(launched.pgid, signal.SIGKILL))
+    killer.start()
+    try:
+        data = bench.sweep(launched.url, "tiny-qwen3-moe", launched.config.model_path, cfg, tmp_path)
+    finally:
+        killer.cancel()
+        server.stop(port=8136)
+    assert data["stop_reason"] == "server fault" and "concurrency" in data["fault"]
+    assert data["runs"] and data["runs"][-1]["failed"] > 0
+    assert "connection" in data["runs"][-1]["errors"]
+    reqs = pd.read_parquet(tmp_path / "05_benchmark_requests.parquet")
+    assert (reqs.error != "").any() and (reqs.error == "").any()  # what was measured before the fault is kept

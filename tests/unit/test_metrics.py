@@ -1,0 +1,112 @@
+"""Metric definitions on hand-built timelines."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from servebook import bench, metrics, plots
+from servebook.loadgen import RequestRecord
+
+
+def rec(send, chunks, tokens, prompt=10, warmup=False, error="", arrival=None, expected_output=None):
+    r = RequestRecord(index=0, level="t", warmup=warmup, arrival=send if arrival is None else arrival, send=send,
+                      expected_input=10, expected_output=expected_output if expected_output is not None else sum(tokens))
+    if not error:
+        r.chunk_times, r.chunk_tokens = list(chunks), list(tokens)
+        r.first_chunk, r.end = chunks[0], chunks[-1]
+        r.prompt_tokens, r.completion_tokens = prompt, sum(tokens)
+    r.error = error
+    return r
+
+
+def test_single_request_definitions():
+    r = rec(10.0, [10.2, 10.3, 10.5], [1, 1, 1])
+    assert metrics.ttft(r) == pytest.approx(0.2)
+    assert metrics.e2el(r) == pytest.approx(0.5)
+    assert metrics.tpot(r) == pytest.approx((0.5 - 0.2) / 2)
+    assert metrics.itl_per_chunk(r) == pytest.approx([0.1, 0.2])
+
+
+def test_chunks_carrying_several_tokens():
+    # 1 token at 0.1 s, then a chunk of 3 tokens 0.3 s later, then 2 tokens 0.1 s later: 6 tokens
+    r = rec(0.0, [0.1, 0.4, 0.5], [1, 3, 2])
+    assert metrics.output_tokens(r) == 6
+    assert metrics.tpot(r) == pytest.approx((0.5 - 0.1) / 5)
+    assert metrics.itl_per_chunk(r) == pytest.approx([0.3, 0.1])  # what vLLM reports: one value per chunk
+    assert metrics.itl_per_token(r) == pytest.approx([0.1, 0.1, 0.1, 0.05, 0.05])
+    assert sum(metrics.itl_per_token(r)) == pytest.approx(0.4)
+
+
+def test_one_token_outputs_have_no_tpot():
+    assert metrics.tpot(rec(0.0, [0.1], [1])) is None
+
+
+def test_summary_throughput_goodput_and_failures():
+    records = [
+        rec(0.0, [0.05], [1], warmup=True),  # excluded
+        rec(1.0, [1.1, 1.3], [1, 3]),  # ttft 0.1, tpot 0.2/3, e2el 0.3
+        rec(1.0, [1.4, 1.5], [1, 1], arrival=0.5),  # waited 0.5 s for a slot; ttft 0.4, e2el 0.5
+        rec(1.2, [], [], error="http 500: boom"),
+        rec(1.2, [], [], error="timeout: no complete answer"),
+    ]
+    s = metrics.summarize(records, metrics.Objectives(ttft_ms=200))
+    assert s["requests"] == 4 and s["completed"] == 2 and s["failed"] == 2
+    assert s["errors"] == {"http 500": 1, "timeout": 1}
+    assert s["duration_s"] == pytest.approx(0.5)  # first send 1.0 to last response 1.5
+    assert s["output_tokens"] == 6 and s["input_tokens"] == 20
+    assert s["output_throughput"] == pytest.approx(12.0)
+    assert s["total_throughput"] == pytest.approx(52.0)
+    assert s["request_throughput"] == pytest.approx(4.0)
+    assert s["ttft_p50"] == pytest.approx(0.25)
+    assert s["ttft_p50_all"] is None  # half the requests failed: the median request never answered
+    assert s["goodput"] == pytest.approx(2.0)  # one request of four met TTFT <= 200 ms, over 0.5 s
+    assert s["goodput_share"] == pytest.approx(0.25)
+    assert s["client_queue_p50"] == pytest.approx(0.0) and s["client_queue_p99"] > 0.4
+    assert s["itl_p50"] == pytest.approx(0.15)
+
+
+def test_percentiles_interpolate_like_numpy():
+    p = metrics.percentiles([1, 2, 3, 4], prefix="x_")
+    assert p["x_p50"] == 2.5 and p["x_p90"] == pytest.approx(3.7) and p["x_mean"] == 2.5
+    assert "x_p50_all" not in p
+
+
+def test_failed_requests_count_as_infinitely_slow():
+    p = metrics.percentiles([0.1, 0.2, 0.4], failed=1, prefix="ttft_")
+    assert p["ttft_p50"] == pytest.approx(0.2)
+    assert p["ttft_p50_all"] == pytest.approx(0.4)  # [0.1, 0.2, 0.4, inf]: the median moves up
+    assert p["ttft_p90_all"] is None and p["ttft_p99_all"] is None  # those are the failure
+
+
+def test_length_checks_flag_ignored_max_tokens():
+    short = rec(0.0, [0.1, 0.2], [1, 1], expected_output=4)
+    longer_prompt = rec(0.0, [0.1, 0.2], [1, 1], prompt=12)
+    assert metrics.length_mismatches([short, longer_prompt]) == {"input": 1, "output": 1, "checked": 2}
+
+
+def test_plateau_rule():
+    assert not bench.plateau_reached([100, 190], 0.05)
+    assert not bench.plateau_reached([100, 190, 360], 0.05)
+    assert bench.plateau_reached([100, 190, 360, 370, 372], 0.05)  # 360 -> 372 over two doublings: 3 %
+    assert not bench.plateau_reached([100, 190, 360, 370, 390], 0.05)  # 8 % over two doublings
+    assert bench.plateau_level([1, 2, 4, 8, 16], [100, 190, 360, 370, 372], 0.05) == 4
+
+
+def test_broken_objective_names_the_metric():
+    level = {"ttft_p50": 0.25, "tpot_p50": 0.01, "e2el_p50": 1.0}
+    assert bench.objective_broken(level, metrics.Objectives(ttft_ms=200)) == "median TTFT 250 ms exceeds the 200 ms objective"
+    assert bench.objective_broken(level, metrics.Objectives(tpot_ms=20)) == ""
+
+
+def test_aggregate_reports_median_and_spread():
+    rows = [{"concurrency": 4, "output_throughput": t, "failed": 0, "preemptions": 0} for t in (90.0, 100.0, 110.0)]
+    (level,) = bench.aggregate(rows)
+    assert level["output_throughput"] == 100 and level["spread_pct"] == pytest.approx(20.0)
+
+
+def test_crossover_between_two_layouts():
+    tp2 = pd.DataFrame({"concurrency": [1, 2, 4, 8, 16], "output_throughput": [90, 170, 300, 420, 450]})
+    tp8 = pd.DataFrame({"concurrency": [1, 2, 4, 8, 16], "output_throughput": [80, 150, 290, 480, 800]})
+    assert plots.crossover(tp2, tp8) == 8
+    assert plots.crossover(tp2, tp2 * 0 + tp2.assign(output_throughput=tp2.output_throughput + 1)) is None

@@ -1,0 +1,178 @@
+"""The planner on the story's models and more public checkpoints, without loading anything."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from servebook import gpus, modelspec, planner
+from servebook.modelspec import ModelConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+GiB = 1024**3
+
+
+def spec(name):
+    return modelspec.load(str(CONFIGS / f"{name}.json"))
+
+
+def device(gpu="H200", count=8):
+    g = gpus.lookup(gpu)
+    return planner.Device(g.name, count, g.memory_bytes, g.bandwidth_bytes_s)
+
+
+def layouts(name, gpu="H200", count=8, **kw):
+    result = planner.plan(spec(name), device(gpu, count), **kw)
+    return result, {l["name"]: l for l in result["layouts"]}
+
+
+def test_minimax_m25_fp8_on_8_gpus():
+    result, by = layouts("minimax-m2.5", max_model_len=65536)
+    tp8 = by["TP=8"]
+    assert not tp8["accepted"]
+    assert tp8["reasons"] == ["ValueError: The output_size of gate's and up's weight = 192 is not divisible by "
+                              "weight quantization block_n = 128."]
+    ep = by["TP=8+EP"]
+    assert ep["accepted"] and ep["fits"] and ep["experts_per_gpu"] == 32 and ep["ep_size"] == 8
+    assert 26 * GiB < ep["weight_bytes_per_gpu"] < 30 * GiB  # ~28 GB of FP8 experts + ~1 GB else
+    assert ep["kv_bytes_per_token_per_gpu"] == 62 * 2 * 1 * 128 * 2  # 31,744 B: one KV head per rank
+    assert by["TP=4+PP=2"]["accepted"] and by["TP=4+PP=2"]["fits"]
+    # "EP=4" does not exist: TP=2 x DP=4 with EP spans 8 ranks
+    assert by["TP=2+DP=4+EP"]["ep_size"] == 8 and by["TP=2+DP=4+EP"]["experts_per_gpu"] == 32
+    assert not by["TP=2+DP=4"]["accepted"]  # without EP, experts are sliced over TP x DP = 8 as well
+    assert result["recommended"]["accepted"] and result["recommended"]["fits"]
+
+
+def test_kimi_k25_int4_on_8_gpus_of_96_gb():
+    result, by = layouts("kimi-k2.5", "RTX-PRO-6000", max_model_len=65536)
+    tp8 = by["TP=8"]
+    assert tp8["accepted"] and tp8["fits"]
+    assert 64 * GiB < tp8["weight_bytes_per_gpu"] < 73 * GiB  # about 68 GB per GPU
+    assert tp8["kv_bytes_per_token_per_gpu"] == 61 * 576 * 2  # 70,272 B: MLA latent, the same on every TP rank
+    assert by["TP=8+EP"]["experts_per_gpu"] == 48
+    assert by["TP=1+DP=8"]["fits"] is False  # every GPU would hold all attention and 1/8 of every expert: 88 GiB
+    assert result["model"]["quant"]["method"] == "int4" and result["model"]["quant"]["group_size"] == 32
+
+
+def test_the_same_model_fits_more_kv_on_h200():
+    _, rtx = layouts("kimi-k2.5", "RTX-PRO-6000", max_model_len=65536)
+    _, h200 = layouts("kimi-k2.5", "H200", max_model_len=65536)
+    assert h200["TP=8"]["max_kv_tokens"] > 3 * rtx["TP=8"]["max_kv_tokens"]
+    fp8, _ = layouts("kimi-k2.5", "H200", max_model_len=65536, kv_cache_dtype="fp8")
+    assert {l["name"]: l for l in fp8["layouts"]}["TP=8"]["kv_bytes_per_token_per_gpu"] == 61 * 576
+
+
+def test_qwen3_fp8_block_failures_from_the_issue_trackers():
+    _, by = layouts("qwen3-235b-a22b-fp8")  # vllm#17569
+    assert "= 192 is not divisible by weight quantization block_n = 128" in by["TP=8"]["reasons"][0]
+    assert by["TP=4+PP=2"]["accepted"]
+    _, by = layouts("qwen3-30b-a3b-fp8", count=4)  # vllm#25292: 768 / 4
+    assert "= 192 is not divisible" in by["TP=4"]["reasons"][0]
+    assert by["TP=4+EP"]["accepted"] and by["TP=2+DP=2"]["accepted"] is False
+
+
+def test_deepseek_v3_fits_8_h200_not_8_h100():
+    _, h200 = layouts("deepseek-v3", "H200", max_model_len=32768)
+    assert h200["TP=8"]["accepted"] and h200["TP=8"]["fits"]
+    assert 75 * GiB < h200["TP=8"]["weight_bytes_per_gpu"] < 90 * GiB
+    _, h100 = layouts("deepseek-v3", "H100-SXM", max_model_len=32768)
+    assert h100["TP=8"]["accepted"] and not h100["TP=8"]["fits"]
+    assert "No available memory for the cache blocks" in h100["TP=8"]["reasons"][0]
+
+
+def test_gpt_oss_tp_is_capped_by_kv_heads():
+    _, by = layouts("gpt-oss-120b", count=16)
+    assert not by["TP=16"]["accepted"] and "must be <= 8" in by["TP=16"]["reasons"][0]
+    assert by["TP=8+DP=2"]["accepted"]
+
+
+def test_glm_llama4_mixtral_and_dense_models():
+    _, glm = layouts("glm-4.5-fp8")
+    assert glm["TP=8"]["accepted"] is False  # 1536 / 8 = 192 again
+    assert glm["TP=8+EP"]["experts_per_gpu"] == 20
+    scout = spec("llama-4-scout")
+    assert scout.family == "Llama-4" and scout.experts == 16 and scout.moe_layers == 48 and scout.shared_experts == 1
+    _, mix = layouts("mixtral-8x7b", count=16)
+    assert mix["TP=1+DP=16+EP"]["warnings"][0].startswith("8 of 16 EP ranks hold no expert")
+    dense, by = layouts("llama-3.1-8b")
+    assert all(not l["ep"] for l in dense["layouts"])
+    assert by["TP=8"]["accepted"] and by["TP=8"]["kv_bytes_per_token_per_gpu"] == 32 * 2 * 1 * 128 * 2
+
+
+def test_heads_that_do_not_divide_are_refused_with_vllms_text():
+    mix = spec("mixtral-8x7b")
+    bad = planner.Layout(tp=3, pp=1, dp=1, ep=False)
+    planner.check_rules(mix, bad)
+    assert "Total number of attention heads (32) must be divisible by tensor parallel size (3)." in bad.reasons[0]
+
+
+def test_unknown_architecture_is_a_marked_estimate():
+    s = spec("unknown-arch")
+    assert s.family == "generic" and "not one servebook knows" in s.notes[0]
+    result = planner.plan(s, device())
+    assert result["recommended"] is not None
+
+
+def test_malformed_configs_name_the_missing_field(tmp_path):
+    cfg = json.loads((CONFIGS / "minimax-m2.5.json").read_text())
+    del cfg["num_attention_heads"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match="has no 'num_attention_heads'"):
+        modelspec.load(str(path))
+    cfg = json.loads((CONFIGS / "kimi-k2.5.json").read_text())
+    del cfg["text_config"]["moe_intermediate_size"]
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match="'moe_intermediate_size'"):
+        modelspec.load(str(path))
+
+
+def test_max_model_len_beyond_the_model_is_refused():
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        planner.plan(spec("mixtral-8x7b"), device(), max_model_len=100_000)
+
+
+def test_pp_split_follows_vllm():
+    assert planner.pp_split(62, 2) == [31, 31] and planner.pp_split(61, 2) == [31, 30] and planner.pp_split(10, 4) == [3, 3, 2, 2]
+
+
+def test_embedded_default_on_the_cpu_predicts_vllms_kv_tokens():
+    s = modelspec.load("builtin:tiny-qwen3-moe")
+    cpu = planner.Device("CPU", 1, 24 * GiB, 0.0, kind="cpu", cpu_kv_bytes=GiB)
+    result = planner.plan(s, cpu, max_model_len=2048)
+    by = {l["name"]: l for l in result["layouts"]}
+    assert not by["TP=1+EP"]["accepted"]  # expert parallelism needs more than one rank
+    l = by["TP=1"]
+    assert l["max_kv_tokens"] == 2_097_152  # what vLLM logs for this server
+    assert l["max_concurrency"] == 1024.0
+    assert result["recommended"]["launch"] == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                                               "data_parallel_size": 1, "enable_expert_parallel": False}
+
+
+def test_predicted_weights_match_the_checkpoints_tensor_bytes():
+    s = modelspec.load("builtin:tiny-qwen3-moe")
+    s_unscaled = modelspec.from_config(json.loads((Path(s.source) / "config.json").read_text()))
+    predicted = planner.weight_bytes(s_unscaled).total(s_unscaled)
+    assert abs(predicted - s.checkpoint_bytes) / s.checkpoint_bytes < 0.001  # norms are the only omission
+
+
+def test_cli_json_shape_and_speed():
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "servebook.cli", "plan", str(CONFIGS / "minimax-m2.5.json"),
+                          "--gpus", "8", "--gpu", "H200", "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    print(f"servebook plan --json in {time.monotonic() - started:.2f} s")
+    for item in data["layouts"] + [data["recommended"]]:
+        for key in ("tp", "pp", "dp", "ep", "accepted", "reasons", "weight_bytes_per_gpu", "kv_bytes_per_token_per_gpu", "max_kv_tokens"):
+            assert key in item
+    assert isinstance(data["layouts"][0]["ep"], bool)
+
+
+def test_cli_unknown_gpu_lists_the_known_ones():
+    out = subprocess.run([sys.executable, "-m", "servebook.cli", "plan", str(CONFIGS / "minimax-m2.5.json"), "--gpu", "V100"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown GPU 'V100'" in out.stderr and "H200" in out.stderr
