@@ -146,6 +146,32 @@ def launch(
 
 
 @app.command()
+def download(
+    params_file: Path = typer.Argument(..., help="params YAML (model, model_store, download_* parameters)"),
+    set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE"),
+) -> None:
+    """Fetch the checkpoint with a disk preflight, progress and resume, then verify every file."""
+    from servebook import download_stage, params, runner
+
+    try:
+        p = params.load(params_file, set_)
+        run_dir = runner.new_run_dir(f"{p.run_name}-download")
+        try:
+            got = download_stage.run(p, run_dir)
+        except ServebookError:
+            run_dir.rmdir() if not any(run_dir.iterdir()) else None
+            raise
+        fetched = got["fetch"] or {}
+        typer.echo(f"{got['local_path']}: fetched {len(fetched.get('fetched_files', []))} files, "
+                   f"{len(fetched.get('skipped_files', []))} already complete; verification "
+                   f"{'passed' if got['verification']['ok'] else 'FAILED'}")
+        download_stage.raise_on_failure(got)
+    except ServebookError as exc:
+        _fail(exc)
+    typer.echo(str(run_dir))
+
+
+@app.command()
 def plan(
     model: str = typer.Argument(..., help="checkpoint folder, config.json, hub repo id, or builtin:tiny-qwen3-moe"),
     gpus_: int = typer.Option(8, "--gpus", help="number of GPUs"),
@@ -260,6 +286,38 @@ def stop(
     except ServebookError as exc:
         _fail(exc)
     typer.echo(outcome["summary"])
+
+
+@app.command("gpu-check")
+def gpu_check(
+    port: int = typer.Option(..., help="the port the server will listen on"),
+    gpus_: Optional[str] = typer.Option(None, "--gpus", help="comma-separated physical GPU indices the server will use"),
+    host: str = typer.Option("127.0.0.1"),
+) -> None:
+    """Exit non-zero, listing the holders, if anything holds the GPUs or the port (a service's ExecStartPre)."""
+    from servebook import server
+
+    ids = [int(x) for x in gpus_.split(",")] if gpus_ else None
+    problems = server.resources_held(port, host, ids)
+    for line in problems:
+        typer.echo(f"servebook gpu-check: {line}", err=True)
+    if problems:
+        raise typer.Exit(1)
+    typer.echo(f"free: port {port}" + (f", GPUs {gpus_}" if gpus_ else ""))
+
+
+@app.command("wait-ready")
+def wait_ready(
+    url: str = typer.Option(..., help="server base URL, e.g. http://127.0.0.1:8000"),
+    timeout: float = typer.Option(3600, help="seconds to wait before giving up"),
+    poll: float = typer.Option(2.0, help="seconds between /health requests"),
+) -> None:
+    """Wait until /health answers 200 (a service's ExecStartPost); non-zero on 503 or timeout."""
+    from servebook import server
+
+    ok, message, _ = server.wait_ready(url, timeout, poll)
+    typer.echo(message, err=not ok)
+    raise typer.Exit(0 if ok else 1)
 
 
 def main() -> None:

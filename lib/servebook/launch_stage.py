@@ -19,6 +19,12 @@ def device_for(params: Params, run_dir: Path) -> str:
     return recon.resolve_device(params.device, hardware.inventory())
 
 
+def downloaded_path(run_dir: Path) -> str | None:
+    """The local folder the download stage verified, when it ran in this run."""
+    found = results.read(run_dir, "download")
+    return found["local_path"] if found else None
+
+
 def planned_layout(run_dir: Path) -> dict[str, Any] | None:
     """The layout the plan stage handed over (only when layout_from_plan was set)."""
     plan = results.read(run_dir, "plan")
@@ -62,12 +68,17 @@ def memory_after_load(launch: server.Launch) -> dict[str, Any]:
     return {"processes": procs, "rss_total_bytes": sum(p["rss_bytes"] for p in procs)}
 
 
+def config_for(params: Params, run_dir: Path) -> server.ServerConfig:
+    """The server configuration this run launches: the params, the plan's layout and the download's folder."""
+    return server.ServerConfig.from_params(params.model_dump(), device_for(params, run_dir), planned_layout(run_dir),
+                                           model_path=downloaded_path(run_dir))
+
+
 def run(params: Params, run_dir: str | Path) -> dict[str, Any]:
     """Launch (or reuse) the server the parameters describe; write and return the stage's results."""
     run_dir = results.run_folder(str(run_dir))
-    device = device_for(params, run_dir)
     layout = planned_layout(run_dir)
-    cfg = server.ServerConfig.from_params(params.model_dump(), device, layout)
+    cfg = config_for(params, run_dir)
     launch = server.launch(cfg, run_dir, stop_leftovers=params.stop_leftovers,
                            on_progress=ui.load_progress(params.interactive))
     data = launch.results()

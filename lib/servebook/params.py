@@ -37,6 +37,13 @@ class Params(BaseModel):
     model_store: str = Field("~/.cache/huggingface", description="where checkpoints live; its free space is checked")
     checkpoint_gb: float = Field(0.0, ge=0, description="checkpoint size when it cannot be measured; 0 = measure")
 
+    # download
+    download_revision: str = Field("main", min_length=1, description="branch, tag or commit to fetch")
+    download_allow: list[str] = Field(default_factory=list, description="only files matching these globs; empty means all")
+    download_ignore: list[str] = Field(default_factory=list, description="skip files matching these globs")
+    download_workers: int = Field(8, ge=1, le=64, description="files fetched in parallel")
+    download_disk_margin: float = Field(0.05, ge=0, description="free space required beyond the download, as a share")
+
     # layout
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     pipeline_parallel_size: int = Field(1, ge=1, le=64)
@@ -70,6 +77,23 @@ class Params(BaseModel):
     plan_reserve_gib: float = Field(0.0, ge=0, description="activation and CUDA-graph reserve per GPU; 0 means max(3 GiB, 2%)")
     layout_from_plan: bool = Field(False, description="launch with the plan's recommended layout instead of the params' layout")
 
+    # NCCL tuning
+    nccl_sets: list[str] = Field(default_factory=list, description="environment sets to measure; empty means every known set")
+    nccl_world: int = Field(0, ge=0, le=64, description="ranks; 0 means every GPU (2 CPU processes without GPUs)")
+    nccl_min_bytes: int = Field(8192, ge=4)
+    nccl_max_bytes: int = Field(268435456, ge=4)
+    nccl_iters: int = Field(20, ge=1)
+    nccl_warmup: int = Field(5, ge=0)
+    ab_variants: list[dict[str, Any]] = Field(default_factory=list, description="server variants to A/B: {name, extra_env, extra_args, max_num_seqs...}")
+    ab_concurrency: int = Field(32, ge=1, description="the high concurrency of the A/B (one stream is always measured)")
+    ab_requests: int = Field(32, ge=4, description="measured requests per A/B point")
+    ab_repeats: int = Field(2, ge=1, le=10)
+
+    # deploy
+    deploy_name: str = Field("", pattern=r"^$|^[A-Za-z0-9][A-Za-z0-9._-]*$", description="unit servebook-<name>.service; empty means the served name")
+    deploy_user: str = Field("vllm", pattern=r"^[a-z_][a-z0-9_-]*$", description="dedicated non-root user the service runs as")
+    deploy_install: bool = Field(False, description="install, enable and start the unit (needs root and a running systemd)")
+
     # smoke test
     smoke_max_tokens: int = Field(32, ge=2, le=4096)
 
@@ -101,6 +125,13 @@ class Params(BaseModel):
                     f"extra_env.{key} looks like a secret; secrets come from the environment only "
                     f"(set api_key_env to the variable's name, or export it before running)"
                 )
+        if self.nccl_min_bytes > self.nccl_max_bytes:
+            raise ValueError(f"nccl_min_bytes ({self.nccl_min_bytes}) exceeds nccl_max_bytes ({self.nccl_max_bytes})")
+        from servebook.ab import validate_variants
+
+        ab_problems = validate_variants(self.ab_variants)
+        if ab_problems:
+            raise ValueError("; ".join(ab_problems))
         if self.bench_shared_prefix_len >= self.bench_input_len:
             raise ValueError(
                 f"bench_shared_prefix_len ({self.bench_shared_prefix_len}) must be shorter than bench_input_len "

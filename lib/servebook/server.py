@@ -67,15 +67,16 @@ class ServerConfig:
     load_timeout_s: float = 0.0
 
     @classmethod
-    def from_params(cls, values: dict[str, Any], device: str, layout: dict[str, Any] | None = None) -> "ServerConfig":
-        """Build from parameters; a plan's recommended layout overrides the layout keys."""
+    def from_params(cls, values: dict[str, Any], device: str, layout: dict[str, Any] | None = None,
+                    model_path: str | None = None) -> "ServerConfig":
+        """Build from parameters; a plan's recommended layout overrides the layout keys, a download's folder the model."""
         keys = {f for f in cls.__dataclass_fields__ if f not in {"model_path", "device"}}
         chosen = {k: v for k, v in values.items() if k in keys}
         if layout:
             chosen.update({k: v for k, v in layout.items() if k in keys})
         model = chosen["model"]
         chosen["served_model_name"] = chosen.get("served_model_name") or models.default_served_name(model)
-        return cls(model_path=models.resolve(model), device=device, **chosen)
+        return cls(model_path=model_path or models.resolve(model), device=device, **chosen)
 
     @property
     def world_size(self) -> int:
@@ -120,7 +121,7 @@ class ServerConfig:
             return float(self.load_timeout_s)
         return BASE_BUDGET_S + SECONDS_PER_GB * self.checkpoint_gb()
 
-    def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
+    def environment(self, base: dict[str, str] | None = None, with_secrets: bool = True) -> dict[str, str]:
         """The server's environment: ours, plus what vLLM needs, plus extra_env. The API key stays out of argv."""
         env = dict(os.environ if base is None else base)
         # The launcher must not cut a long load short: vLLM's own default is 600 s.
@@ -135,7 +136,7 @@ class ServerConfig:
         elif self.gpu_ids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
         env.pop("VLLM_API_KEY", None)
-        if self.api_key_env:
+        if self.api_key_env and with_secrets:
             if self.api_key_env not in os.environ:
                 raise PreflightError(f"api_key_env names {self.api_key_env}, which is not set; export it or set api_key_env: ''")
             env["VLLM_API_KEY"] = os.environ[self.api_key_env]
@@ -514,6 +515,8 @@ class Launch:
             "model": self.config.model,
             "model_path": self.config.model_path,
             "device": self.config.device,
+            "gpu_ids": self.config.gpu_ids,
+            "world_size": self.config.world_size,
             "pid": self.pid,
             "pgid": self.pgid,
             "reused": self.reused,
@@ -671,3 +674,40 @@ def status() -> list[dict[str, Any]]:
         rows.append({"port": None, "pid": proc.pid, "model": "?", "url": "", "processes": 1,
                      "health": "orphaned", "log": "", "started_at": ""})
     return rows
+
+
+# ---------------------------------------------------------------- checks for a service manager
+
+def resources_held(port: int, host: str = "127.0.0.1", gpu_ids: list[int] | None = None) -> list[str]:
+    """Everything that would stop a new server from starting: a port holder, orphaned vLLM processes,
+    processes or unattributed memory on the GPUs."""
+    problems = []
+    holder = port_holder(host, port)
+    if holder is not None:
+        problems.append(f"port {port} is held by {'an unidentified process' if holder is True else describe(holder)}")
+    problems += [f"orphaned vLLM process {describe(p)}" for p in vllm_orphans()]
+    if gpu_ids:
+        inv = hardware.inventory()
+        if not inv.available:
+            problems.append(f"GPUs {gpu_ids} requested but {inv.error}")
+        else:
+            for i, p in hardware.holders(inv, gpu_ids):
+                problems.append(f"GPU {i} holds {hardware.gib(p.used_bytes)} for pid {p.pid} {p.title}")
+            problems += [f"GPU {g.index} has {hardware.gib(g.unattributed_bytes)} in use by no visible process"
+                         for g in inv.gpus if g.index in gpu_ids and g.unattributed_bytes]
+    return problems
+
+
+def wait_ready(url: str, timeout_s: float, poll_s: float = 2.0) -> tuple[bool, str, float]:
+    """Poll ``/health`` until 200 (ready), 503 (engine dead) or the timeout; (ok, what happened, seconds)."""
+    start = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - start
+        state = health(url)
+        if state == "ready":
+            return True, f"{url} ready after {elapsed:.1f} s", elapsed
+        if state == "dead":
+            return False, f"{url}/health answers 503: the engine died", elapsed
+        if elapsed >= timeout_s:
+            return False, f"{url} not ready within {timeout_s:.0f} s (last state: {state})", elapsed
+        time.sleep(min(poll_s, max(0.1, timeout_s - elapsed)))

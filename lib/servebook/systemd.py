@@ -1,0 +1,197 @@
+"""A systemd service for the chosen configuration that starts only when ready and cleans up after itself.
+
+The traps it avoids (../shared/research/gpu-ops.md section 7): ``KillMode=process`` leaves
+orphaned ``VLLM::`` engine processes on the GPUs, a 90 s default start timeout kills a
+36-minute load, ``Restart=always`` relaunches into an out-of-memory loop while leftovers
+hold memory, and ``Type=simple`` reports "started" long before the model answers.  So:
+``Type=exec``; a pre-start check that the GPUs and the port are free; a post-start step
+that waits for ``/health`` so ``systemctl start`` returns only when the model answers;
+a start timeout derived from the measured (or predicted) load time; the whole control
+group killed on stop; ``Restart=on-failure`` with a back-off and a start limit sized for
+long loads.  The API key lives in a root-only environment file, never in the unit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+START_MARGIN = 1.5  # TimeoutStartSec = 1.5 x the load time, plus a fixed allowance
+START_ALLOWANCE_S = 300
+STOP_TIMEOUT_S = 120  # SIGTERM grace before SIGKILL; vLLM's worker shutdown takes about 5 s plus in-flight requests
+RESTART_SEC = 30
+START_BURST = 3
+SECRET_VARS = ("VLLM_API_KEY", "HF_TOKEN")
+
+
+@dataclass
+class UnitSpec:
+    name: str  # servebook-<name>.service
+    description: str
+    command: list[str]  # the exact serving command the launch stage validated
+    environment: dict[str, str]  # non-secret variables
+    secret_vars: list[str]  # variables the environment file must carry (values added at install)
+    url: str
+    port: int
+    gpu_ids: list[int]
+    device: str
+    load_seconds: float  # measured, or predicted from the checkpoint size
+    load_source: str  # "measured" or "predicted"
+    servebook: str  # path of the servebook executable on the target host
+    user: str = "vllm"
+    state_dir: str = ""
+
+    @property
+    def unit_name(self) -> str:
+        return f"servebook-{self.name}.service"
+
+    @property
+    def env_file(self) -> str:
+        return f"/etc/servebook/{self.name}.env"
+
+    @property
+    def timeout_start_s(self) -> int:
+        return int(math.ceil(self.load_seconds * START_MARGIN + START_ALLOWANCE_S))
+
+    @property
+    def start_limit_interval_s(self) -> int:
+        # a window that holds START_BURST complete attempts, so a slow load is never mistaken for a crash loop
+        return START_BURST * (self.timeout_start_s + RESTART_SEC) + 60
+
+
+def _quote(arg: str) -> str:
+    """systemd's quoting for Exec lines: double quotes, with %, $ and \\ escaped."""
+    if re.fullmatch(r"[A-Za-z0-9_@%+=:,./\-]+", arg) and "%" not in arg and "$" not in arg:
+        return arg
+    escaped = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+    return f'"{escaped}"'
+
+
+def exec_line(args: list[str]) -> str:
+    return " ".join(_quote(a) for a in args)
+
+
+def render_unit(u: UnitSpec) -> str:
+    gpus = ",".join(str(i) for i in u.gpu_ids)
+    check = [u.servebook, "gpu-check", "--port", str(u.port)] + (["--gpus", gpus] if gpus and u.device == "cuda" else [])
+    wait = [u.servebook, "wait-ready", "--url", u.url, "--timeout", str(u.timeout_start_s)]
+    state = u.state_dir or f"/var/lib/servebook/{u.name}"
+    env_lines = "\n".join(f"Environment={_quote(f'{k}={v}')}" for k, v in sorted(u.environment.items()))
+    return f"""# Rendered by servebook from the configuration its launch stage validated.
+# Load time {u.load_seconds:.0f} s ({u.load_source}); TimeoutStartSec = {START_MARGIN} x load + {START_ALLOWANCE_S} s.
+[Unit]
+Description={u.description}
+Documentation=https://docs.vllm.ai/
+After=network-online.target
+Wants=network-online.target
+# A window that holds {START_BURST} complete long loads: a slow start is not a crash loop.
+StartLimitIntervalSec={u.start_limit_interval_s}
+StartLimitBurst={START_BURST}
+
+[Service]
+# exec: systemd reports a failure to start the binary at once; readiness comes from ExecStartPost.
+Type=exec
+User={u.user}
+Group={u.user}
+WorkingDirectory={state}
+StateDirectory=servebook/{u.name}
+{env_lines}
+Environment=HOME={state}
+Environment=HF_HOME={state}/hf
+Environment=VLLM_CACHE_ROOT={state}/vllm
+# secrets (the API key) live here, root-only, never in this unit
+EnvironmentFile=-{u.env_file}
+# refuse to start while anything holds the GPUs or the port (leftovers from a killed server)
+ExecStartPre={exec_line(check)}
+ExecStart={exec_line(u.command)}
+# systemctl start returns only when /health answers 200
+ExecStartPost={exec_line(wait)}
+TimeoutStartSec={u.timeout_start_s}
+# stop: SIGTERM to every process of the unit (API server, EngineCore, workers), SIGKILL after the grace
+KillMode=control-group
+KillSignal=SIGTERM
+SendSIGKILL=yes
+TimeoutStopSec={STOP_TIMEOUT_S}
+Restart=on-failure
+RestartSec={RESTART_SEC}
+LimitNOFILE=65536
+LimitMEMLOCK=infinity
+StandardOutput=journal
+StandardError=journal
+SyslogIdentifier=servebook-{u.name}
+# hardening that still lets vLLM read the model, use the GPUs and write its caches
+NoNewPrivileges=yes
+PrivateTmp=yes
+ProtectSystem=full
+ProtectHome=read-only
+ReadWritePaths={state}
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectControlGroups=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def render_env_file(u: UnitSpec, values: dict[str, str] | None = None) -> str:
+    """The environment file; without ``values`` the secrets are left empty (filled at install time)."""
+    lines = [f"# {u.unit_name}: secrets only. Mode 0600, owner root.", ""]
+    for name in u.secret_vars:
+        value = (values or {}).get(name, "")
+        lines.append(f"{name}={value}" if value else f"# {name}= (filled from the installing shell's environment)")
+    return "\n".join(lines) + "\n"
+
+
+def verify(unit_path: Path) -> dict[str, Any]:
+    """``systemd-analyze verify`` on a rendered unit (works without a running systemd)."""
+    exe = shutil.which("systemd-analyze")
+    if not exe:
+        return {"ran": False, "ok": False, "output": "systemd-analyze is not installed (apt-get install systemd)"}
+    proc = subprocess.run([exe, "verify", str(unit_path)], capture_output=True, text=True, timeout=60)
+    out = (proc.stdout + proc.stderr).strip()
+    # A wrong value is only "ignored" by systemd (exit 0) and would silently change the unit: treat it as an error.
+    # Paths of the target host (the venv, the user) may not exist on this machine: those are not.
+    serious = [l for l in out.splitlines() if re.search(
+        r"(Failed to parse|Unknown (key|section|lvalue)|[Bb]ad unit file|fatal error|Invalid|Missing '=')", l)
+        and not re.search(r"(is not executable|No such file|Failed to resolve user|does not exist)", l)]
+    return {"ran": True, "ok": proc.returncode == 0 and not serious, "returncode": proc.returncode, "output": out,
+            "blocking": serious}
+
+
+def systemd_running() -> bool:
+    return Path("/run/systemd/system").is_dir()
+
+
+def install(u: UnitSpec, unit_text: str) -> dict[str, Any]:
+    """Write the unit and the root-only environment file, create the user, enable and start. Needs root and systemd."""
+    if not systemd_running():
+        raise RuntimeError("systemd is not running on this host (a container?); copy the rendered unit to a host that runs it")
+    if os.geteuid() != 0:
+        raise PermissionError("installing a system unit needs root")
+    if subprocess.run(["id", "-u", u.user], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        "--groups", "video", u.user], check=True)
+    env = Path(u.env_file)
+    env.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(env, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(render_env_file(u, {k: os.environ[k] for k in u.secret_vars if k in os.environ}))
+    Path(f"/etc/systemd/system/{u.unit_name}").write_text(unit_text)
+    subprocess.run(["systemctl", "daemon-reload"], check=True)
+    proc = subprocess.run(["systemctl", "enable", "--now", u.unit_name], capture_output=True, text=True,
+                          timeout=u.timeout_start_s + 60)
+    return {"enabled": proc.returncode == 0, "output": (proc.stdout + proc.stderr)[-2000:]}
+
+
+def shell_line(args: list[str]) -> str:
+    return shlex.join(args)

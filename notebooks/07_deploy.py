@@ -1,0 +1,83 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-all
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · Deploy
+#
+# The configuration the earlier stages chose, as a systemd service that starts only when ready and cleans up
+# after itself. The unit is rendered from the launch stage's record (the exact command vLLM's parser accepted,
+# its environment, the measured load time) plus the NCCL stage's recommended environment when it ran:
+#
+# - `Type=exec`, and an `ExecStartPost=` that waits for `/health`, so `systemctl start` returns when the model
+#   answers, not half an hour before;
+# - an `ExecStartPre=` that refuses to start while anything holds the GPUs or the port (`servebook gpu-check`);
+# - `TimeoutStartSec` = 1.5 × the load time + 5 minutes, and vLLM's `VLLM_ENGINE_READY_TIMEOUT_S` to match;
+# - `KillMode=control-group` with SIGTERM and a stop timeout: EngineCore and workers go with the API server;
+# - `Restart=on-failure` with `RestartSec=30` and a start-limit window that holds three full loads;
+# - a dedicated non-root user, journald logging, file-descriptor limits, and hardening that still lets vLLM read
+#   the model, use the GPUs and write its caches. The API key lives in a root-only environment file.
+#
+# `systemd-analyze verify` checks the unit. Installing happens only with `deploy_install: true`. Where systemd is
+# not running (containers, these CI machines), the stage runs the pre-start check, the exact serving command and the
+# post-start wait itself, then a smoke test against that server, to prove each piece works.
+
+# %% tags=["parameters"]
+deploy_name: str = ""  # unit servebook-<name>.service; empty means the served name
+deploy_user: str = "vllm"  # dedicated non-root user the service runs as
+deploy_install: bool = False  # install, enable and start the unit (needs root and a running systemd)
+run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
+
+# %%
+from pathlib import Path
+
+from IPython.display import Markdown, display
+
+from servebook import deploy_stage, params
+
+p = params.from_namespace(globals())
+deployed = deploy_stage.run(p, run_dir or "")
+
+# %% [markdown]
+# ## The unit
+
+# %%
+print(Path(deployed["unit_file"]).read_text())
+
+# %% [markdown]
+# ## Checks
+
+# %%
+v = deployed["verify"]
+lines = [f"- `systemd-analyze verify`: {'passed' if v['ok'] else 'FAILED'}" + (f" (notes: {v['output'][:300]})" if v["output"] else "")]
+pre = deployed["pre_start_with_ad_hoc_server"]
+lines.append(f"- pre-start check while the ad hoc server runs: exit {pre['returncode']} — {pre['output'][:200]}")
+if deployed.get("ad_hoc_server_stopped"):
+    lines.append(f"- ad hoc server stopped for the service: {deployed['ad_hoc_server_stopped']}")
+dry = deployed.get("dry_run") or {}
+if dry:
+    lines.append(f"- dry run, pre-start check: exit {dry['pre_start']['returncode']}")
+    if "post_start" in dry:
+        lines.append(f"- dry run, post-start wait: exit {dry['post_start']['returncode']} — {dry['post_start']['output']}")
+    if "smoke_test" in dry:
+        lines.append(f"- dry run, smoke test: {'passed' if dry['smoke_test']['passed'] else 'FAILED'}")
+    if "stop" in dry:
+        lines.append(f"- dry run, stop: {len(dry['stop']['signalled'])} processes, {len(dry['stop']['remaining'])} left")
+lines.append(f"- installed: {deployed['installed'] or 'no (deploy_install is false)'}")
+display(Markdown("\n".join(lines)))
+
+# %%
+deploy_stage.raise_on_failure(deployed)

@@ -1,0 +1,83 @@
+"""Bandwidth formulas, the gloo path of the micro-benchmark, and the noise-band verdict."""
+
+import pytest
+
+from servebook import ab, nccl, nccl_stage, params
+from servebook.errors import ParamsError
+
+
+def test_bandwidth_as_nccl_tests_defines_it():
+    # 256 MB all-reduce in 889.5 us on 2 GPUs: algbw 301.8 GB/s, busbw x 2(n-1)/n = x1
+    assert nccl.algbw(268_435_456, 889.5e-6) == pytest.approx(301.78, rel=1e-3)
+    assert nccl.busbw("all_reduce", 268_435_456, 889.5e-6, 2) == pytest.approx(301.78, rel=1e-3)
+    assert nccl.busbw("all_reduce", 1e9, 1.0, 8) == pytest.approx(1.75)  # 2 x 7/8
+    assert nccl.busbw("all_gather", 1e9, 1.0, 8) == pytest.approx(0.875)  # 7/8
+    assert nccl.bus_factor("all_reduce", 1) == 0.0
+
+
+def test_sizes_and_parsing():
+    assert nccl.sizes(8192, 65536) == [8192, 16384, 32768, 65536]
+    assert nccl.parse_size("8K") == 8192 and nccl.parse_size("256M") == 268_435_456
+    with pytest.raises(ValueError):
+        nccl.parse_size("lots")
+
+
+def test_harmful_sets_are_flagged_against_the_baseline():
+    def rows(bw_big, small_us):
+        return [{"collective": "all_reduce", "bytes": 8192, "time_us": small_us, "algbw_gbs": 0, "busbw_gbs": 0.2},
+                {"collective": "all_reduce", "bytes": 1 << 28, "time_us": 900, "algbw_gbs": bw_big, "busbw_gbs": bw_big}]
+
+    sets = [nccl.SetResult("baseline", {}, True, rows(300, 40), {}, "", [], 1),
+            nccl.SetResult("p2p_disable", {"NCCL_P2P_DISABLE": "1"}, True, rows(28, 42), {}, "", [], 1),
+            nccl.SetResult("algo_ring", {"NCCL_ALGO": "Ring"}, True, rows(301, 39), {}, "", [], 1),
+            nccl.SetResult("algo_tree", {"NCCL_ALGO": "Tree"}, False, [], {}, "ranks exited with code 1", [], 1)]
+    summary = {(r["set"], r["collective"]): r for r in nccl.summarize(sets)}
+    assert summary[("p2p_disable", "all_reduce")]["harmful"] == "busbw 28.0 vs 300.0 GB/s"
+    assert summary[("algo_ring", "all_reduce")]["harmful"] == ""
+    assert summary[("algo_tree", "-")]["harmful"].startswith("failed: ranks exited")
+
+
+def test_confirmations_come_from_ncclS_own_log():
+    log = "vm:1:1 [0] NCCL INFO NCCL_PROTO set by environment to LL\nother line\n"
+    assert nccl.confirmations(log, {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring"}) == [
+        "vm:1:1 [0] NCCL INFO NCCL_PROTO set by environment to LL", "NCCL_ALGO: no NCCL log line mentions it"]
+
+
+def test_gloo_path_runs_without_gpus():
+    result = nccl.run_all("gloo", 2, 8192, 65536, 2, 1, ["baseline", "proto_ll"], log=lambda _: None)
+    assert result["backend"] == "gloo" and [s["name"] for s in result["sets"]] == ["baseline"]
+    rows = result["sets"][0]["rows"]
+    assert {r["collective"] for r in rows} == {"all_reduce", "all_gather"} and len(rows) == 8
+    assert all(r["time_us"] > 0 and r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * nccl.bus_factor(r["collective"], 2))
+               for r in rows)
+
+
+@pytest.mark.parametrize("base, variant, noise, expected", [
+    ([100, 104], [110, 112], 0.04, "better"),  # +8.7 % against a 4 % band
+    ([100, 104], [103, 101], 0.04, "no effect"),
+    ([100, 104], [90, 92], 0.04, "worse"),
+    ([100, 130], [120, 121], 0.30, "no effect"),  # +17 % but the baseline itself moved 26 %
+])
+def test_noise_band_verdicts(base, variant, noise, expected):
+    assert ab.verdict(base, variant, noise)[0] == expected
+
+
+def test_noise_band_is_the_baselines_spread_with_a_floor():
+    assert ab.noise_band([100, 110, 105]) == pytest.approx(10 / 105)
+    assert ab.noise_band([100, 100.5]) == ab.MIN_NOISE
+
+
+def test_variants_are_validated_with_the_params():
+    with pytest.raises(ParamsError, match=r"ab_variants\[0\] \(x\): unknown keys \['max_num_seq'\]"):
+        params.validate({"ab_variants": [{"name": "x", "max_num_seq": 4}]})
+    with pytest.raises(ParamsError, match="has no 'name'"):
+        params.validate({"ab_variants": [{"max_num_seqs": 4}]})
+
+
+def test_recommendation_keeps_the_default_unless_an_environment_set_wins():
+    rows = lambda verdict: [{"variant": "nccl-ll", "concurrency": c, "verdict": verdict, "change": 0.1} for c in (1, 32)]  # noqa: E731
+    keys = {"nccl-ll": ["extra_env"]}
+    env = {"nccl-ll": {"NCCL_PROTO": "LL"}}
+    assert nccl_stage.recommend({"rows": rows("no effect"), "variant_keys": keys, "variant_env": env})[0] == {}
+    assert nccl_stage.recommend({"rows": rows("better"), "variant_keys": keys, "variant_env": env})[0] == {"NCCL_PROTO": "LL"}
+    assert nccl_stage.recommend(None)[0] == {}

@@ -1,0 +1,69 @@
+"""Units rendered for the story's two deployments, with values derived from their plans."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from servebook import deploy_stage, modelspec, params, planner, server, systemd
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "tests" / "fixtures" / "configs"
+
+
+def story_unit(params_name: str, config_name: str, gpu: str) -> tuple[systemd.UnitSpec, str, dict]:
+    p = params.load(REPO / "params" / params_name)
+    spec = modelspec.load(str(CONFIGS / config_name))
+    from servebook import gpus
+
+    g = gpus.lookup(gpu)
+    plan = planner.plan(spec, planner.Device(g.name, 8, g.memory_bytes, g.bandwidth_bytes_s), p.max_model_len,
+                        p.gpu_memory_utilization, p.kv_cache_dtype)
+    predicted = server.BASE_BUDGET_S + server.SECONDS_PER_GB * plan["weights_total_bytes"] / 1e9
+    cfg = server.ServerConfig.from_params(p.model_dump(), "cuda")
+    unit = deploy_stage.unit_spec(p.run_name, deploy_stage.launch_record(cfg), predicted_load_s=predicted)
+    return unit, systemd.render_unit(unit), plan
+
+
+@pytest.mark.parametrize("params_name, config_name, gpu", [
+    ("minimax-m2.5-8gpu.yaml", "minimax-m2.5.json", "H200"),
+    ("kimi-k2.5-8gpu.yaml", "kimi-k2.5.json", "RTX-PRO-6000"),
+])
+def test_story_units(params_name, config_name, gpu, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "sk-never-in-the-unit")
+    unit, text, plan = story_unit(params_name, config_name, gpu)
+    line = lambda key: re.search(rf"^{key}=(.*)$", text, re.M).group(1)  # noqa: E731
+    assert line("Type") == "exec" and line("KillMode") == "control-group" and line("Restart") == "on-failure"
+    assert line("User") == "vllm" and line("LimitNOFILE") == "65536" and line("StandardOutput") == "journal"
+    # the start timeout covers the predicted load of the plan's weights, with margin
+    load = server.BASE_BUDGET_S + server.SECONDS_PER_GB * plan["weights_total_bytes"] / 1e9
+    assert int(line("TimeoutStartSec")) == unit.timeout_start_s >= 1.5 * load
+    assert f"VLLM_ENGINE_READY_TIMEOUT_S={unit.timeout_start_s}" in text
+    assert int(line("StartLimitIntervalSec")) > 3 * unit.timeout_start_s
+    assert line("ExecStartPre").endswith("gpu-check --port 8000 --gpus 0,1,2,3,4,5,6,7")
+    assert "wait-ready --url http://127.0.0.1:8000" in line("ExecStartPost")
+    assert "--tensor-parallel-size 8" in line("ExecStart") and "--host 127.0.0.1" in line("ExecStart")
+    assert "sk-never-in-the-unit" not in text and "--api-key" not in text
+    assert line("EnvironmentFile") == f"-/etc/servebook/{unit.name}.env"
+    assert "VLLM_API_KEY" in systemd.render_env_file(unit) and "sk-never" not in systemd.render_env_file(unit)
+    if "minimax" in params_name:
+        assert "--enable-expert-parallel" in line("ExecStart")
+    else:
+        assert unit.timeout_start_s > 1.5 * 36 * 60  # the story's 36-minute load fits
+    path = tmp_path / unit.unit_name
+    path.write_text(text)
+    result = systemd.verify(path)
+    assert result["ran"], result["output"]
+    assert result["ok"], result["output"]
+
+
+def test_verify_catches_a_broken_unit(tmp_path):
+    path = tmp_path / "servebook-bad.service"
+    path.write_text("[Service]\nType=bogus\nExecStart=/bin/true\nKillMode=sometimes\n")
+    result = systemd.verify(path)
+    assert result["ran"] and not result["ok"]
+
+
+def test_exec_lines_are_quoted_for_systemd():
+    assert systemd.exec_line(["/v/python", "-m", "x", "--json", '{"a": 1}', "100%", "$HOME"]) == \
+        '/v/python -m x --json "{\\"a\\": 1}" "100%%" "$$HOME"'
