@@ -100,7 +100,7 @@ def run(base: server.ServerConfig, variants: list[dict[str, Any]], log_dir: Path
             server.launch(cfg, log_dir / f"ab-{i:02d}-{name}", log=lambda _m: None)
             got = measure(cfg, maker, workload, concurrencies, requests, repeats)
         except ServebookError as exc:
-            failures[name] = str(exc).splitlines()[0] + ("\n" + exc.cause if getattr(exc, "cause", "") else "")
+            failures[name] = " ".join(str(exc).split())[:600] if not getattr(exc, "cause", "") else exc.cause
             log(f"A/B {name}: failed: {failures[name]}")
             continue
         for c, values in got.items():

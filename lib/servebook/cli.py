@@ -219,25 +219,53 @@ def bench(
     set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE"),
 ) -> None:
     """Launch (or reuse) the server, sweep concurrency to saturation, write tables to a new run folder."""
-    from servebook import bench_stage, launch_stage, params, runner
+    from servebook import bench_stage
 
-    try:
-        p = params.load(params_file, set_)
-        run_dir = runner.new_run_dir(f"{p.run_name}-bench")
-        launched = launch_stage.run(p, run_dir)
-        try:
-            data = bench_stage.run(p, run_dir)
-        finally:
-            if launched["started_by_this_run"] and not p.keep_server:
-                runner.stop_started_server(run_dir, typer.echo)
+    def report(data: dict) -> None:
         typer.echo(f"stopped: {data['stop_reason']}")
         if data["best"]:
             typer.echo(f"best {data['best']['output_throughput']:.0f} output tok/s at concurrency "
                        f"{data['best']['concurrency']}, plateau from {data['plateau_concurrency']}")
         bench_stage.raise_on_fault(data)
+
+    _stage_with_server(params_file, set_, "bench", bench_stage.run, report)
+
+
+def _stage_with_server(params_file: Path, overrides: list[str], suffix: str, stage, report) -> None:
+    """Launch (or reuse) the configured server in a new run folder, run one stage against it, and stop the
+    server afterwards if this command started it (unless keep_server)."""
+    from servebook import launch_stage, params, runner
+
+    try:
+        p = params.load(params_file, overrides)
+        run_dir = runner.new_run_dir(f"{p.run_name}-{suffix}")
+        launch_stage.run(p, run_dir)
+        try:
+            data = stage(p, run_dir)
+        finally:
+            if not p.keep_server:
+                runner.stop_started_server(run_dir, typer.echo)
+        report(data)
     except ServebookError as exc:
         _fail(exc)
     typer.echo(str(run_dir))
+
+
+@app.command()
+def deploy(
+    params_file: Path = typer.Argument(..., help="params YAML (the server, deploy_* parameters)"),
+    set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE"),
+) -> None:
+    """Launch (or reuse) the configured server, render and verify its systemd unit, prove the pre-start and
+    post-start commands, and install it only when deploy_install is true."""
+    from servebook import deploy_stage
+
+    def report(data: dict) -> None:
+        typer.echo(f"unit: {data['unit_file']} (TimeoutStartSec={data['timeout_start_s']}, load {data['load_seconds']:.0f} s "
+                   f"{data['load_source']}); systemd-analyze verify {'passed' if data['verify']['ok'] else 'FAILED'}")
+        deploy_stage.raise_on_failure(data)
+
+    _stage_with_server(params_file, set_, "deploy", deploy_stage.run, report)
 
 
 @app.command()

@@ -196,8 +196,8 @@ def run_set(name: str, env: dict[str, str], backend: str, world: int, min_bytes:
                    if l.startswith("SERVEBOOK-NCCL ")), None)
     if result is None and not error:
         code = next((c for c, _, _ in outputs if c), None)
-        tail = "\n".join(log.strip().splitlines()[-8:])
-        error = f"ranks exited with code {code}: {tail[-1500:]}"
+        said = [l.strip() for l in log.splitlines() if re.search(r"\b\w*(Error|error)\b:", l)]
+        error = f"ranks exited with code {code}: " + (said[-1][-400:] if said else log.strip()[-400:])
     return SetResult(name, env, result is not None and not error, (result or {}).get("rows", []), (result or {}).get("info", {}),
                      error, confirmations(log, env) if backend == "nccl" else [], round(time.monotonic() - started, 2))
 
