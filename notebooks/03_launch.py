@@ -35,7 +35,8 @@
 # `VLLM_ENGINE_READY_TIMEOUT_S`, so a 36-minute load is not cut at vLLM's 10-minute default. If the process
 # exits or `/health` answers 503, the wait stops and the root cause is read from the log.
 #
-# When the plan stage ran in this run, its recommended layout replaces the layout parameters below.
+# When the plan stage ran in this run with `layout_from_plan: true`, its recommended layout replaces the layout
+# parameters below; when the download stage ran, its verified local folder replaces `model`.
 
 # %% tags=["parameters"]
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe

@@ -365,7 +365,15 @@ def _plan(spec: ModelSpec, device: Device, max_model_len: int, gpu_memory_utiliz
         "batch": batch,
         "layouts": [l.to_dict() for l in layouts],
         "recommended": ({**recommended.to_dict(), "launch": recommended.launch()} if recommended else None),
-        "why": (f"{recommended.name}: highest decode ceiling at {batch} concurrent sequences "
-                f"({recommended.decode_tok_s_batch:,.0f} tok/s) among {len(usable)} layouts that vLLM accepts and that fit"
-                if recommended else "no layout is both accepted by vLLM and fits in memory"),
+        "why": _why(recommended, usable, batch, device),
     }
+
+
+def _why(recommended: Layout | None, usable: list[Layout], batch: int, device: Device) -> str:
+    if recommended is None:
+        return "no layout is both accepted by vLLM and fits in memory"
+    if not device.bandwidth_bytes_s:
+        return (f"{recommended.name}: {'the only' if len(usable) == 1 else 'the first of ' + str(len(usable))} layout(s) "
+                f"that vLLM accepts and that fit ({device.name} has no bandwidth figure to rank by)")
+    return (f"{recommended.name}: highest decode ceiling at {batch} concurrent sequences "
+            f"({recommended.decode_tok_s_batch:,.0f} tok/s) among {len(usable)} layouts that vLLM accepts and that fit")
