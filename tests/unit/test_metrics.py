@@ -110,3 +110,21 @@ def test_crossover_between_two_layouts():
     tp8 = pd.DataFrame({"concurrency": [1, 2, 4, 8, 16], "output_throughput": [80, 150, 290, 480, 800]})
     assert plots.crossover(tp2, tp8) == 8
     assert plots.crossover(tp2, tp2 * 0 + tp2.assign(output_throughput=tp2.output_throughput + 1)) is None
+
+
+def test_compare_labels_layouts_and_finds_the_crossover(tmp_path):
+    import json
+
+    def run(name, flags, tps):
+        d = tmp_path / name
+        d.mkdir()
+        pd.DataFrame({"concurrency": [1, 2, 4, 8], "output_throughput": tps, "per_user_tok_s": [80, 70, 60, 40],
+                      "ttft_p50": [0.05, 0.06, 0.08, 0.2]}).to_parquet(d / "05_benchmark_levels.parquet")
+        (d / "03_launch.json").write_text(json.dumps({"command": ["vllm", "serve", "m", *flags]}))
+        return d
+
+    a = run("tp2", ["--tensor-parallel-size", "2", "--data-parallel-size", "4", "--enable-expert-parallel"], [90, 170, 300, 420])
+    b = run("tp8", ["--tensor-parallel-size", "8", "--enable-expert-parallel"], [80, 150, 320, 600])
+    fig, crossings = plots.compare([a, b])
+    assert crossings == [{"a": "TP=2+DP=4+EP (tp2)", "b": "TP=8+EP (tp8)", "crossover_concurrency": 4}]
+    assert len(fig.data) == 6
