@@ -61,7 +61,7 @@ def test_pipeline_runs_every_stage_and_stops_its_server(tmp_path):
     html = (run_dir / "report.html").read_text()
     assert "All stages completed" in html and "03_launch" in html
     assert html.count("Plotly.newPlot") >= 6 and html.count("plotly.js v") == 1  # plan, benchmark and NCCL plots
-    for path in run_dir.iterdir():
+    for path in (p for p in run_dir.rglob("*") if p.is_file()):
         assert "hf_pipelinesecret123" not in path.read_text(errors="replace"), path.name
 
 
