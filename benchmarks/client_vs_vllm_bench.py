@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -64,24 +63,68 @@ def parse(out: str) -> dict:
 
 
 def run_servebook(url, model, path, n, c, inp, out, seed) -> dict:
-    proc = subprocess.run([sys.executable, "-c", SERVEBOOK_CLIENT, url, model, path, str(n), str(c), str(inp), str(out), str(seed)],
-                          capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVEBOOK_CLIENT, url, model, path, str(n), str(c), str(inp), str(out), str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     r = parse(proc.stdout + proc.stderr)
-    return {"output_tok_s": r["output_throughput"], "ttft_ms": 1000 * r["ttft_p50"], "tpot_ms": 1000 * r["tpot_p50"],
-            "cpu_s": r["client_cpu_s"], "tokens": r["output_tokens"], "failed": r["failed"], "errors": r["errors"],
-            "duration_s": r["duration_s"]}
+    return {
+        "output_tok_s": r["output_throughput"],
+        "ttft_ms": 1000 * r["ttft_p50"],
+        "tpot_ms": 1000 * r["tpot_p50"],
+        "cpu_s": r["client_cpu_s"],
+        "tokens": r["output_tokens"],
+        "failed": r["failed"],
+        "errors": r["errors"],
+        "duration_s": r["duration_s"],
+    }
 
 
 def run_vllm(url, model, path, n, c, inp, out, seed) -> dict:
     host, port = url.removeprefix("http://").split(":")
-    args = ["--backend", "vllm", "--host", host, "--port", port, "--model", model, "--tokenizer", path,
-            "--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len", str(out),
-            "--num-prompts", str(n), "--max-concurrency", str(c), "--ignore-eos", "--seed", str(seed),
-            "--num-warmups", str(c), "--disable-tqdm"]
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", VLLM_CLIENT, *args], capture_output=True, text=True, timeout=3600)
+    args = [
+        "--backend",
+        "vllm",
+        "--host",
+        host,
+        "--port",
+        port,
+        "--model",
+        model,
+        "--tokenizer",
+        path,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(inp),
+        "--random-output-len",
+        str(out),
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(c),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--num-warmups",
+        str(c),
+        "--disable-tqdm",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", VLLM_CLIENT, *args], capture_output=True, text=True, timeout=3600
+    )
     r = parse(proc.stdout + proc.stderr)
-    return {"output_tok_s": r["output_throughput"], "ttft_ms": r["median_ttft_ms"], "tpot_ms": r["median_tpot_ms"],
-            "cpu_s": r["client_cpu_s"], "tokens": r["total_output_tokens"], "failed": n - r["completed"], "errors": {}}
+    return {
+        "output_tok_s": r["output_throughput"],
+        "ttft_ms": r["median_ttft_ms"],
+        "tpot_ms": r["median_tpot_ms"],
+        "cpu_s": r["client_cpu_s"],
+        "tokens": r["total_output_tokens"],
+        "failed": n - r["completed"],
+        "errors": {},
+    }
 
 
 def main() -> None:
@@ -92,8 +135,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--stress-concurrency", type=int, default=512)
     args = ap.parse_args()
-    cfg = server.ServerConfig.from_params(dict(model="builtin:tiny-qwen3-moe", served_model_name="", port=args.port,
-                                               max_model_len=2048, enforce_eager=True, cpu_kv_cache_gib=1), "cpu")
+    cfg = server.ServerConfig.from_params(
+        dict(
+            model="builtin:tiny-qwen3-moe",
+            served_model_name="",
+            port=args.port,
+            max_model_len=2048,
+            enforce_eager=True,
+            cpu_kv_cache_gib=1,
+        ),
+        "cpu",
+    )
     launched = server.launch(cfg, Path(tempfile.mkdtemp(prefix="servebook-cmp-")), log=lambda _: None)
     url, model, path = launched.url, cfg.served_model_name, cfg.model_path
     results = {"servebook": [], "vllm bench serve": []}
@@ -102,16 +154,21 @@ def main() -> None:
             for name, fn in (("vllm bench serve", run_vllm), ("servebook", run_servebook)):
                 r = fn(url, model, path, args.prompts, args.concurrency, 128, 128, 1000 + rnd)
                 results[name].append(r)
-                print(f"round {rnd + 1} {name:17} {r['output_tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_ms']:6.1f} ms  "
-                      f"TPOT p50 {r['tpot_ms']:5.1f} ms  client CPU {r['cpu_s']:5.1f} s", flush=True)
+                print(
+                    f"round {rnd + 1} {name:17} {r['output_tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_ms']:6.1f} ms  "
+                    f"TPOT p50 {r['tpot_ms']:5.1f} ms  client CPU {r['cpu_s']:5.1f} s",
+                    flush=True,
+                )
         stress_n = max(args.prompts, 2 * args.stress_concurrency)
         t0 = time.monotonic()
         stress = run_servebook(url, model, path, stress_n, args.stress_concurrency, 128, 128, 99)
         wall = time.monotonic() - t0
     finally:
         server.stop(port=args.port)
-    print(f"\nrandom 128 in / 128 out, {args.prompts} prompts, concurrency {args.concurrency}, ignore_eos; "
-          f"median of {args.rounds} alternating rounds")
+    print(
+        f"\nrandom 128 in / 128 out, {args.prompts} prompts, concurrency {args.concurrency}, ignore_eos; "
+        f"median of {args.rounds} alternating rounds"
+    )
     print(f"{'client':17} {'output tok/s':>12} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'CPU s/1k tok':>13}")
     med = {}
     for name, rs in results.items():
@@ -122,10 +179,12 @@ def main() -> None:
     a, b = med["servebook"], med["vllm bench serve"]
     for k in ("output_tok_s", "ttft_ms", "tpot_ms"):
         print(f"difference in {k}: {100 * (a[k] - b[k]) / b[k]:+.1f}%")
-    print(f"\nservebook client alone at {args.stress_concurrency} streams: {stress_n} requests, {stress['failed']} failed "
-          f"{stress['errors'] or ''}, {stress['output_tok_s']:.0f} output tok/s, client CPU {stress['cpu_s']:.1f} s "
-          f"over {stress['duration_s']:.1f} s measured ({100 * stress['cpu_s'] / stress['duration_s']:.0f}% of one core; "
-          f"{wall:.0f} s wall including prompt building)")
+    print(
+        f"\nservebook client alone at {args.stress_concurrency} streams: {stress_n} requests, {stress['failed']} failed "
+        f"{stress['errors'] or ''}, {stress['output_tok_s']:.0f} output tok/s, client CPU {stress['cpu_s']:.1f} s "
+        f"over {stress['duration_s']:.1f} s measured ({100 * stress['cpu_s'] / stress['duration_s']:.0f}% of one core; "
+        f"{wall:.0f} s wall including prompt building)"
+    )
 
 
 if __name__ == "__main__":

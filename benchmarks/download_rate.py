@@ -43,7 +43,9 @@ def build_checkpoint(folder: Path, gb: float, shards: int) -> None:
         save_file({f"layer{i}.weight": tensor}, str(folder / name))
         weight_map[f"layer{i}.weight"] = name
         total += tensor.nbytes
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
 
 
 def main() -> None:
@@ -67,20 +69,35 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        (root / "olah.toml").write_text(f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
-                                        f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n')
-        olah = subprocess.Popen([str(OLAH), "-c", str(root / "olah.toml")], cwd=root, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        (root / "olah.toml").write_text(
+            f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
+            f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n'
+        )
+        olah = subprocess.Popen(
+            [str(OLAH), "-c", str(root / "olah.toml")],
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             time.sleep(5)
             params = root / "p.yaml"
             params.write_text(f"run_name: bench\nmodel: bench/random-ckpt\nmodel_store: {root / 'store'}\n")
             env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-            env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(root / "hf"), SERVEBOOK_OUTPUTS=str(root / "out"),
-                       HF_HUB_DISABLE_XET="1")
+            env.update(
+                HF_ENDPOINT=f"http://127.0.0.1:{port}",
+                HF_HOME=str(root / "hf"),
+                SERVEBOOK_OUTPUTS=str(root / "out"),
+                HF_HUB_DISABLE_XET="1",
+            )
             t = time.monotonic()
-            proc = subprocess.run([sys.executable, "-m", "servebook.cli", "download", str(params)], env=env,
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "servebook.cli", "download", str(params)],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             wall = time.monotonic() - t
             if proc.returncode:
                 raise SystemExit(proc.stderr[-2000:])
@@ -91,10 +108,14 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     f, v = got["fetch"], got["verification"]
-    print(f"downloaded {f['bytes_fetched'] / 1e9:.2f} GB in {f['seconds']:.1f} s: {f['rate_bytes_s'] / 1e6:.0f} MB/s "
-          f"({wall:.1f} s for the whole command)")
-    print(f"verified {v['checked_bytes'] / 1e9:.2f} GB in {v['seconds']:.1f} s: {v['seconds_per_gb']:.2f} s per GB "
-          f"(git blob SHA-1 of every file, safetensors headers, index)")
+    print(
+        f"downloaded {f['bytes_fetched'] / 1e9:.2f} GB in {f['seconds']:.1f} s: {f['rate_bytes_s'] / 1e6:.0f} MB/s "
+        f"({wall:.1f} s for the whole command)"
+    )
+    print(
+        f"verified {v['checked_bytes'] / 1e9:.2f} GB in {v['seconds']:.1f} s: {v['seconds_per_gb']:.2f} s per GB "
+        f"(git blob SHA-1 of every file, safetensors headers, index)"
+    )
 
 
 if __name__ == "__main__":

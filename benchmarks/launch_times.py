@@ -21,7 +21,9 @@ from servebook.errors import PreflightError
 
 
 def cfg(port: int, **kw) -> server.ServerConfig:
-    values = dict(model="builtin:tiny-qwen3-moe", served_model_name="", port=port, max_model_len=2048, cpu_kv_cache_gib=1)
+    values = dict(
+        model="builtin:tiny-qwen3-moe", served_model_name="", port=port, max_model_len=2048, cpu_kv_cache_gib=1
+    )
     values.update(kw)
     return server.ServerConfig.from_params(values, "cpu")
 
@@ -46,8 +48,11 @@ def main() -> None:
     rows = []
     cache_root = work / "vllm-cache"
     os.environ["VLLM_CACHE_ROOT"] = str(cache_root)  # a cold torch.compile cache, then warm
-    for label, kw in (("compiled, cold compile cache", {}), ("compiled, warm compile cache", {}),
-                      ("--enforce-eager", {"enforce_eager": True})):
+    for label, kw in (
+        ("compiled, cold compile cache", {}),
+        ("compiled, warm compile cache", {}),
+        ("--enforce-eager", {"enforce_eager": True}),
+    ):
         ready, pre, stop_s = timed_launch(cfg(args.port, **kw), work / label.replace(" ", "_").replace(",", ""))
         rows.append((f"launch to ready, {label}", ready, f"preflight {pre:.1f} s"))
         rows.append((f"stop and verify, {label}", stop_s, ""))

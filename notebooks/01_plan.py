@@ -42,7 +42,7 @@ tensor_parallel_size: int = 1  # GPUs per tensor-parallel group
 pipeline_parallel_size: int = 1  # pipeline stages
 data_parallel_size: int = 1  # data-parallel replicas
 enable_expert_parallel: bool = False  # experts spread whole over TP*DP GPUs instead of sliced
-gpu_ids: list = []  # physical GPU indices to use; empty means the first TP*PP*DP
+gpu_ids: list[int] = []  # physical GPU indices to use; empty means the first TP*PP*DP
 max_model_len: int = 4096  # longest request (prompt + output) in tokens
 gpu_memory_utilization: float = 0.9  # share of each GPU's memory vLLM may use
 kv_cache_dtype: str = "auto"  # auto, fp8, ... (fp8 halves KV memory)
@@ -58,67 +58,63 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 # %%
 import time
 
-import plotly.express as px
 from IPython.display import Markdown, display
 
-from servebook import params, plan_stage
+from servebook import params
+from servebook.stages import plan as stage
+from servebook.units import GiB
 
 p = params.from_namespace(globals())
 started = time.perf_counter()
-plan = plan_stage.run(p, run_dir or "")
-m, dev = plan["model"], plan["device"]
+planned = stage.run(p, run_dir)
+m, dev = planned.model, planned.device
 print(f"planned in {time.perf_counter() - started:.2f} s")
 
 # %% [markdown]
 # ## The model and the hardware
 
 # %%
-moe = (f"{m['experts']} experts ({m['experts_per_token']} per token, intermediate {m['expert_intermediate']}) in "
-       f"{m['moe_layers']} of {m['layers']} layers" if m["experts"] else "dense")
-attn = (f"MLA (latent {m['kv_lora_rank']} + rope {m['qk_rope_head_dim']})" if m["mla"]
-        else f"{m['heads']} heads, {m['kv_heads']} KV heads of {m['head_dim']}")
-q = m["quant"]
-quant = q["method"] + (f" block {q['block']}" if q["block"] else "") + (f" group {q['group_size']}" if q["group_size"] else "")
+moe = (f"{m.experts} experts ({m.experts_per_token} per token, intermediate {m.expert_intermediate}) in "
+       f"{m.moe_layers} of {m.layers} layers" if m.experts else "dense")
+attn = (f"MLA (latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim})" if m.mla
+        else f"{m.heads} heads, {m.kv_heads} KV heads of {m.head_dim}")
+q = m.quant
+quant = q.method + (f" block {q.block}" if q.block else "") + (f" group {q.group_size}" if q.group_size else "")
+scaled = planned.weights_scaled_to_checkpoint
 display(Markdown(
-    f"**{m['architecture']}** ({m['family']}): hidden {m['hidden']}, {attn}, {moe}, vocabulary {m['vocab']}, "
-    f"quantization {quant}; weights {plan['weights_total_bytes'] / 1e9:,.1f} GB"
-    + (f" (scaled ×{plan['weights_scaled_to_checkpoint']:.3f} to the checkpoint's exact bytes)" if plan["weights_scaled_to_checkpoint"] != 1 else "")
-    + f"\n\n**{dev['count']} × {dev['name']}**, {dev['memory_bytes'] / 2**30:.1f} GiB each"
-    + (f", {dev['bandwidth_bytes_s'] / 1e12:.2f} TB/s" if dev["bandwidth_bytes_s"] else "")
-    + f"; reserve for activations and graphs {plan['activation_reserve_bytes'] / 2**30:.1f} GiB per GPU. {dev['source']}"
-    + "".join(f"\n\n⚠️ {n}" for n in m["notes"])))
+    f"**{m.architecture}** ({m.family}): hidden {m.hidden}, {attn}, {moe}, vocabulary {m.vocab}, "
+    f"quantization {quant}; weights {planned.weights_total_bytes / 1e9:,.1f} GB"
+    + (f" (scaled ×{scaled:.3f} to the checkpoint's exact bytes)" if scaled != 1 else "")
+    + f"\n\n**{dev.count} × {dev.name}**, {dev.memory_bytes / GiB:.1f} GiB each"
+    + (f", {dev.bandwidth_bytes_s / 1e12:.2f} TB/s" if dev.bandwidth_bytes_s else "")
+    + f"; reserve for activations and graphs {planned.activation_reserve_bytes / GiB:.1f} GiB per GPU. {dev.source}"
+    + "".join(f"\n\n⚠️ {n}" for n in m.notes)))
 
 # %% [markdown]
 # ## Every layout
 
 # %%
-display(plan_stage.table(plan))
+display(stage.table(planned))
 
 # %% [markdown]
 # ## Memory per GPU
 
 # %%
-rows = [{"layout": l["name"], "part": part, "GiB": b / 2**30} for l in plan["layouts"] if l["accepted"]
-        for part, b in l["weight_breakdown"].items()]
-rows += [{"layout": l["name"], "part": "KV cache", "GiB": l["available_kv_bytes_per_gpu"] / 2**30}
-         for l in plan["layouts"] if l["accepted"]]
-fig = px.bar(rows, x="layout", y="GiB", color="part", title="Weights and KV cache per GPU (accepted layouts)")
-fig.add_hline(y=dev["memory_bytes"] / 2**30 * (p.gpu_memory_utilization if dev["kind"] == "cuda" else 1),
-              line_dash="dash", annotation_text="usable memory" if dev["kind"] == "cuda" else "host memory")
-fig.show()
+stage.memory_figure(planned).show()
 
 # %% [markdown]
 # ## Recommendation
 
 # %%
-rec, own = plan["recommended"], plan["requested"]
-lines = [f"**Recommended: {rec['name']}** — {plan['why']}", "", f"`{' '.join(rec['flags'])}`"] if rec else [f"**{plan['why']}**"]
+rec, own = planned.recommended, planned.requested
+lines = [f"**Recommended: {rec.name}** — {planned.why}", "", f"`{' '.join(rec.flags) or '(vLLM defaults: one GPU)'}`"] if rec \
+    else [f"**{planned.why}**"]
 if own:
-    verdict = "accepted and fits" if own["accepted"] and own["fits"] else "refused: " + "; ".join(own["reasons"])
-    lines += ["", f"The params' layout **{own['name']}**: {verdict}."]
-lines += ["", f"Launch uses the **{'recommended' if plan['launch_layout'] == 'recommended' else 'params'}** layout."]
-lines += [f"- ⚠️ {w}" for w in (own or {}).get("warnings", [])]
+    verdict = "accepted and fits" if own.usable else "refused: " + "; ".join(own.reasons)
+    lines += ["", f"The params' layout **{own.name}**: {verdict}."]
+    lines += [f"- ⚠️ {w}" for w in own.warnings]
+lines += ["", f"Launch uses the **{planned.launch_layout}** layout."]
 display(Markdown("\n".join(lines)))
 
 # %%
-plan_stage.check_requested(plan)
+stage.check(planned, p)

@@ -36,40 +36,39 @@
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
 model_store: str = "~/.cache/huggingface"  # where checkpoints live; its free space is checked
 download_revision: str = "main"  # branch, tag or commit to fetch
-download_allow: list = []  # only files matching these globs; empty means all
-download_ignore: list = []  # skip files matching these globs
+download_allow: list[str] = []  # only files matching these globs; empty means all
+download_ignore: list[str] = []  # skip files matching these globs
 download_workers: int = 8  # files fetched in parallel
 download_disk_margin: float = 0.05  # free space required beyond the download, as a share
 interactive: bool = False  # show widgets (JupyterLab); batch runs leave it false
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%
-import pandas as pd
 from IPython.display import Markdown, display
 
-from servebook import download_stage, params
+from servebook import params
+from servebook.stages import download as stage
 
 p = params.from_namespace(globals())
-got = download_stage.run(p, run_dir or "")
+got = stage.run(p, run_dir)
 
 # %% [markdown]
 # ## What arrived
 
 # %%
-f = got["fetch"] or {}
-lines = [f"**{got['model']}** → `{got['local_path']}` ({got['bytes'] / 1e9:,.3f} GB)"]
-if got.get("commit"):
-    lines.append(f"- revision `{got['revision']}` resolved to commit `{got['commit']}`")
+f, v = got.fetch, got.verification
+lines = [f"**{got.model}** → `{got.local_path}` ({got.bytes / 1e9:,.3f} GB)"]
+if got.commit:
+    lines.append(f"- revision `{got.revision}` resolved to commit `{got.commit}`")
 if f:
-    rate = f"{f['rate_bytes_s'] / 1e6:,.1f} MB/s" if f.get("rate_bytes_s") else "n/a"
-    lines.append(f"- fetched {len(f['fetched_files'])} files ({f['bytes_fetched'] / 1e9:,.3f} GB) in {f['seconds']:.1f} s at {rate}; "
-                 f"{len(f['skipped_files'])} already complete")
-v = got["verification"]
-per_gb = f", {v['seconds_per_gb']:.1f} s per GB" if v.get("seconds_per_gb") else ""
-lines.append(f"- verification: {'**passed**' if v['ok'] else '**failed**'} in {v['seconds']:.2f} s{per_gb}")
-lines += [f"  - ❌ {problem}" for problem in v["problems"]]
+    rate = f"{f.rate_bytes_s / 1e6:,.1f} MB/s" if f.rate_bytes_s else "n/a"
+    lines.append(f"- fetched {len(f.fetched_files)} files ({f.bytes_fetched / 1e9:,.3f} GB) in {f.seconds:.1f} s at {rate}; "
+                 f"{len(f.skipped_files)} already complete")
+per_gb = f", {v.seconds_per_gb:.1f} s per GB" if v.seconds_per_gb else ""
+lines.append(f"- verification: {'**passed**' if v.ok else '**failed**'} in {v.seconds:.2f} s{per_gb}")
+lines += [f"  - ❌ {problem}" for problem in v.problems]
 display(Markdown("\n".join(lines)))
-display(pd.DataFrame(sorted(v["files"].items()), columns=["file", "check"]))
+display(stage.file_table(got))
 
 # %%
-download_stage.raise_on_failure(got)
+stage.check(got, p)

@@ -46,7 +46,7 @@ tensor_parallel_size: int = 1  # GPUs per tensor-parallel group
 pipeline_parallel_size: int = 1  # pipeline stages
 data_parallel_size: int = 1  # data-parallel replicas
 enable_expert_parallel: bool = False  # experts spread whole over TP*DP GPUs instead of sliced
-gpu_ids: list = []  # physical GPU indices to use; empty means the first TP*PP*DP
+gpu_ids: list[int] = []  # physical GPU indices to use; empty means the first TP*PP*DP
 max_model_len: int = 4096  # longest request (prompt + output) in tokens
 gpu_memory_utilization: float = 0.9  # share of each GPU's memory vLLM may use
 kv_cache_dtype: str = "auto"  # auto, fp8, ... (fp8 halves KV memory)
@@ -56,8 +56,8 @@ max_num_seqs: int = 0  # concurrent sequences per engine; 0 means vLLM's default
 host: str = "127.0.0.1"  # address the server binds to
 port: int = 8000  # port the server listens on
 api_key_env: str = ""  # name of the environment variable holding the API key; empty means no key
-extra_args: list = []  # more vLLM serving flags, e.g. ["--enable-prefix-caching"]
-extra_env: dict = {}  # more environment variables for the server (no secrets)
+extra_args: list[str] = []  # more vLLM serving flags, e.g. ['--enable-prefix-caching']
+extra_env: dict[str, str] = {}  # more environment variables for the server (no secrets)
 load_timeout_s: int = 0  # seconds to wait for /health; 0 means derived from checkpoint size
 stop_leftovers: bool = False  # stop leftover vLLM processes holding our GPUs or port
 interactive: bool = False  # show widgets (JupyterLab); batch runs leave it false
@@ -66,20 +66,24 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 # %%
 from IPython.display import Markdown, display
 
-from servebook import launch_stage, params
+from servebook import params
+from servebook.stages import launch as stage
+from servebook.units import GiB
 
 p = params.from_namespace(globals())
-launched = launch_stage.run(p, run_dir or "")
+launched = stage.run(p, run_dir)
 
 # %% [markdown]
 # ## The server
 
 # %%
-state = "reused (already running with the same configuration)" if launched["reused"] else f"ready in {launched['seconds_to_ready']:.1f} s"
-display(Markdown(f"`{launched['url']}` serving `{launched['served_model_name']}` — {state}; "
-                 f"pid {launched['pid']}, process group {launched['pgid']}; log `{launched['log_path']}`"))
-print(launched["command_line"])
-display({k: v for k, v in launched["environment"].items() if k.startswith(("VLLM_", "CUDA_", "NCCL_"))})
+state = ("reused (already running with the same configuration)" if launched.reused
+         else f"ready in {launched.seconds_to_ready:.1f} s")
+display(Markdown(f"`{launched.url}` serving `{launched.served_model_name}` at **{launched.layout.name}** "
+                 f"(layout from the {launched.layout_source}) — {state}; pid {launched.pid}, process group "
+                 f"{launched.pgid}; log `{launched.log_path}`"))
+print(launched.command_line)
+print("\n".join(f"{k}={v}" for k, v in launched.environment.items() if k.startswith(("VLLM_", "CUDA_", "NCCL_"))))
 
 # %% [markdown]
 # ## Load phases and what vLLM reported
@@ -87,24 +91,31 @@ display({k: v for k, v in launched["environment"].items() if k.startswith(("VLLM
 # what remains of `gpu_memory_utilization` after weights and activations.
 
 # %%
-if launched["phases"]:
-    display(launch_stage.phase_table(launched))
-display(launched["vllm_reported"])
+if launched.phases:
+    display(stage.phase_table(launched))
+print("\n".join(f"{k}: {v}" for k, v in launched.vllm_reported.model_dump().items() if v is not None))
 
 # %%
-mem = launched["memory_after_load"]
-if "per_gpu" in mem:
-    for g in mem["per_gpu"]:
-        print(f"GPU {g['gpu']}: {g['used_bytes'] / 2**30:.1f} of {g['total_bytes'] / 2**30:.1f} GiB in use")
-else:
-    print(f"server processes resident memory: {mem['rss_total_bytes'] / 2**30:.2f} GiB in {len(mem['processes'])} processes")
+mem = launched.memory_after_load
+for g in mem.per_gpu:
+    print(f"GPU {g.gpu}: {g.used_bytes / GiB:.1f} of {g.total_bytes / GiB:.1f} GiB in use")
+if mem.processes:
+    print(f"server processes resident memory: {mem.rss_total_bytes / GiB:.2f} GiB in {len(mem.processes)} processes")
 
 # %% [markdown]
 # ## The plan, checked against vLLM
 # When the plan stage ran, its prediction for this layout is set beside what vLLM logged.
 
 # %%
-if launched["plan_check"]:
-    display(launched["plan_check"])
+check = launched.plan_check
+if check:
+    kv_error = f" ({check.kv_tokens_error_pct:+.2f} %)" if check.kv_tokens_error_pct is not None else ""
+    reported_weights = f"{check.reported_weight_gib:.2f} GiB" if check.reported_weight_gib else "not logged by this vLLM"
+    display(Markdown(f"| {check.layout} | plan | vLLM |\n|---|---|---|\n"
+                     f"| KV tokens | {check.predicted_kv_tokens:,} | {check.reported_kv_tokens or 0:,}{kv_error} |\n"
+                     f"| weights per GPU | {check.predicted_weight_gib:.2f} GiB | {reported_weights} |"))
 else:
     print("the plan stage did not run in this run")
+
+# %%
+stage.check(launched, p)

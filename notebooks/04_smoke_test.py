@@ -37,35 +37,34 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 import pandas as pd
 from IPython.display import display
 
-from servebook import client, results
+from servebook import params
+from servebook.stages import smoke_test as stage
 
-run = results.run_folder(run_dir)
-launch = results.require(run, "launch", "smoke_test")
-smoke = client.smoke_test(launch["url"], launch["served_model_name"], smoke_max_tokens, launch.get("api_key_env", ""))
-results.write(run, "smoke_test", smoke)
-display(pd.DataFrame(smoke["checks"]))
+p = params.from_namespace(globals())
+smoke = stage.run(p, run_dir)
+display(pd.DataFrame([c.model_dump() for c in smoke.checks]))
 
 # %% [markdown]
 # ## Answers
 
 # %%
-print("chat:      ", repr(smoke["chat"]["text"][:200]), smoke["chat"]["finish_reason"], smoke["chat"]["usage"])
-print("completion:", repr(smoke["completion"]["text"][:200]), smoke["completion"]["finish_reason"], smoke["completion"]["usage"])
+for label, answer in (("chat", smoke.chat), ("completion", smoke.completion)):
+    print(f"{label + ':':12}", repr(answer.text[:200]), answer.finish_reason, answer.usage)
 
 # %% [markdown]
 # ## One stream
 
 # %%
-s = smoke["stream"]
-decode = f"{s['decode_tok_per_s']:.1f} tok/s" if s["decode_tok_per_s"] else "n/a"
-print(f"time to first token {s['ttft_s'] * 1000:.0f} ms; decode {decode}; "
-      f"{s['completion_tokens']} tokens in {s['e2e_s']:.2f} s ({s['chunks']} chunks)")
+s = smoke.stream
+decode = f"{s.decode_tok_s:.1f} tok/s" if s.decode_tok_s else "n/a"
+print(f"time to first token {s.ttft_ms:.0f} ms; decode {decode}; "
+      f"{s.completion_tokens} tokens in {s.e2el_ms / 1000:.2f} s ({s.chunks} chunks)")
 
 # %% [markdown]
 # ## Server gauges
 
 # %%
-display(pd.Series(smoke["metrics"], name="value").to_frame())
+display(pd.Series(smoke.metrics, name="value").to_frame())
 
 # %%
-client.raise_on_failure(smoke)
+stage.check(smoke, p)

@@ -20,7 +20,8 @@
 #
 # Throughput and latency from one stream to saturation: the "try a larger batch" step, made automatic.
 # Concurrency doubles from 1 until output throughput gains less than `bench_plateau_gain` over two
-# doublings, a latency objective breaks, or `bench_max_concurrency` is reached.
+# doublings (a plateau), a latency objective breaks, or `bench_max_concurrency` is reached. The record says
+# which: only the first is called a plateau; reaching the limit while throughput still rises is "not saturated".
 #
 # What makes the numbers trustworthy:
 # - every prompt is exactly `bench_input_len` tokens of the served model's tokenizer and unique, so no
@@ -52,48 +53,50 @@ max_model_len: int = 4096  # longest request (prompt + output) in tokens
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%
-import pandas as pd
 from IPython.display import Markdown, display
 
-from servebook import bench_stage, params, plots
+from servebook import params, plots
+from servebook.stages import benchmark as stage
 
 p = params.from_namespace(globals())
-result = bench_stage.run(p, run_dir or "")
+result = stage.run(p, run_dir)
 
 # %% [markdown]
 # ## Summary
 
 # %%
-best, single = result["best"], result["single_stream"]
-lines = [f"- stopped: {result['stop_reason']}"]
+best, single = result.best, result.single_stream
+lines = [f"- stopped: {result.stop_reason}"]
 if best:
-    lines.append(f"- best output throughput **{best['output_throughput']:.0f} tok/s** at concurrency {best['concurrency']}; "
-                 f"plateau from concurrency {result['plateau_concurrency']}")
+    levels_off = (f"; levels off from concurrency {result.plateau_concurrency}" if result.saturated
+                  else "; **not saturated**" if result.stopped_by == "max_concurrency" else "")
+    lines.append(f"- best output throughput **{best.output_throughput:.0f} tok/s** at concurrency {best.concurrency}"
+                 + levels_off)
 if single:
-    lines.append(f"- one stream: {single['output_throughput']:.1f} output tok/s, TTFT p50 {single['ttft_p50'] * 1000:.0f} ms, "
-                 f"TPOT p50 {single['tpot_p50'] * 1000:.1f} ms")
-lines += [f"- ⚠️ {w}" for w in result["warnings"]]
-if result["fault"]:
-    lines.append(f"- ❌ {result['fault']}")
+    lines.append(f"- one stream: {single.output_throughput:.1f} output tok/s, TTFT p50 {single.ttft_p50_ms:.0f} ms, "
+                 f"TPOT p50 {single.tpot_p50_ms:.1f} ms")
+lines += [f"- ⚠️ {w}" for w in result.warnings]
+if result.fault:
+    lines.append(f"- ❌ {result.fault}")
 display(Markdown("\n".join(lines)))
 
 # %% [markdown]
-# ## Per level (median of repeats)
+# ## Per level (median of repeats; latencies in ms)
 
 # %%
-levels = pd.DataFrame(result["levels"])
-cols = ["concurrency", "output_throughput", "spread_pct", "per_user_tok_s", "ttft_p50", "ttft_p99", "tpot_p50",
-        "tpot_p99", "e2el_p50", "client_queue_p50", "kv_cache_usage_peak", "waiting_peak", "preemptions", "failed"]
-display(levels[[c for c in cols if c in levels]].round(4))
+levels = stage.levels(result)
+cols = ["concurrency", "output_throughput", "spread_pct", "per_user_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+        "tpot_p99_ms", "e2el_p50_ms", "client_queue_p50_ms", "kv_cache_usage_peak", "waiting_peak", "preemptions", "failed"]
+display(levels[[c for c in cols if c in levels]].round(2))
 
 # %% [markdown]
 # ## Plots
 
 # %%
-if result["levels"]:
+if result.levels:
     plots.throughput(result).show()
     plots.pareto(result).show()
     plots.latency(result).show()
 
 # %%
-bench_stage.raise_on_fault(result)
+stage.check(result, p)

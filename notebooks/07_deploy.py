@@ -46,38 +46,39 @@ from pathlib import Path
 
 from IPython.display import Markdown, display
 
-from servebook import deploy_stage, params
+from servebook import params
+from servebook.stages import deploy as stage
 
 p = params.from_namespace(globals())
-deployed = deploy_stage.run(p, run_dir or "")
+deployed = stage.run(p, run_dir)
 
 # %% [markdown]
 # ## The unit
 
 # %%
-print(Path(deployed["unit_file"]).read_text())
+print(Path(deployed.unit_file).read_text())
 
 # %% [markdown]
 # ## Checks
 
 # %%
-v = deployed["verify"]
-lines = [f"- `systemd-analyze verify`: {'passed' if v['ok'] else 'FAILED'}" + (f" (notes: {v['output'][:300]})" if v["output"] else "")]
-pre = deployed["pre_start_with_ad_hoc_server"]
-lines.append(f"- pre-start check while the ad hoc server runs: exit {pre['returncode']} — {pre['output'][:200]}")
-if deployed.get("ad_hoc_server_stopped"):
-    lines.append(f"- ad hoc server stopped for the service: {deployed['ad_hoc_server_stopped']}")
-dry = deployed.get("dry_run") or {}
+v = deployed.verify
+lines = [f"- `systemd-analyze verify`: {'passed' if v.ok else 'FAILED'}" + (f" (notes: {v.output[:300]})" if v.output else "")]
+pre = deployed.pre_start_with_ad_hoc_server
+lines.append(f"- pre-start check while the ad hoc server runs: exit {pre.returncode} — {pre.output[:200]}")
+if deployed.ad_hoc_server_stopped:
+    lines.append(f"- ad hoc server stopped for the service: {deployed.ad_hoc_server_stopped}")
+dry = deployed.dry_run
 if dry:
-    lines.append(f"- dry run, pre-start check: exit {dry['pre_start']['returncode']}")
-    if "post_start" in dry:
-        lines.append(f"- dry run, post-start wait: exit {dry['post_start']['returncode']} — {dry['post_start']['output']}")
-    if "smoke_test" in dry:
-        lines.append(f"- dry run, smoke test: {'passed' if dry['smoke_test']['passed'] else 'FAILED'}")
-    if "stop" in dry:
-        lines.append(f"- dry run, stop: {len(dry['stop']['signalled'])} processes, {len(dry['stop']['remaining'])} left")
-lines.append(f"- installed: {deployed['installed'] or 'no (deploy_install is false)'}")
+    lines.append(f"- dry run, pre-start check: exit {dry.pre_start.returncode}")
+    if dry.post_start:
+        lines.append(f"- dry run, post-start wait: exit {dry.post_start.returncode} — {dry.post_start.output}")
+    if dry.smoke_test:
+        lines.append(f"- dry run, smoke test: {'passed' if dry.smoke_test.passed else 'FAILED'}")
+    if dry.stop:
+        lines.append(f"- dry run, stop: {len(dry.stop.signalled)} processes, {len(dry.stop.remaining)} left")
+lines.append(f"- installed: {deployed.installed or 'no (deploy_install is false)'}")
 display(Markdown("\n".join(lines)))
 
 # %%
-deploy_stage.raise_on_failure(deployed)
+stage.check(deployed, p)

@@ -1,7 +1,7 @@
 """End-to-end A/B of server variants, with a winner called only above run-to-run noise.
 
-Each variant (environment variables and/or serving parameters) is launched through the
-launch stage's code, measured at one stream and at a high concurrency with the benchmark
+Each variant (environment variables and/or serving parameters) is launched through
+``server.launch``, measured at one stream and at a high concurrency with the benchmark
 stage's load generator, and compared with the baseline, which is measured before and after
 the variants (across a relaunch) so its own spread is the noise band.  A variant is
 "better" or "worse" only when its median differs from the baseline's by more than that
@@ -12,37 +12,48 @@ root cause, and the sweep goes on.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Literal
+
+from pydantic import BaseModel
 
 from servebook import loadgen, metrics, server
-from servebook.errors import ServebookError
+from servebook.errors import AbFailed, LaunchError, ServebookError
+from servebook.params import AbVariant
 
 MIN_NOISE = 0.02  # never call a difference under 2 % a win, however quiet the baseline was
-CONFIG_KEYS = {"extra_env", "extra_args", "enforce_eager", "max_num_seqs", "kv_cache_dtype", "gpu_memory_utilization",
-               "max_model_len", "cpu_kv_cache_gib", "tensor_parallel_size", "pipeline_parallel_size",
-               "data_parallel_size", "enable_expert_parallel"}
+BASELINE = "baseline"
 
 
-def validate_variants(variants: list[dict[str, Any]]) -> list[str]:
-    problems = []
-    names = set()
-    for i, v in enumerate(variants):
-        name = v.get("name")
-        if not name:
-            problems.append(f"ab_variants[{i}] has no 'name'")
-        elif name in names or name == "baseline":
-            problems.append(f"ab_variants[{i}]: name '{name}' is used twice (or is 'baseline')")
-        names.add(name)
-        unknown = set(v) - CONFIG_KEYS - {"name"}
-        if unknown:
-            problems.append(f"ab_variants[{i}] ({name}): unknown keys {sorted(unknown)}; allowed: {sorted(CONFIG_KEYS)}")
-    return problems
+class AbRow(BaseModel):
+    """One variant at one concurrency against the baseline."""
+
+    variant: str
+    concurrency: int
+    verdict: Literal["better", "worse", "no effect", "failed to start"]
+    change: float | None  # relative change of the median output throughput
+    noise: float  # the baseline's own spread at this concurrency
+    baseline_median: float | None = None  # output tok/s
+    variant_median: float | None = None  # output tok/s
+    cause: str = ""
 
 
-def variant_config(base: server.ServerConfig, variant: dict[str, Any]) -> server.ServerConfig:
-    changes = {k: v for k, v in variant.items() if k in CONFIG_KEYS}
+class AbResult(BaseModel):
+    variants: list[AbVariant]
+    samples: dict[str, dict[str, list[float]]]  # variant -> concurrency -> output tok/s per repeat
+    rows: list[AbRow]
+    failures: dict[str, str]  # variant -> root cause of its failed start
+    concurrencies: list[int]
+    workload: loadgen.Workload
+
+    def variant(self, name: str) -> AbVariant:
+        return next(v for v in self.variants if v.name == name)
+
+
+def variant_config(base: server.ServerConfig, variant: AbVariant) -> server.ServerConfig:
+    changes = variant.changes()
     if "extra_env" in changes:
         changes["extra_env"] = {**base.extra_env, **changes["extra_env"]}
     if "extra_args" in changes:
@@ -50,7 +61,9 @@ def variant_config(base: server.ServerConfig, variant: dict[str, Any]) -> server
     return replace(base, **changes)
 
 
-def verdict(base: list[float], variant: list[float], noise: float) -> tuple[str, float]:
+def verdict(
+    base: list[float], variant: list[float], noise: float
+) -> tuple[Literal["better", "worse", "no effect"], float]:
     """('better' | 'worse' | 'no effect', relative change of the medians)."""
     b, v = statistics.median(base), statistics.median(variant)
     change = (v - b) / b if b else 0.0
@@ -67,8 +80,14 @@ def noise_band(samples: list[float]) -> float:
     return max(MIN_NOISE, (max(samples) - min(samples)) / med if med else 0.0)
 
 
-def measure(cfg: server.ServerConfig, maker: loadgen.PromptMaker, workload: loadgen.Workload, concurrencies: list[int],
-            requests: int, repeats: int) -> dict[int, list[float]]:
+def measure(
+    cfg: server.ServerConfig,
+    maker: loadgen.PromptMaker,
+    workload: loadgen.Workload,
+    concurrencies: list[int],
+    requests: int,
+    repeats: int,
+) -> dict[int, list[float]]:
     """Output tok/s per concurrency, ``repeats`` times, on a ready server."""
     out: dict[int, list[float]] = {c: [] for c in concurrencies}
     for _ in range(repeats):
@@ -76,22 +95,27 @@ def measure(cfg: server.ServerConfig, maker: loadgen.PromptMaker, workload: load
             prompts = maker.prompts(max(requests, 4 * c) + c, workload.input_len)
             recs, _, _ = loadgen.run_level(cfg.url, cfg.served_model_name, workload, prompts, c, warmup=c)
             s = metrics.summarize(recs)
-            if s["failed"]:
-                raise ServebookError(f"{s['failed']} requests failed at concurrency {c}: {s['errors']}")
-            out[c].append(s["output_throughput"])
+            if s.failed:
+                raise AbFailed(f"{s.failed} requests failed at concurrency {c}: {s.errors}")
+            out[c].append(s.output_throughput)
     return out
 
 
-def run(base: server.ServerConfig, variants: list[dict[str, Any]], log_dir: Path, workload: loadgen.Workload,
-        concurrencies: list[int], requests: int = 32, repeats: int = 2, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(
+    base: server.ServerConfig,
+    variants: list[AbVariant],
+    log_dir: Path,
+    workload: loadgen.Workload,
+    concurrencies: list[int],
+    requests: int = 32,
+    repeats: int = 2,
+    log: Callable[[str], None] = print,
+) -> AbResult:
     """Baseline, each variant, baseline again; return samples, noise bands and verdicts. Leaves the baseline running."""
-    problems = validate_variants(variants)
-    if problems:
-        raise ServebookError("ab_variants:\n  - " + "\n  - ".join(problems))
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(base.model_path), seed=7)
     samples: dict[str, dict[int, list[float]]] = {}
     failures: dict[str, str] = {}
-    plan = [("baseline", base)] + [(v["name"], variant_config(base, v)) for v in variants] + [("baseline", base)]
+    plan = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in variants] + [(BASELINE, base)]
     for i, (name, cfg) in enumerate(plan):
         log(f"A/B {name}: launching" + ("" if i else " (or reusing the running server)"))
         try:
@@ -100,27 +124,49 @@ def run(base: server.ServerConfig, variants: list[dict[str, Any]], log_dir: Path
             server.launch(cfg, log_dir / f"ab-{i:02d}-{name}", log=lambda _m: None)
             got = measure(cfg, maker, workload, concurrencies, requests, repeats)
         except ServebookError as exc:
-            failures[name] = " ".join(str(exc).split())[:600] if not getattr(exc, "cause", "") else exc.cause
+            cause = exc.cause if isinstance(exc, LaunchError) else ""
+            failures[name] = cause or " ".join(str(exc).split())[:600]
             log(f"A/B {name}: failed: {failures[name]}")
             continue
         for c, values in got.items():
             samples.setdefault(name, {}).setdefault(c, []).extend(values)
         log(f"A/B {name}: " + ", ".join(f"c={c} {statistics.median(v):.1f} tok/s" for c, v in got.items()))
     rows = []
-    base_samples = samples.get("baseline", {})
+    base_samples = samples.get(BASELINE, {})
     for c in concurrencies:
         noise = noise_band(base_samples.get(c, []))
         for v in variants:
-            name = v["name"]
-            if name in failures:
-                rows.append({"variant": name, "concurrency": c, "verdict": "failed to start", "change": None,
-                             "noise": noise, "cause": failures[name]})
+            if v.name in failures:
+                rows.append(
+                    AbRow(
+                        variant=v.name,
+                        concurrency=c,
+                        verdict="failed to start",
+                        change=None,
+                        noise=noise,
+                        cause=failures[v.name],
+                    )
+                )
                 continue
-            if not base_samples.get(c) or not samples.get(name, {}).get(c):
+            if not base_samples.get(c) or not samples.get(v.name, {}).get(c):
                 continue
-            call, change = verdict(base_samples[c], samples[name][c], noise)
-            rows.append({"variant": name, "concurrency": c, "verdict": call, "change": change, "noise": noise,
-                         "baseline_median": statistics.median(base_samples[c]),
-                         "variant_median": statistics.median(samples[name][c]), "cause": ""})
-    return {"samples": {n: {str(c): v for c, v in s.items()} for n, s in samples.items()}, "rows": rows,
-            "failures": failures, "concurrencies": concurrencies, "workload": workload.__dict__}
+            call, change = verdict(base_samples[c], samples[v.name][c], noise)
+            rows.append(
+                AbRow(
+                    variant=v.name,
+                    concurrency=c,
+                    verdict=call,
+                    change=change,
+                    noise=noise,
+                    baseline_median=statistics.median(base_samples[c]),
+                    variant_median=statistics.median(samples[v.name][c]),
+                )
+            )
+    return AbResult(
+        variants=variants,
+        samples={n: {str(c): v for c, v in s.items()} for n, s in samples.items()},
+        rows=rows,
+        failures=failures,
+        concurrencies=concurrencies,
+        workload=workload,
+    )

@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import statistics
 import threading
-import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Literal
 
 import httpx
+from pydantic import BaseModel
 
 from servebook import client, loadgen, metrics
-from servebook.errors import ServebookError
 from servebook.loadgen import Workload
 
-
-class SweepAborted(ServebookError):
-    """The server failed or stalled during the sweep; results so far are saved."""
+StopReason = Literal["plateau", "max_concurrency", "objective", "fault"]
+TableRow = dict[str, float | int | str | None]  # one row of a parquet/CSV table
 
 
 @dataclass
@@ -68,13 +67,17 @@ class MetricsSampler:
                     values = client.parse_metrics(http.get(f"{self.url}/metrics").text)
                 except httpx.HTTPError:
                     continue
-                for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_requests_running",
-                             "vllm:num_requests_waiting"):
+                for name in (
+                    "vllm:kv_cache_usage_perc",
+                    "vllm:gpu_cache_usage_perc",
+                    "vllm:num_requests_running",
+                    "vllm:num_requests_waiting",
+                ):
                     if name in values:
                         key = name.removeprefix("vllm:").replace("gpu_cache", "kv_cache")
                         self.peaks[key] = max(self.peaks.get(key, 0.0), values[name])
 
-    def __enter__(self) -> "MetricsSampler":
+    def __enter__(self) -> MetricsSampler:
         self._thread.start()
         return self
 
@@ -103,6 +106,94 @@ def reset_prefix_cache(url: str, headers: dict[str, str]) -> str:
     return f"failed: http {r.status_code}"
 
 
+class Level(BaseModel):
+    """One concurrency level: medians over its repeats, and the spread of output throughput."""
+
+    concurrency: int
+    repeats: int
+    output_throughput: float  # tok/s, median of repeats
+    output_throughput_min: float
+    output_throughput_max: float
+    spread_pct: float | None
+    total_throughput: float | None = None  # tok/s
+    request_throughput: float | None = None  # requests/s
+    per_user_tok_s: float | None = None
+    goodput: float | None = None  # requests/s meeting every objective
+    ttft_p50_ms: float | None = None
+    ttft_p90_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    tpot_p90_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    e2el_p50_ms: float | None = None
+    e2el_p99_ms: float | None = None
+    client_queue_p50_ms: float | None = None
+    kv_cache_usage_peak: float | None = None  # 0-1
+    running_peak: float | None = None
+    waiting_peak: float | None = None
+    failed: int = 0
+    preemptions: float = 0.0
+
+
+MEDIAN_FIELDS = [
+    name
+    for name in Level.model_fields
+    if name
+    not in {
+        "concurrency",
+        "repeats",
+        "output_throughput",
+        "output_throughput_min",
+        "output_throughput_max",
+        "spread_pct",
+        "failed",
+        "preemptions",
+    }
+]
+
+
+class SingleStream(BaseModel):
+    output_throughput: float
+    per_user_tok_s: float | None
+    ttft_p50_ms: float | None
+    tpot_p50_ms: float | None
+
+
+class Best(BaseModel):
+    concurrency: int
+    output_throughput: float
+
+
+class SweepResult(BaseModel):
+    """The whole sweep; written also when it stopped on a fault."""
+
+    url: str
+    model: str
+    workload: Workload
+    max_concurrency: int
+    repeats: int
+    plateau_gain: float
+    objectives: metrics.Objectives
+    levels: list[Level]
+    runs: list[TableRow]  # one row per level and repeat, as in the runs table
+    stopped_by: StopReason
+    stop_reason: str  # the same, said for a person, with the figure that decided it
+    fault: str
+    plateau_concurrency: int | None  # where throughput levels off; only when stopped_by is "plateau"
+    last_gain: float | None  # output throughput gain of the last doubling
+    best: Best | None
+    single_stream: SingleStream | None
+    length_mismatches: metrics.LengthMismatches
+    warnings: list[str]
+    tables: dict[str, str]  # table -> file name (parquet; a CSV beside each)
+
+    @property
+    def saturated(self) -> bool:
+        return self.stopped_by == "plateau"
+
+
 def plateau_reached(throughputs: list[float], gain: float) -> bool:
     """True when the last two doublings together raised throughput by less than ``gain``."""
     if len(throughputs) < 3:
@@ -119,23 +210,33 @@ def plateau_level(levels: list[int], throughputs: list[float], gain: float) -> i
     return next(c for c, t in zip(levels, throughputs) if t >= best * (1 - gain))
 
 
-def objective_broken(level: dict[str, Any], objectives: metrics.Objectives) -> str:
+def objective_broken(level: Level, objectives: metrics.Objectives) -> str:
     """Which objective the level's median request misses, if any."""
-    checks = [("TTFT", objectives.ttft_ms, level.get("ttft_p50")), ("TPOT", objectives.tpot_ms, level.get("tpot_p50")),
-              ("E2EL", objectives.e2el_ms, level.get("e2el_p50"))]
+    checks = [
+        ("TTFT", objectives.ttft_ms, level.ttft_p50_ms),
+        ("TPOT", objectives.tpot_ms, level.tpot_p50_ms),
+        ("E2EL", objectives.e2el_ms, level.e2el_p50_ms),
+    ]
     for name, limit, value in checks:
-        if limit > 0 and value is not None and value * 1000 > limit:
-            return f"median {name} {value * 1000:.0f} ms exceeds the {limit:.0f} ms objective"
+        if limit > 0 and value is not None and value > limit:
+            return f"median {name} {value:.0f} ms exceeds the {limit:.0f} ms objective"
     return ""
 
 
-def _level_row(concurrency: int, repeat: int, summary: dict[str, Any], before: dict[str, float],
-               after: dict[str, float], peaks: dict[str, float], reset: str) -> dict[str, Any]:
-    row = {"concurrency": concurrency, "repeat": repeat, **{k: v for k, v in summary.items() if not isinstance(v, dict)}}
-    row["errors"] = ", ".join(f"{k}: {v}" for k, v in summary["errors"].items())
-    row["input_len_mismatches"] = summary["length_mismatches"]["input"]
-    row["output_len_mismatches"] = summary["length_mismatches"]["output"]
-    delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+def _level_row(
+    concurrency: int,
+    repeat: int,
+    summary: metrics.RunSummary,
+    before: dict[str, float],
+    after: dict[str, float],
+    peaks: dict[str, float],
+    reset: str,
+) -> TableRow:
+    row: TableRow = {"concurrency": concurrency, "repeat": repeat, **summary.flat()}
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
     row["preemptions"] = delta("vllm:num_preemptions_total")
     row["prefix_cache_hits"] = delta("vllm:prefix_cache_hits_total")
     row["kv_cache_usage_peak"] = peaks.get("kv_cache_usage_perc")
@@ -145,36 +246,60 @@ def _level_row(concurrency: int, repeat: int, summary: dict[str, Any], before: d
     return row
 
 
-def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per concurrency: medians over repeats, and the spread of output throughput."""
+def _number(value: float | int | str | None) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def aggregate(rows: list[TableRow]) -> list[Level]:
+    """One level per concurrency: medians over repeats, and the spread of output throughput."""
     out = []
-    for c in sorted({r["concurrency"] for r in rows}):
+    for c in sorted({int(_number(r["concurrency"])) for r in rows}):
         reps = [r for r in rows if r["concurrency"] == c]
-        tps = [r["output_throughput"] for r in reps]
+        tps = [_number(r["output_throughput"]) for r in reps]
         med = statistics.median(tps)
-        level: dict[str, Any] = {"concurrency": c, "repeats": len(reps), "output_throughput": med,
-                                 "output_throughput_min": min(tps), "output_throughput_max": max(tps),
-                                 "spread_pct": 100 * (max(tps) - min(tps)) / med if med else None}
-        for key in ("total_throughput", "request_throughput", "per_user_tok_s", "goodput", "ttft_p50", "ttft_p90",
-                    "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99",
-                    "client_queue_p50", "kv_cache_usage_peak", "running_peak", "waiting_peak"):
-            values = [r[key] for r in reps if r.get(key) is not None]
-            level[key] = statistics.median(values) if values else None
-        level["failed"] = sum(r["failed"] for r in reps)
-        level["preemptions"] = sum(r["preemptions"] for r in reps)
-        out.append(level)
+        medians = {}
+        for key in MEDIAN_FIELDS:
+            values = [_number(r[key]) for r in reps if r.get(key) is not None]
+            medians[key] = statistics.median(values) if values else None
+        out.append(
+            Level(
+                concurrency=c,
+                repeats=len(reps),
+                output_throughput=med,
+                output_throughput_min=min(tps),
+                output_throughput_max=max(tps),
+                spread_pct=100 * (max(tps) - min(tps)) / med if med else None,
+                failed=int(sum(_number(r["failed"]) for r in reps)),
+                preemptions=sum(_number(r["preemptions"]) for r in reps),
+                **medians,
+            )
+        )
     return out
 
 
-def sweep(url: str, model: str, model_path: str, cfg: SweepConfig, out_dir: Path,
-          headers: dict[str, str] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the sweep; write per-request and per-level tables; return the summary (also on failure)."""
+def _gain(throughputs: list[float]) -> float | None:
+    return throughputs[-1] / throughputs[-2] - 1 if len(throughputs) >= 2 and throughputs[-2] > 0 else None
+
+
+def sweep(
+    url: str,
+    model: str,
+    model_path: str,
+    cfg: SweepConfig,
+    out_dir: Path,
+    headers: dict[str, str] | None = None,
+    log: Callable[[str], None] = print,
+    table_prefix: str = "sweep",
+) -> SweepResult:
+    """Run the sweep; write per-request, per-run and per-level tables named ``<table_prefix>_*``; return the
+    result (also on a fault)."""
     headers = headers or {}
     out_dir.mkdir(parents=True, exist_ok=True)
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(model_path), cfg.workload.seed)
     records: list[loadgen.RequestRecord] = []
-    rows: list[dict[str, Any]] = []
-    stop_reason, fault = "max_concurrency reached", ""
+    rows: list[TableRow] = []
+    stopped_by: StopReason = "max_concurrency"
+    stop_reason, fault = "", ""
     throughputs: list[float] = []
     done_levels: list[int] = []
     content_len = cfg.workload.input_len
@@ -187,71 +312,100 @@ def sweep(url: str, model: str, model_path: str, cfg: SweepConfig, out_dir: Path
             reset = reset_prefix_cache(url, headers) if cfg.reset_prefix_cache else "not requested"
             before = _scrape(url)
             with MetricsSampler(url) as sampler:
-                recs, _, _ = loadgen.run_level(url, model, cfg.workload, prompts, c, f"c{c}r{rep}", warm,
-                                               cfg.request_timeout_s, headers)
+                recs, _, _ = loadgen.run_level(
+                    url, model, cfg.workload, prompts, c, f"c{c}r{rep}", warm, cfg.request_timeout_s, headers
+                )
             after = _scrape(url)
             for r in recs:
                 r.level = f"c{c}r{rep}"
             records += recs
             summary = metrics.summarize(recs, cfg.objectives)
-            row = _level_row(c, rep, summary, before, after, sampler.peaks, reset)
-            rows.append(row)
-            log(f"concurrency {c:4d} repeat {rep + 1}: {row['output_throughput']:8.1f} output tok/s, "
-                f"TTFT p50 {1000 * (row['ttft_p50'] or 0):7.1f} ms, TPOT p50 {1000 * (row['tpot_p50'] or 0):6.1f} ms"
-                + (f", {row['failed']} failed ({row['errors']})" if row["failed"] else ""))
-            if row["failed"]:
-                health = client_health(url)
-                if health != "ready" or row["failed"] == row["requests"]:
-                    fault = (f"the server {'stopped answering' if health != 'ready' else 'failed every request'} at "
-                             f"concurrency {c} ({row['errors']}); /health: {health}")
+            rows.append(_level_row(c, rep, summary, before, after, sampler.peaks, reset))
+            log(
+                f"concurrency {c:4d} repeat {rep + 1}: {summary.output_throughput:8.1f} output tok/s, "
+                f"TTFT p50 {summary.ttft_ms.p50 or 0:7.1f} ms, TPOT p50 {summary.tpot_ms.p50 or 0:6.1f} ms"
+                + (f", {summary.failed} failed ({rows[-1]['errors']})" if summary.failed else "")
+            )
+            if summary.failed:
+                health = client.health(url)
+                if health != "ready" or summary.failed == summary.requests:
+                    fault = (
+                        f"the server {'stopped answering' if health != 'ready' else 'failed every request'} at "
+                        f"concurrency {c} ({rows[-1]['errors']}); /health: {health}"
+                    )
                     break
         if fault:
-            stop_reason = "server fault"
+            stopped_by, stop_reason = "fault", f"server fault at concurrency {c}"
             break
         level = aggregate([r for r in rows if r["concurrency"] == c])[0]
         done_levels.append(c)
-        throughputs.append(level["output_throughput"])
+        throughputs.append(level.output_throughput)
         broken = objective_broken(level, cfg.objectives)
         if broken:
-            stop_reason = f"latency objective broken at concurrency {c}: {broken}"
+            stopped_by, stop_reason = "objective", f"latency objective broken at concurrency {c}: {broken}"
             break
         if plateau_reached(throughputs, cfg.plateau_gain):
-            stop_reason = f"plateau: under {cfg.plateau_gain:.0%} gain over the last two doublings"
+            stopped_by = "plateau"
+            stop_reason = (
+                f"plateau: under {cfg.plateau_gain:.0%} gain over the last two doublings "
+                f"(concurrency {done_levels[-3]} to {c})"
+            )
             break
+    last_gain = _gain(throughputs)
+    if stopped_by == "max_concurrency":
+        rising = f", throughput still rising {last_gain:+.0%} over the last doubling" if last_gain is not None else ""
+        stop_reason = f"reached bench_max_concurrency {cfg.max_concurrency} before a plateau{rising}: not saturated"
     per_level = aggregate(rows)
-    loadgen.save_records(records, out_dir / "05_benchmark_requests")
+    tables = {name: f"{table_prefix}_{name}.parquet" for name in ("requests", "runs", "levels")}
+    loadgen.save_records(records, out_dir / f"{table_prefix}_requests")
     import pandas as pd
 
-    for name, table in (("05_benchmark_runs", rows), ("05_benchmark_levels", per_level)):
+    for name, table in (("runs", rows), ("levels", [lv.model_dump() for lv in per_level])):
         frame = pd.DataFrame(table)
-        frame.to_parquet(out_dir / f"{name}.parquet", index=False)
-        frame.to_csv(out_dir / f"{name}.csv", index=False)
-    best = max(per_level, key=lambda l: l["output_throughput"]) if per_level else None
-    single = next((l for l in per_level if l["concurrency"] == 1), None)
-    mismatches = {"input": sum(r["input_len_mismatches"] for r in rows), "output": sum(r["output_len_mismatches"] for r in rows)}
-    return {
-        "url": url,
-        "model": model,
-        "config": asdict(cfg),
-        "levels": per_level,
-        "runs": rows,
-        "stop_reason": stop_reason,
-        "fault": fault,
-        "plateau_concurrency": plateau_level(done_levels, throughputs, cfg.plateau_gain) if done_levels else None,
-        "best": {"concurrency": best["concurrency"], "output_throughput": best["output_throughput"]} if best else None,
-        "single_stream": {"output_throughput": single["output_throughput"], "per_user_tok_s": single["per_user_tok_s"],
-                          "ttft_p50": single["ttft_p50"], "tpot_p50": single["tpot_p50"]} if single else None,
-        "length_mismatches": mismatches,
-        "warnings": ([f"{mismatches['output']} requests returned a different number of tokens than asked "
-                      "(the server ignored ignore_eos or max_tokens)"] if mismatches["output"] else [])
-                    + ([f"{mismatches['input']} prompts were counted differently by the server than by the tokenizer"]
-                       if mismatches["input"] else []),
-        "files": {"requests": "05_benchmark_requests.parquet", "runs": "05_benchmark_runs.parquet",
-                  "levels": "05_benchmark_levels.parquet"},
-    }
-
-
-def client_health(url: str) -> str:
-    from servebook.server import health
-
-    return health(url)
+        frame.to_parquet(out_dir / tables[name], index=False)
+        frame.to_csv(out_dir / tables[name].replace(".parquet", ".csv"), index=False)
+    best = max(per_level, key=lambda lv: lv.output_throughput) if per_level else None
+    single = next((lv for lv in per_level if lv.concurrency == 1), None)
+    mismatches = metrics.LengthMismatches(
+        input=sum(int(_number(r["input_len_mismatches"])) for r in rows),
+        output=sum(int(_number(r["output_len_mismatches"])) for r in rows),
+        checked=sum(int(_number(r["completed"])) for r in rows),
+    )
+    warnings = []
+    if mismatches.output:
+        warnings.append(
+            f"{mismatches.output} requests returned a different number of tokens than asked "
+            "(the server ignored ignore_eos or max_tokens)"
+        )
+    if mismatches.input:
+        warnings.append(f"{mismatches.input} prompts were counted differently by the server than by the tokenizer")
+    return SweepResult(
+        url=url,
+        model=model,
+        workload=cfg.workload,
+        max_concurrency=cfg.max_concurrency,
+        repeats=cfg.repeats,
+        plateau_gain=cfg.plateau_gain,
+        objectives=cfg.objectives,
+        levels=per_level,
+        runs=rows,
+        stopped_by=stopped_by,
+        stop_reason=stop_reason,
+        fault=fault,
+        plateau_concurrency=plateau_level(done_levels, throughputs, cfg.plateau_gain)
+        if stopped_by == "plateau"
+        else None,
+        last_gain=last_gain,
+        best=Best(concurrency=best.concurrency, output_throughput=best.output_throughput) if best else None,
+        single_stream=SingleStream(
+            output_throughput=single.output_throughput,
+            per_user_tok_s=single.per_user_tok_s,
+            ttft_p50_ms=single.ttft_p50_ms,
+            tpot_p50_ms=single.tpot_p50_ms,
+        )
+        if single
+        else None,
+        length_mismatches=mismatches,
+        warnings=warnings,
+        tables=tables,
+    )

@@ -5,34 +5,58 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, NoReturn
 
 import typer
 
 from servebook.errors import ServebookError
+from servebook.gpus import GPUS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 
-def _fail(exc: ServebookError) -> None:
+def _fail(exc: ServebookError) -> NoReturn:
     typer.echo(f"servebook: {exc}", err=True)
     raise typer.Exit(exc.exit_code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from servebook import environment
+
+        typer.echo(f"servebook {environment.package_version('servebook')}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version and exit"
+    ),
+) -> None:
+    """servebook: the pipeline and each stage from a terminal."""
 
 
 @app.command()
 def run(
     params_file: Path = typer.Argument(..., help="params YAML, e.g. params/default.yaml"),
     set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE (repeatable)"),
-    stages: Optional[str] = typer.Option(None, help="comma-separated stages to run, e.g. reconnaissance,launch"),
+    stages: str | None = typer.Option(
+        None, help="comma-separated stages to run, by name (launch) or number (03); an unknown one lists them all"
+    ),
 ) -> None:
     """Run the stage notebooks into a new outputs/<timestamp>-<run_name>/ folder."""
+    _run_stages(params_file, set_, stages)
+
+
+def _run_stages(params_file: Path, overrides: list[str], stages: str | None, suffix: str = "") -> NoReturn:
     from servebook import params
 
     try:
-        params.load(params_file, set_)  # in a fraction of a second, before papermill and vLLM are imported
+        params.load(params_file, overrides)  # in a fraction of a second, before papermill and vLLM are imported
         from servebook import runner
 
-        run_dir, code = runner.run(params_file, set_, stages)
+        run_dir, code = runner.run(params_file, overrides, stages, suffix=suffix)
     except ServebookError as exc:
         _fail(exc)
     typer.echo(str(run_dir))
@@ -44,7 +68,7 @@ def prepare(
     params_file: Path = typer.Argument(..., help="params YAML"),
     out: Path = typer.Option(..., help="folder for the parameterized notebooks"),
     set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE (repeatable)"),
-    run_dir: Optional[Path] = typer.Option(None, help="run folder the notebooks write results into"),
+    run_dir: Path | None = typer.Option(None, help="run folder the notebooks write results into"),
 ) -> None:
     """Write parameterized copies of the stage notebooks without running them (for nbval)."""
     from servebook import runner
@@ -70,18 +94,18 @@ def check(params_file: Path = typer.Argument(..., help="params YAML to validate"
 
 @app.command("params")
 def list_params() -> None:
-    """List every parameter of the shared vocabulary with its default."""
-    from servebook.params import Params
+    """List every parameter of the shared vocabulary: type, default and meaning."""
+    from servebook.params import FIELDS, parameter_line
 
-    for name, f in Params.model_fields.items():
-        default = f.get_default(call_default_factory=True)
-        typer.echo(f"{name:24} {default!r:32} {f.description or ''}")
+    for name in FIELDS:
+        typer.echo(parameter_line(name))
 
 
 @app.command()
 def gpus(as_json: bool = typer.Option(False, "--json", help="print the full inventory as JSON")) -> None:
     """Print the GPU inventory: memory, processes, links, topology."""
-    from servebook import hardware, recon
+    from servebook import hardware
+    from servebook.stages.reconnaissance import gpu_table, pair_matrix
 
     inv = hardware.inventory()
     if as_json:
@@ -91,13 +115,12 @@ def gpus(as_json: bool = typer.Option(False, "--json", help="print the full inve
         typer.echo(f"no GPUs: {inv.error}")
         return
     typer.echo(f"driver {inv.driver_version}, CUDA {inv.cuda_driver_version}, {len(inv.gpus)} GPU(s)")
-    results = {"inventory": inv.to_dict()}
-    typer.echo(recon.gpu_table(results).to_string(index=False))
+    typer.echo(gpu_table(inv).to_string(index=False))
     if inv.pairs:
         typer.echo("\ntopology (NVML common ancestor):")
-        typer.echo(recon.pair_matrix(results, "topology").to_string())
+        typer.echo(pair_matrix(inv, "topology").to_string())
         typer.echo("\nNVLink P2P:")
-        typer.echo(recon.pair_matrix(results, "p2p_nvlink").to_string())
+        typer.echo(pair_matrix(inv, "p2p_nvlink").to_string())
 
 
 @app.command("build-model")
@@ -118,14 +141,6 @@ def build_model(
     typer.echo(str(path))
 
 
-def _server_config(params_file: Path, set_: list[str]):
-    from servebook import params, recon, hardware, server
-
-    p = params.load(params_file, set_)
-    device = recon.resolve_device(p.device, hardware.inventory())
-    return p, server.ServerConfig.from_params(p.model_dump(), device)
-
-
 @app.command()
 def launch(
     params_file: Path = typer.Argument(..., help="params YAML"),
@@ -133,13 +148,19 @@ def launch(
     log_dir: Path = typer.Option(None, help="where the server log goes (default outputs/servers)"),
 ) -> None:
     """Start a vLLM server (or reuse a matching healthy one) and wait until it is ready."""
-    from servebook import server
+    from servebook import hardware, params, server
     from servebook.results import outputs_root
 
     try:
-        p, cfg = _server_config(params_file, set_)
-        result = server.launch(cfg, log_dir or outputs_root() / "servers", stop_leftovers=p.stop_leftovers,
-                               on_progress=lambda msg, t: typer.echo(f"[{t:6.1f} s] {msg}"), log=typer.echo)
+        p = params.load(params_file, set_)
+        cfg = server.ServerConfig.from_params(p, hardware.resolve_device(p.device, hardware.inventory()))
+        result = server.launch(
+            cfg,
+            log_dir or outputs_root() / "servers",
+            stop_leftovers=p.stop_leftovers,
+            on_progress=lambda msg, t: typer.echo(f"[{t:6.1f} s] {msg}"),
+            log=typer.echo,
+        )
     except ServebookError as exc:
         _fail(exc)
     typer.echo(f"{'reused' if result.reused else 'ready'}: {result.url} (pid {result.pid}, log {result.log_path})")
@@ -150,67 +171,49 @@ def download(
     params_file: Path = typer.Argument(..., help="params YAML (model, model_store, download_* parameters)"),
     set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE"),
 ) -> None:
-    """Fetch the checkpoint with a disk preflight, progress and resume, then verify every file."""
-    from servebook import download_stage, params, runner
-
-    try:
-        p = params.load(params_file, set_)
-        run_dir = runner.new_run_dir(f"{p.run_name}-download")
-        try:
-            got = download_stage.run(p, run_dir)
-        except ServebookError:
-            run_dir.rmdir() if not any(run_dir.iterdir()) else None
-            raise
-        fetched = got["fetch"] or {}
-        typer.echo(f"{got['local_path']}: fetched {len(fetched.get('fetched_files', []))} files, "
-                   f"{len(fetched.get('skipped_files', []))} already complete; verification "
-                   f"{'passed' if got['verification']['ok'] else 'FAILED'}")
-        download_stage.raise_on_failure(got)
-    except ServebookError as exc:
-        _fail(exc)
-    typer.echo(str(run_dir))
+    """Fetch the checkpoint with a disk preflight, progress and resume, then verify every file (stage 02 alone)."""
+    _run_stages(params_file, set_, "download", suffix="download")
 
 
 @app.command()
 def plan(
     model: str = typer.Argument(..., help="checkpoint folder, config.json, hub repo id, or builtin:tiny-qwen3-moe"),
     gpus_: int = typer.Option(8, "--gpus", help="number of GPUs"),
-    gpu: str = typer.Option("H200", help="GPU model: " + ", ".join(["H200", "H100-SXM", "H100-PCIe", "B200", "A100-80GB",
-                                                                    "L40S", "RTX-PRO-6000"])),
+    gpu: str = typer.Option("H200", help="GPU model: " + ", ".join(GPUS)),
     max_model_len: int = typer.Option(4096, help="context length each request may reach"),
-    gpu_memory_utilization: float = typer.Option(0.92, help="share of GPU memory vLLM may use"),
+    gpu_memory_utilization: float = typer.Option(0.90, help="share of GPU memory vLLM may use (vLLM's default)"),
     kv_cache_dtype: str = typer.Option("auto", help="auto or fp8"),
     batch: int = typer.Option(64, help="concurrent sequences for the throughput ranking"),
     as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON"),
 ) -> None:
     """Which TP/PP/DP/EP layouts vLLM accepts for a model on N GPUs, memory per GPU, KV tokens, a recommendation."""
-    from servebook import gpus as gpu_table, modelspec, planner
+    from servebook import gpus as gpu_specs
+    from servebook import modelspec, planner
+    from servebook.stages.plan import table
 
     try:
         spec = modelspec.load(model)
-        g = gpu_table.lookup(gpu)
-        device = planner.Device(g.name, gpus_, g.memory_bytes, g.bandwidth_bytes_s,
-                                collective_latency_s=30e-6 if "NVLink" in g.interconnect else 45e-6, source=g.source)
-        result = planner.plan(spec, device, max_model_len, gpu_memory_utilization, kv_cache_dtype, batch=batch)
+        g = gpu_specs.lookup(gpu)
+        result = planner.plan(
+            spec, planner.Device.for_gpu(g, gpus_), max_model_len, gpu_memory_utilization, kv_cache_dtype, batch=batch
+        )
     except KeyError as exc:
         typer.echo(f"servebook: {exc.args[0]}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except (ServebookError, ValueError) as exc:
         typer.echo(f"servebook: {exc}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     if as_json:
-        typer.echo(json.dumps(result, indent=2, default=str))
+        typer.echo(result.model_dump_json(indent=2))
         return
-    from servebook import plan_stage
-
-    typer.echo(f"{spec.architecture} on {gpus_} x {g.name}; weights {result['weights_total_bytes'] / 1e9:,.1f} GB")
-    typer.echo(plan_stage.table(result).drop(columns=["why not"]).to_string(index=False))
-    for l in result["layouts"]:
-        if l["reasons"]:
-            typer.echo(f"{l['name']}: {l['reasons'][0]}")
-    typer.echo(f"recommended: {result['why']}")
-    if result["recommended"]:
-        typer.echo("  " + " ".join(result["recommended"]["flags"]))
+    typer.echo(f"{spec.architecture} on {gpus_} x {g.name}; weights {result.weights_total_bytes / 1e9:,.1f} GB")
+    typer.echo(table(result).drop(columns=["why not"]).to_string(index=False))
+    for layout in result.layouts:
+        if layout.reasons:
+            typer.echo(f"{layout.name}: {layout.reasons[0]}")
+    typer.echo(f"recommended: {result.why}")
+    if result.recommended:
+        typer.echo("  " + " ".join(result.recommended.flags))
 
 
 @app.command()
@@ -218,37 +221,8 @@ def bench(
     params_file: Path = typer.Argument(..., help="params YAML (server and bench_* parameters)"),
     set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE"),
 ) -> None:
-    """Launch (or reuse) the server, sweep concurrency to saturation, write tables to a new run folder."""
-    from servebook import bench_stage
-
-    def report(data: dict) -> None:
-        typer.echo(f"stopped: {data['stop_reason']}")
-        if data["best"]:
-            typer.echo(f"best {data['best']['output_throughput']:.0f} output tok/s at concurrency "
-                       f"{data['best']['concurrency']}, plateau from {data['plateau_concurrency']}")
-        bench_stage.raise_on_fault(data)
-
-    _stage_with_server(params_file, set_, "bench", bench_stage.run, report)
-
-
-def _stage_with_server(params_file: Path, overrides: list[str], suffix: str, stage, report) -> None:
-    """Launch (or reuse) the configured server in a new run folder, run one stage against it, and stop the
-    server afterwards if this command started it (unless keep_server)."""
-    from servebook import launch_stage, params, runner
-
-    try:
-        p = params.load(params_file, overrides)
-        run_dir = runner.new_run_dir(f"{p.run_name}-{suffix}")
-        launch_stage.run(p, run_dir)
-        try:
-            data = stage(p, run_dir)
-        finally:
-            if not p.keep_server:
-                runner.stop_started_server(run_dir, typer.echo)
-        report(data)
-    except ServebookError as exc:
-        _fail(exc)
-    typer.echo(str(run_dir))
+    """Launch (or reuse) the server and sweep concurrency to saturation, into a new run folder with its report."""
+    _run_stages(params_file, set_, "launch,benchmark", suffix="bench")
 
 
 @app.command()
@@ -258,27 +232,34 @@ def deploy(
 ) -> None:
     """Launch (or reuse) the configured server, render and verify its systemd unit, prove the pre-start and
     post-start commands, and install it only when deploy_install is true."""
-    from servebook import deploy_stage
-
-    def report(data: dict) -> None:
-        typer.echo(f"unit: {data['unit_file']} (TimeoutStartSec={data['timeout_start_s']}, load {data['load_seconds']:.0f} s "
-                   f"{data['load_source']}); systemd-analyze verify {'passed' if data['verify']['ok'] else 'FAILED'}")
-        deploy_stage.raise_on_failure(data)
-
-    _stage_with_server(params_file, set_, "deploy", deploy_stage.run, report)
+    _run_stages(params_file, set_, "launch,deploy", suffix="deploy")
 
 
 @app.command()
 def compare(
-    run_dirs: List[Path] = typer.Argument(..., help="two or more run folders with 05_benchmark_levels.parquet"),
-    html: Optional[Path] = typer.Option(None, help="also write the figure to this HTML file"),
+    run_dirs: List[Path] = typer.Argument(..., help="two or more run folders that hold a benchmark"),
+    html: Path | None = typer.Option(None, help="also write the figure to this HTML file"),
 ) -> None:
     """Compare benchmark runs on shared axes and report where one overtakes another."""
     from servebook import plots
+    from servebook.stages.benchmark import load_run
 
-    fig, crossings = plots.compare(run_dirs)
+    if len(run_dirs) < 2:
+        _fail(
+            ServebookError(
+                f"compare needs two or more run folders, got {len(run_dirs)}; "
+                "e.g. servebook compare outputs/RUN_A outputs/RUN_B"
+            )
+        )
+    try:
+        runs = [load_run(d) for d in run_dirs]
+    except ServebookError as exc:
+        _fail(exc)
+    fig, crossings = plots.compare(runs)
     for c in crossings:
-        where = f"crosses over at concurrency {c['crossover_concurrency']}" if c["crossover_concurrency"] else "never cross"
+        where = (
+            f"crosses over at concurrency {c['crossover_concurrency']}" if c["crossover_concurrency"] else "never cross"
+        )
         typer.echo(f"{c['a']} vs {c['b']}: {where}")
     if html:
         fig.write_html(html, include_plotlyjs=True)
@@ -292,34 +273,45 @@ def status(as_json: bool = typer.Option(False, "--json")) -> None:
 
     rows = server.status()
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+        typer.echo(json.dumps([r.model_dump() for r in rows], indent=2))
         return
     if not rows:
         typer.echo("no servebook servers and no orphaned vLLM processes")
     for r in rows:
-        typer.echo(f"port {r['port']}  pid {r['pid']}  {r['health']:8}  processes {r['processes']}  {r['model']}  {r['log']}")
+        typer.echo(
+            f"port {r.port}  pid {r.pid}  {r.health:8}  processes {r.processes}  {r.model}  {r.log}"
+            + (f"\n    {r.detail}" if r.detail else "")
+        )
 
 
 @app.command()
 def stop(
-    port: Optional[int] = typer.Option(None, help="stop the server on this port (default: every servebook server)"),
-    orphans: Optional[bool] = typer.Option(None, help="also stop orphaned VLLM:: processes left by earlier crashes "
-                                           "(default: yes without --port, no with it)"),
+    params_file: Path | None = typer.Argument(None, help="params YAML: stop the server it launches (its port)"),
+    port: int | None = typer.Option(None, help="stop the server on this port (default: every servebook server)"),
+    orphans: bool | None = typer.Option(
+        None,
+        help="also stop orphaned VLLM:: processes left by earlier crashes "
+        "(default: yes without --port or PARAMS, no with one)",
+    ),
 ) -> None:
     """Stop servers (SIGTERM, grace, SIGKILL on the whole group) and verify nothing is left."""
-    from servebook import server
+    from servebook import params, server
 
     try:
+        if params_file is not None:
+            if port is not None:
+                _fail(ServebookError("give a params file or --port, not both"))
+            port = params.load(params_file).port
         outcome = server.stop(port=port, orphans=port is None if orphans is None else orphans)
     except ServebookError as exc:
         _fail(exc)
-    typer.echo(outcome["summary"])
+    typer.echo(outcome.summary)
 
 
 @app.command("gpu-check")
 def gpu_check(
     port: int = typer.Option(..., help="the port the server will listen on"),
-    gpus_: Optional[str] = typer.Option(None, "--gpus", help="comma-separated physical GPU indices the server will use"),
+    gpus_: str | None = typer.Option(None, "--gpus", help="comma-separated physical GPU indices the server will use"),
     host: str = typer.Option("127.0.0.1"),
 ) -> None:
     """Exit non-zero, listing the holders, if anything holds the GPUs or the port (a service's ExecStartPre)."""
@@ -346,6 +338,15 @@ def wait_ready(
     ok, message, _ = server.wait_ready(url, timeout, poll)
     typer.echo(message, err=not ok)
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command("sync-notebooks")
+def sync_notebooks() -> None:
+    """Re-render every notebook's parameters cell from the parameter vocabulary (scripts/sync-notebooks.sh runs it)."""
+    from servebook import runner
+
+    for twin in runner.sync_parameter_cells([nb.with_suffix(".py") for nb in runner.stage_notebooks()]):
+        typer.echo(f"updated {twin}")
 
 
 def main() -> None:

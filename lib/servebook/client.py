@@ -8,8 +8,9 @@ import time
 from typing import Any
 
 import httpx
+from pydantic import BaseModel
 
-from servebook.errors import ServebookError
+from servebook.errors import SmokeTestFailed
 
 SMOKE_PROMPT = "The server is ready to serve the model"
 SMOKE_CHAT = [{"role": "user", "content": "Say something about expert parallel serving."}]
@@ -21,12 +22,28 @@ GAUGES = {
     "vllm:kv_cache_usage_perc": "KV-cache usage (0-1)",
     "vllm:gpu_cache_usage_perc": "KV-cache usage (0-1)",  # before vLLM renamed it
 }
-COUNTERS = ("vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+COUNTERS = (
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+)
 
 
-class SmokeTestFailed(ServebookError):
-    pass
+def health(url: str, timeout: float = 2.0) -> str:
+    """'ready' (200), 'dead' (503: the engine died), 'loading' (no listener yet), 'busy' or 'error <code>'."""
+    try:
+        r = httpx.get(f"{url}/health", timeout=timeout)
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+        return "loading"
+    except httpx.TimeoutException:
+        return "busy"
+    if r.status_code == 200:
+        return "ready"
+    if r.status_code == 503:
+        return "dead"
+    return f"error {r.status_code}"
 
 
 def headers(api_key_env: str = "") -> dict[str, str]:
@@ -68,10 +85,64 @@ def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, An
     return r.json()
 
 
-def stream_timing(client: httpx.Client, model: str, max_tokens: int) -> dict[str, Any]:
+class Check(BaseModel):
+    check: str
+    ok: bool
+    detail: str
+
+
+class Usage(BaseModel):
+    """The token counts of vLLM's usage object (its other fields are ignored)."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+
+
+class Answer(BaseModel):
+    text: str
+    finish_reason: str | None
+    usage: Usage | None
+
+
+class StreamTiming(BaseModel):
+    """One streamed completion, timed as vLLM's benchmark times it."""
+
+    ttft_ms: float
+    e2el_ms: float
+    completion_tokens: int
+    chunks: int
+    decode_tok_s: float | None  # (tokens - 1) / (last chunk - first chunk)
+    end_to_end_tok_s: float
+
+
+class SmokeResult(BaseModel):
+    url: str
+    model: str
+    models: list[str]
+    chat: Answer
+    completion: Answer
+    stream: StreamTiming
+    metrics: dict[str, float]
+    checks: list[Check]
+    passed: bool
+
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+
+def stream_timing(client: httpx.Client, model: str, max_tokens: int) -> StreamTiming:
     """One streamed completion: time to first token and single-stream decode speed."""
-    body = {"model": model, "prompt": SMOKE_PROMPT, "max_tokens": max_tokens, "temperature": 0,
-            "min_tokens": max_tokens, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": SMOKE_PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "min_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     first = last = None
     usage: dict[str, Any] = {}
@@ -90,66 +161,109 @@ def stream_timing(client: httpx.Client, model: str, max_tokens: int) -> dict[str
                 first = first or now
                 last = now
                 chunks += 1
-    if first is None:
+    if first is None or last is None:
         raise SmokeTestFailed("the streamed completion returned no text")
     out = usage.get("completion_tokens", chunks)
     decode_s = (last - first) if last and out > 1 else 0.0
-    return {
-        "ttft_s": first - sent,
-        "e2e_s": last - sent,
-        "completion_tokens": out,
-        "chunks": chunks,
-        "decode_tok_per_s": (out - 1) / decode_s if decode_s > 0 else None,
-        "end_to_end_tok_per_s": out / (last - sent),
-    }
+    return StreamTiming(
+        ttft_ms=1000 * (first - sent),
+        e2el_ms=1000 * (last - sent),
+        completion_tokens=out,
+        chunks=chunks,
+        decode_tok_s=(out - 1) / decode_s if decode_s > 0 else None,
+        end_to_end_tok_s=out / (last - sent),
+    )
 
 
-def smoke_test(url: str, model: str, max_tokens: int = 32, api_key_env: str = "", timeout: float = 120.0) -> dict[str, Any]:
+def smoke_test(
+    url: str, model: str, max_tokens: int = 32, api_key_env: str = "", timeout: float = 120.0
+) -> SmokeResult:
     """Does the server answer, correctly and deterministically, and how fast is one stream?
 
-    Returns the results with a ``checks`` list; raises :class:`SmokeTestFailed` naming every failed check.
+    Every check is recorded, failed or not; :func:`raise_on_failure` is the gate.
     """
-    checks: list[dict[str, Any]] = []
+    checks: list[Check] = []
 
     def check(name: str, ok: bool, detail: str) -> None:
-        checks.append({"check": name, "ok": bool(ok), "detail": detail})
+        checks.append(Check(check=name, ok=bool(ok), detail=detail))
 
-    out: dict[str, Any] = {"url": url, "model": model}
     with httpx.Client(base_url=url, headers=headers(api_key_env), timeout=timeout) as client:
         listed = client.get("/v1/models").json()
         names = [m["id"] for m in listed.get("data", [])]
-        out["models"] = names
         check("models lists the served name", model in names, f"/v1/models: {names}")
 
-        chat_body = {"model": model, "messages": SMOKE_CHAT, "max_tokens": max_tokens, "temperature": 0, "min_tokens": MIN_TOKENS}
+        chat_body = {
+            "model": model,
+            "messages": SMOKE_CHAT,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "min_tokens": MIN_TOKENS,
+        }
         chats = [_post(client, "/v1/chat/completions", chat_body) for _ in range(2)]
         texts = [c["choices"][0]["message"]["content"] or "" for c in chats]
-        out["chat"] = {"text": texts[0], "finish_reason": chats[0]["choices"][0]["finish_reason"], "usage": chats[0].get("usage")}
+        chat = Answer(text=texts[0], finish_reason=chats[0]["choices"][0]["finish_reason"], usage=chats[0].get("usage"))
         check("chat completion is non-empty", bool(texts[0].strip()), repr(texts[0][:80]))
-        check("chat completion is deterministic at temperature 0", texts[0] == texts[1], "two identical answers" if texts[0] == texts[1] else f"{texts[0][:60]!r} != {texts[1][:60]!r}")
-        check("chat completion has a finish reason and usage", bool(chats[0]["choices"][0]["finish_reason"]) and bool(chats[0].get("usage", {}).get("completion_tokens")), str(chats[0].get("usage")))
+        check(
+            "chat completion is deterministic at temperature 0",
+            texts[0] == texts[1],
+            "two identical answers" if texts[0] == texts[1] else f"{texts[0][:60]!r} != {texts[1][:60]!r}",
+        )
+        check(
+            "chat completion has a finish reason and usage",
+            bool(chats[0]["choices"][0]["finish_reason"]) and bool(chats[0].get("usage", {}).get("completion_tokens")),
+            str(chats[0].get("usage")),
+        )
 
-        comp_body = {"model": model, "prompt": SMOKE_PROMPT, "max_tokens": max_tokens, "temperature": 0, "min_tokens": MIN_TOKENS}
+        comp_body = {
+            "model": model,
+            "prompt": SMOKE_PROMPT,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "min_tokens": MIN_TOKENS,
+        }
         comps = [_post(client, "/v1/completions", comp_body) for _ in range(2)]
         ctexts = [c["choices"][0]["text"] or "" for c in comps]
-        out["completion"] = {"text": ctexts[0], "finish_reason": comps[0]["choices"][0]["finish_reason"], "usage": comps[0].get("usage")}
+        completion = Answer(
+            text=ctexts[0], finish_reason=comps[0]["choices"][0]["finish_reason"], usage=comps[0].get("usage")
+        )
         check("completion is non-empty", bool(ctexts[0].strip()), repr(ctexts[0][:80]))
-        check("completion is deterministic at temperature 0", ctexts[0] == ctexts[1], "two identical answers" if ctexts[0] == ctexts[1] else f"{ctexts[0][:60]!r} != {ctexts[1][:60]!r}")
-        check("completion has a finish reason and usage", bool(comps[0]["choices"][0]["finish_reason"]) and bool(comps[0].get("usage", {}).get("completion_tokens")), str(comps[0].get("usage")))
+        check(
+            "completion is deterministic at temperature 0",
+            ctexts[0] == ctexts[1],
+            "two identical answers" if ctexts[0] == ctexts[1] else f"{ctexts[0][:60]!r} != {ctexts[1][:60]!r}",
+        )
+        check(
+            "completion has a finish reason and usage",
+            bool(comps[0]["choices"][0]["finish_reason"]) and bool(comps[0].get("usage", {}).get("completion_tokens")),
+            str(comps[0].get("usage")),
+        )
 
-        out["stream"] = stream_timing(client, model, max_tokens)
-        check("stream honours max_tokens", out["stream"]["completion_tokens"] == max_tokens,
-              f"{out['stream']['completion_tokens']} of {max_tokens} tokens")
+        stream = stream_timing(client, model, max_tokens)
+        check(
+            "stream honours max_tokens",
+            stream.completion_tokens == max_tokens,
+            f"{stream.completion_tokens} of {max_tokens} tokens",
+        )
 
-        values = metrics(url)
-        out["metrics"] = key_gauges(values)
-        check("metrics expose the running/waiting gauges", "requests running" in out["metrics"] and "requests waiting" in out["metrics"], ", ".join(out["metrics"]))
-    out["checks"] = checks
-    out["passed"] = all(c["ok"] for c in checks)
-    return out
+        gauges = key_gauges(metrics(url))
+        check(
+            "metrics expose the running/waiting gauges",
+            "requests running" in gauges and "requests waiting" in gauges,
+            ", ".join(gauges),
+        )
+    return SmokeResult(
+        url=url,
+        model=model,
+        models=names,
+        chat=chat,
+        completion=completion,
+        stream=stream,
+        metrics=gauges,
+        checks=checks,
+        passed=all(c.ok for c in checks),
+    )
 
 
-def raise_on_failure(result: dict[str, Any]) -> None:
-    failed = [c for c in result["checks"] if not c["ok"]]
-    if failed:
-        raise SmokeTestFailed("smoke test failed: " + "; ".join(f"{c['check']} ({c['detail']})" for c in failed))
+def raise_on_failure(result: SmokeResult) -> None:
+    if result.failed():
+        raise SmokeTestFailed("smoke test failed: " + "; ".join(f"{c.check} ({c.detail})" for c in result.failed()))

@@ -18,25 +18,16 @@ import shutil
 import struct
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from servebook.errors import ServebookError
+from pydantic import BaseModel
+
+from servebook.errors import DownloadError, InsufficientDisk
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
-
-
-class DownloadError(ServebookError):
-    pass
-
-
-class InsufficientDisk(DownloadError):
-    exit_code = 3
-
-
-class VerificationFailed(DownloadError):
-    pass
 
 
 @dataclass
@@ -65,7 +56,9 @@ def _api():
     return HfApi()  # HF_ENDPOINT and HF_TOKEN come from the environment
 
 
-def list_files(repo: str, revision: str = "main", allow: list[str] | None = None, ignore: list[str] | None = None) -> Listing:
+def list_files(
+    repo: str, revision: str = "main", allow: list[str] | None = None, ignore: list[str] | None = None
+) -> Listing:
     """The files a download would fetch, with sizes and checksums, and the commit the revision resolves to."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.utils import filter_repo_objects
@@ -75,23 +68,38 @@ def list_files(repo: str, revision: str = "main", allow: list[str] | None = None
         info = api.model_info(repo, revision=revision)
         tree = list(api.list_repo_tree(repo, revision=revision, recursive=True, expand=True))
     except RevisionNotFoundError:
-        raise DownloadError(f"revision '{revision}' does not exist in {repo}; set download_revision to a branch, tag or commit "
-                            "that exists") from None
+        raise DownloadError(
+            f"revision '{revision}' does not exist in {repo}; set download_revision to a branch, tag or commit "
+            "that exists"
+        ) from None
     except RepositoryNotFoundError:
         if revision != "main" and _exists(api, repo):  # some mirrors answer an unknown revision as an unknown repo
-            raise DownloadError(f"revision '{revision}' does not exist in {repo}; set download_revision to a branch, tag "
-                                "or commit that exists") from None
-        raise DownloadError(f"repository '{repo}' was not found (or is gated and HF_TOKEN is not set); check model") from None
+            raise DownloadError(
+                f"revision '{revision}' does not exist in {repo}; set download_revision to a branch, tag "
+                "or commit that exists"
+            ) from None
+        raise DownloadError(
+            f"repository '{repo}' was not found (or is gated and HF_TOKEN is not set); check model"
+        ) from None
     except Exception as exc:
         raise DownloadError(f"could not list {repo}@{revision}: {type(exc).__name__}: {exc}") from None
     files = []
     for item in tree:
-        if not hasattr(item, "size") or getattr(item, "type", "file") == "directory" or item.__class__.__name__ == "RepoFolder":
+        if (
+            not hasattr(item, "size")
+            or getattr(item, "type", "file") == "directory"
+            or item.__class__.__name__ == "RepoFolder"
+        ):
             continue
         lfs = getattr(item, "lfs", None)
-        files.append(RemoteFile(item.path, int(item.size), getattr(item, "blob_id", None),
-                                getattr(lfs, "sha256", None) if lfs else None))
-    keep = set(filter_repo_objects([f.path for f in files], allow_patterns=allow or None, ignore_patterns=ignore or None))
+        files.append(
+            RemoteFile(
+                item.path, int(item.size), getattr(item, "blob_id", None), getattr(lfs, "sha256", None) if lfs else None
+            )
+        )
+    keep = set(
+        filter_repo_objects([f.path for f in files], allow_patterns=allow or None, ignore_patterns=ignore or None)
+    )
     return Listing(repo, revision, info.sha or revision, [f for f in files if f.path in keep])
 
 
@@ -138,7 +146,43 @@ def file_ok(local: Path, remote: RemoteFile, checksum: bool = True) -> str:
     return ""
 
 
-def preflight(listing: Listing, target: Path, margin: float = 0.05) -> dict[str, Any]:
+class Preflight(BaseModel):
+    files: int
+    bytes_total: int
+    files_present: int
+    bytes_to_fetch: int
+    bytes_required_with_margin: int
+    bytes_free: int
+    margin: float
+
+
+class Fetched(BaseModel):
+    fetched_files: list[str]
+    skipped_files: list[str]
+    bytes_fetched: int
+    seconds: float
+    rate_bytes_s: float | None
+
+
+class Verification(BaseModel):
+    ok: bool
+    problems: list[str]
+    files: dict[str, str]  # file -> "ok" or what is wrong
+    tensor_bytes: int
+    checked_bytes: int
+    seconds: float
+    seconds_per_gb: float | None
+
+
+class ListingInfo(BaseModel):
+    repo: str
+    revision: str
+    commit: str
+    files: list[RemoteFile]
+    bytes: int
+
+
+def preflight(listing: Listing, target: Path, margin: float = 0.05) -> Preflight:
     """Bytes still to fetch against free space at the target; raises before any byte is fetched."""
     from servebook.environment import existing_parent
 
@@ -147,8 +191,15 @@ def preflight(listing: Listing, target: Path, margin: float = 0.05) -> dict[str,
     need = sum(f.size for f in todo)
     free = shutil.disk_usage(existing_parent(target)).free
     required = int(need * (1 + margin))
-    result = {"files": len(listing.files), "bytes_total": listing.total_bytes, "files_present": len(present),
-              "bytes_to_fetch": need, "bytes_required_with_margin": required, "bytes_free": free, "margin": margin}
+    result = Preflight(
+        files=len(listing.files),
+        bytes_total=listing.total_bytes,
+        files_present=len(present),
+        bytes_to_fetch=need,
+        bytes_required_with_margin=required,
+        bytes_free=free,
+        margin=margin,
+    )
     if required > free:
         raise InsufficientDisk(
             f"{target} has {free / 1e9:,.2f} GB free but the download needs {need / 1e9:,.2f} GB "
@@ -183,13 +234,19 @@ class Progress:
         elapsed = time.monotonic() - self.started
         rate = done / elapsed if elapsed > 0 else 0.0
         left = max(0.0, self.total - done) / rate if rate > 0 else float("inf")
-        return {"bytes_done": done, "bytes_total": self.total, "elapsed_s": elapsed, "rate_bytes_s": rate, "eta_s": left}
+        return {
+            "bytes_done": done,
+            "bytes_total": self.total,
+            "elapsed_s": elapsed,
+            "rate_bytes_s": rate,
+            "eta_s": left,
+        }
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
             self.report(self.snapshot())
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         self._thread.start()
         return self
 
@@ -198,8 +255,13 @@ class Progress:
         self._thread.join(timeout=5)
 
 
-def fetch(listing: Listing, target: Path, workers: int = 8, on_progress: Callable[[dict[str, float]], None] | None = None,
-          progress_every_s: float = 5.0) -> dict[str, Any]:
+def fetch(
+    listing: Listing,
+    target: Path,
+    workers: int = 8,
+    on_progress: Callable[[dict[str, float]], None] | None = None,
+    progress_every_s: float = 5.0,
+) -> Fetched:
     """Fetch every file not already complete (resuming partial ones); returns what was fetched and how fast."""
     from huggingface_hub import hf_hub_download
 
@@ -212,8 +274,17 @@ def fetch(listing: Listing, target: Path, workers: int = 8, on_progress: Callabl
     with Progress(target, need, report, progress_every_s) as progress:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             # A file on disk with the wrong size is refetched whole; a missing one may resume from a partial download.
-            futures = {pool.submit(hf_hub_download, listing.repo, f.path, revision=listing.commit, local_dir=str(target),
-                                   force_download=(target / f.path).exists()): f for f in todo}
+            futures = {
+                pool.submit(
+                    hf_hub_download,
+                    listing.repo,
+                    f.path,
+                    revision=listing.commit,
+                    local_dir=str(target),
+                    force_download=(target / f.path).exists(),
+                ): f
+                for f in todo
+            }
             errors = []
             for fut in concurrent.futures.as_completed(futures):
                 try:
@@ -225,8 +296,13 @@ def fetch(listing: Listing, target: Path, workers: int = 8, on_progress: Callabl
     if errors:
         raise DownloadError("some files failed to download (rerun to resume):\n  - " + "\n  - ".join(errors))
     seconds = time.monotonic() - started
-    return {"fetched_files": [f.path for f in todo], "skipped_files": skipped, "bytes_fetched": need,
-            "seconds": seconds, "rate_bytes_s": need / seconds if seconds > 0 else None}
+    return Fetched(
+        fetched_files=[f.path for f in todo],
+        skipped_files=skipped,
+        bytes_fetched=need,
+        seconds=seconds,
+        rate_bytes_s=need / seconds if seconds > 0 else None,
+    )
 
 
 def safetensors_tensor_bytes(path: Path) -> tuple[int, dict[str, Any]]:
@@ -247,7 +323,7 @@ def safetensors_tensor_bytes(path: Path) -> tuple[int, dict[str, Any]]:
     return sum(v["data_offsets"][1] - v["data_offsets"][0] for v in tensors.values()), tensors
 
 
-def verify(target: Path, listing: Listing | None = None, expected_sha256: dict[str, str] | None = None) -> dict[str, Any]:
+def verify(target: Path, listing: Listing | None = None, expected_sha256: dict[str, str] | None = None) -> Verification:
     """Check every file; returns per-file outcomes and problems (each naming the file and the fix)."""
     started = time.monotonic()
     problems: list[str] = []
@@ -288,15 +364,26 @@ def verify(target: Path, listing: Listing | None = None, expected_sha256: dict[s
     if not any((target / t).is_file() for t in TOKENIZER_FILES):
         problems.append(f"no tokenizer ({', '.join(TOKENIZER_FILES)}); include it in download_allow")
     seconds = time.monotonic() - started
-    return {"ok": not problems, "problems": problems, "files": files, "tensor_bytes": tensor_bytes,
-            "checked_bytes": checked_bytes, "seconds": seconds,
-            "seconds_per_gb": seconds / (checked_bytes / 1e9) if checked_bytes else None}
+    return Verification(
+        ok=not problems,
+        problems=problems,
+        files=files,
+        tensor_bytes=tensor_bytes,
+        checked_bytes=checked_bytes,
+        seconds=seconds,
+        seconds_per_gb=seconds / (checked_bytes / 1e9) if checked_bytes else None,
+    )
 
 
 def local_dir_for(model_store: str, repo: str) -> Path:
     return Path(model_store).expanduser() / repo
 
 
-def listing_dict(listing: Listing) -> dict[str, Any]:
-    return {"repo": listing.repo, "revision": listing.revision, "commit": listing.commit,
-            "files": [asdict(f) for f in listing.files], "bytes": listing.total_bytes}
+def listing_info(listing: Listing) -> ListingInfo:
+    return ListingInfo(
+        repo=listing.repo,
+        revision=listing.revision,
+        commit=listing.commit,
+        files=listing.files,
+        bytes=listing.total_bytes,
+    )

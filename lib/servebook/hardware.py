@@ -16,13 +16,21 @@ import pynvml
 
 from servebook import nvml
 from servebook.errors import NvmlUnavailable
+from servebook.units import MiB
 
 VLLM_TITLE_PREFIX = "VLLM::"
 # Memory (v2 "used", which excludes the driver's reservation) above this with no
 # visible process means someone we cannot see holds the GPU.
-UNATTRIBUTED_THRESHOLD = 512 * nvml.MiB
-P2P_STATUS = {0: "OK", 1: "CHIPSET_NOT_SUPPORTED", 2: "GPU_NOT_SUPPORTED", 3: "IOH_TOPOLOGY_NOT_SUPPORTED",
-              4: "DISABLED_BY_REGKEY", 5: "NOT_SUPPORTED", 6: "UNKNOWN"}
+UNATTRIBUTED_THRESHOLD = 512 * MiB
+P2P_STATUS = {
+    0: "OK",
+    1: "CHIPSET_NOT_SUPPORTED",
+    2: "GPU_NOT_SUPPORTED",
+    3: "IOH_TOPOLOGY_NOT_SUPPORTED",
+    4: "DISABLED_BY_REGKEY",
+    5: "NOT_SUPPORTED",
+    6: "UNKNOWN",
+}
 
 
 @dataclass
@@ -82,15 +90,36 @@ class Inventory:
         return bool(self.pairs) and all(p.p2p_nvlink == "OK" for p in self.pairs)
 
 
+def title(proc: psutil.Process) -> str:
+    """The title a process shows: vLLM renames its processes ``VLLM::EngineCore``, ``VLLM::Worker_TP1``..."""
+    try:
+        return " ".join(proc.cmdline()).strip() or proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return "?"
+
+
 def process_title(pid: int, backend: Any) -> tuple[str, bool]:
-    """The title a process shows (vLLM renames its processes ``VLLM::...``) and whether we can see it."""
+    """A GPU process's title and whether it is visible from here (NVML may list pids of other namespaces)."""
     try:
         proc = psutil.Process(pid)
-        cmdline = " ".join(proc.cmdline()).strip()
-        return cmdline or proc.name(), True
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        name = nvml.optional(backend.nvmlSystemGetProcessName, pid)
-        return name or "?", False
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return nvml.optional(backend.nvmlSystemGetProcessName, pid) or "?", False
+    return title(proc), True
+
+
+def resolve_device(device: str, inv: Inventory) -> str:
+    """``auto`` becomes ``cuda`` when NVML sees GPUs, else ``cpu``; an explicit choice stands."""
+    if device != "auto":
+        return device
+    return "cuda" if inv.available and inv.gpus else "cpu"
+
+
+def target_gpus(gpu_ids: list[int], world_size: int) -> list[int]:
+    """The physical GPUs a server uses: ``gpu_ids`` when given, else the first ``world_size`` indices.
+
+    servebook exports ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` to every server, so CUDA's device N is NVML's index N.
+    """
+    return list(gpu_ids) if gpu_ids else list(range(world_size))
 
 
 def is_orphan(pid: int) -> bool:
@@ -174,13 +203,16 @@ def inventory(fake: str | None = None) -> Inventory:
                 handles.append(h)
             for (i, ha), (j, hb) in combinations(enumerate(handles), 2):
                 level = nvml.optional(backend.nvmlDeviceGetTopologyCommonAncestor, ha, hb)
-                inv.pairs.append(GpuPair(
-                    a=i, b=j,
-                    topology=None if level is None else nvml.TOPOLOGY_LEVELS.get(level, str(level)),
-                    p2p_read=_status(backend, ha, hb, nvml.P2PCap.READ),
-                    p2p_write=_status(backend, ha, hb, nvml.P2PCap.WRITE),
-                    p2p_nvlink=_status(backend, ha, hb, nvml.P2PCap.NVLINK),
-                ))
+                inv.pairs.append(
+                    GpuPair(
+                        a=i,
+                        b=j,
+                        topology=None if level is None else nvml.TOPOLOGY_LEVELS.get(level, str(level)),
+                        p2p_read=_status(backend, ha, hb, nvml.P2PCap.READ),
+                        p2p_write=_status(backend, ha, hb, nvml.P2PCap.WRITE),
+                        p2p_nvlink=_status(backend, ha, hb, nvml.P2PCap.NVLINK),
+                    )
+                )
             return inv
     except NvmlUnavailable as exc:
         return Inventory(available=False, error=str(exc))
@@ -190,7 +222,3 @@ def holders(inv: Inventory, gpu_indices: list[int] | None = None) -> list[tuple[
     """(gpu index, process) for every process on the given GPUs (all GPUs when None)."""
     wanted = set(gpu_indices) if gpu_indices is not None else None
     return [(g.index, p) for g in inv.gpus if wanted is None or g.index in wanted for p in g.processes]
-
-
-def gib(n: int | float | None) -> str:
-    return "?" if n is None else f"{n / nvml.GiB:.1f} GiB"

@@ -94,7 +94,9 @@ class PromptMaker:
 
     def chat_overhead(self) -> int:
         """Tokens the chat template adds around one user message."""
-        empty = self.tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True)
+        empty = self.tok.apply_chat_template(
+            [{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True
+        )
         return len(empty["input_ids"] if isinstance(empty, dict) else empty)
 
     def prompts(self, count: int, length: int, shared_prefix_len: int = 0) -> list[str]:
@@ -140,15 +142,25 @@ def _content(event: dict[str, Any]) -> str:
     return (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
 
 
-async def _one(session: aiohttp.ClientSession, url: str, workload: Workload, model: str, prompt: str,
-               rec: RequestRecord, gate: asyncio.Semaphore, timeout_s: float, headers: dict[str, str]) -> None:
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    workload: Workload,
+    model: str,
+    prompt: str,
+    rec: RequestRecord,
+    gate: asyncio.Semaphore,
+    timeout_s: float,
+    headers: dict[str, str],
+) -> None:
     path, body = _body(workload, model, prompt)
     async with gate:
         rec.send = time.perf_counter()
         seen_tokens = 0
         try:
-            async with session.post(url + path, json=body, headers=headers,
-                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with session.post(
+                url + path, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
                 if resp.status != 200:
                     text = (await resp.text())[:300]
                     rec.error = f"http {resp.status}: {text}"
@@ -190,33 +202,67 @@ async def _one(session: aiohttp.ClientSession, url: str, workload: Workload, mod
             rec.error = f"connection lost: {type(exc).__name__}: {exc}"
 
 
-async def _run(url: str, model: str, workload: Workload, prompts: list[str], concurrency: int, level: str,
-               warmup: int, timeout_s: float, headers: dict[str, str]) -> tuple[list[RequestRecord], float, float]:
+async def _run(
+    url: str,
+    model: str,
+    workload: Workload,
+    prompts: list[str],
+    concurrency: int,
+    level: str,
+    warmup: int,
+    timeout_s: float,
+    headers: dict[str, str],
+) -> tuple[list[RequestRecord], float, float]:
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
         gate = asyncio.Semaphore(concurrency)
-        warm = [RequestRecord(i, level, True, time.perf_counter(), expected_input=workload.input_len,
-                              expected_output=workload.output_len) for i in range(warmup)]
-        await asyncio.gather(*(_one(session, url, workload, model, prompts[i], r, gate, timeout_s, headers)
-                               for i, r in enumerate(warm)))
+        warm = [
+            RequestRecord(
+                i,
+                level,
+                True,
+                time.perf_counter(),
+                expected_input=workload.input_len,
+                expected_output=workload.output_len,
+            )
+            for i in range(warmup)
+        ]
+        await asyncio.gather(
+            *(_one(session, url, workload, model, prompts[i], r, gate, timeout_s, headers) for i, r in enumerate(warm))
+        )
         start = time.perf_counter()
-        measured = [RequestRecord(i, level, False, start, expected_input=workload.input_len,
-                                  expected_output=workload.output_len) for i in range(warmup, len(prompts))]
-        await asyncio.gather(*(_one(session, url, workload, model, prompts[r.index], r, gate, timeout_s, headers)
-                               for r in measured))
+        measured = [
+            RequestRecord(
+                i, level, False, start, expected_input=workload.input_len, expected_output=workload.output_len
+            )
+            for i in range(warmup, len(prompts))
+        ]
+        await asyncio.gather(
+            *(_one(session, url, workload, model, prompts[r.index], r, gate, timeout_s, headers) for r in measured)
+        )
         return warm + measured, start, time.perf_counter()
 
 
-def run_level(url: str, model: str, workload: Workload, prompts: list[str], concurrency: int, level: str = "",
-              warmup: int | None = None, timeout_s: float = 600.0, headers: dict[str, str] | None = None
-              ) -> tuple[list[RequestRecord], float, float]:
+def run_level(
+    url: str,
+    model: str,
+    workload: Workload,
+    prompts: list[str],
+    concurrency: int,
+    level: str = "",
+    warmup: int | None = None,
+    timeout_s: float = 600.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[list[RequestRecord], float, float]:
     """Send ``prompts`` keeping ``concurrency`` requests in flight; the first ``warmup`` (default: the
     concurrency) are sent and awaited first and excluded from measurement.  Returns records and the
     measured window's start and end on the client clock."""
     warmup = concurrency if warmup is None else warmup
     if warmup >= len(prompts):
         raise ValueError(f"{len(prompts)} prompts leave nothing to measure after {warmup} warm-up requests")
-    coro = _run(url, model, workload, prompts, concurrency, level or f"c{concurrency}", warmup, timeout_s, headers or {})
+    coro = _run(
+        url, model, workload, prompts, concurrency, level or f"c{concurrency}", warmup, timeout_s, headers or {}
+    )
     # A thread of its own gets a fresh event loop, also inside Jupyter, whose kernel already runs one.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
         return pool.submit(asyncio.run, coro).result()

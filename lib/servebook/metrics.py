@@ -1,8 +1,10 @@
 """Serving metrics, defined once, named as vLLM names them.
 
-All times are client-side, in seconds, measured from when a request left the client
-(``send``), after any wait for a concurrency slot; that wait is reported separately
-as ``client_queue``.
+Timelines are client-side, in seconds on the client's monotonic clock, measured from when
+a request left the client (``send``), after any wait for a concurrency slot; that wait is
+reported separately as ``client_queue``.  Summaries report every latency in milliseconds and
+say so in the name (``ttft_ms.p50``, ``ttft_p50_ms`` in tables), as vLLM's benchmark does;
+throughputs are tokens (or requests) per second.
 
 =================  ==========================================================================
 TTFT               first content chunk − send
@@ -28,10 +30,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
+from pydantic import BaseModel
 
 from servebook.loadgen import RequestRecord
 
@@ -58,10 +61,14 @@ class Objectives:
 
 
 def ttft(r: RequestRecord) -> float:
+    if r.first_chunk is None:
+        raise ValueError(f"request {r.index} has no first chunk: only successful requests have a TTFT")
     return r.first_chunk - r.send
 
 
 def e2el(r: RequestRecord) -> float:
+    if r.end is None:
+        raise ValueError(f"request {r.index} never ended: only successful requests have an E2EL")
     return r.end - r.send
 
 
@@ -85,71 +92,129 @@ def itl_per_token(r: RequestRecord) -> list[float]:
     return out
 
 
-def percentiles(values: Iterable[float], failed: int = 0, prefix: str = "") -> dict[str, float | None]:
-    """p50..p99 and the mean; with ``failed`` > 0, also ``*_all`` counting failures as +inf."""
-    arr = np.asarray(list(values), dtype=float)
-    out: dict[str, float | None] = {}
-    out[f"{prefix}mean"] = float(arr.mean()) if arr.size else None
+class Percentiles(BaseModel):
+    """Mean and percentiles of one latency, in milliseconds; ``*_all`` count failed requests as infinitely slow."""
+
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    p50_all: float | None = None
+    p90_all: float | None = None
+    p95_all: float | None = None
+    p99_all: float | None = None
+
+
+class LengthMismatches(BaseModel):
+    input: int = 0
+    output: int = 0
+    checked: int = 0
+
+
+LATENCIES = ("ttft", "tpot", "itl", "itl_token", "e2el", "client_queue")
+
+
+class RunSummary(BaseModel):
+    """Every metric above for the measured (non-warm-up) requests of one run."""
+
+    requests: int
+    completed: int
+    failed: int
+    errors: dict[str, int]  # error kind -> count
+    duration_s: float
+    output_tokens: int
+    input_tokens: int
+    output_throughput: float  # tok/s
+    total_throughput: float  # tok/s
+    request_throughput: float  # requests/s
+    length_mismatches: LengthMismatches
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    itl_ms: Percentiles
+    itl_token_ms: Percentiles
+    e2el_ms: Percentiles
+    client_queue_ms: Percentiles
+    per_user_tok_s: float | None  # 1 / median TPOT
+    goodput: float | None = None  # requests/s meeting every objective
+    goodput_share: float | None = None
+
+    def flat(self) -> dict[str, float | int | str | None]:
+        """One table row: scalar fields as they are, latencies as ``ttft_p50_ms``, errors as text."""
+        row: dict[str, float | int | str | None] = {
+            k: v for k, v in self.model_dump().items() if not isinstance(v, dict)
+        }
+        row["errors"] = ", ".join(f"{k}: {v}" for k, v in self.errors.items())
+        row["input_len_mismatches"] = self.length_mismatches.input
+        row["output_len_mismatches"] = self.length_mismatches.output
+        for name in LATENCIES:
+            stats: Percentiles = getattr(self, f"{name}_ms")
+            for stat, value in stats.model_dump().items():
+                row[f"{name}_{stat}_ms"] = value
+        return row
+
+
+def percentiles(values: Iterable[float], failed: int = 0) -> Percentiles:
+    """p50..p99 and the mean of latencies in seconds, returned in ms; with ``failed`` > 0 also ``*_all``."""
+    arr = 1000 * np.asarray(list(values), dtype=float)
+    out: dict[str, float | None] = {"mean": float(arr.mean()) if arr.size else None}
     for p in PERCENTILES:
-        out[f"{prefix}p{p}"] = float(np.percentile(arr, p)) if arr.size else None
+        out[f"p{p}"] = float(np.percentile(arr, p)) if arr.size else None
     if failed:
         full = np.concatenate([arr, np.full(failed, np.inf)])
         for p in PERCENTILES:
             value = float(np.percentile(full, p, method="higher"))
-            out[f"{prefix}p{p}_all"] = None if math.isinf(value) else value
-    return out
+            out[f"p{p}_all"] = None if math.isinf(value) else value
+    return Percentiles(**out)
 
 
 def error_kinds(records: list[RequestRecord]) -> dict[str, int]:
     return dict(Counter(r.error.split(":", 1)[0] for r in records if r.error))
 
 
-def length_mismatches(records: list[RequestRecord]) -> dict[str, int]:
+def length_mismatches(records: list[RequestRecord]) -> LengthMismatches:
     """Successful requests whose server-counted lengths differ from what was asked."""
     ok = [r for r in records if r.ok]
-    return {
-        "input": sum(1 for r in ok if r.prompt_tokens is not None and r.prompt_tokens != r.expected_input),
-        "output": sum(1 for r in ok if output_tokens(r) != r.expected_output),
-        "checked": len(ok),
-    }
+    return LengthMismatches(
+        input=sum(1 for r in ok if r.prompt_tokens is not None and r.prompt_tokens != r.expected_input),
+        output=sum(1 for r in ok if output_tokens(r) != r.expected_output),
+        checked=len(ok),
+    )
 
 
-def summarize(records: list[RequestRecord], objectives: Objectives | None = None) -> dict[str, float | int | None | dict]:
+def summarize(records: list[RequestRecord], objectives: Objectives | None = None) -> RunSummary:
     """Every metric above for the measured (non-warm-up) requests of one run."""
     measured = [r for r in records if not r.warmup]
     ok = [r for r in measured if r.ok]
     failed = len(measured) - len(ok)
-    if ok:
-        start = min(r.send for r in measured)
-        duration = max(r.end for r in ok) - start
-    else:
-        duration = 0.0
+    duration = max(r.end for r in ok if r.end is not None) - min(r.send for r in measured) if ok else 0.0
+
+    def per_second(x: float) -> float:
+        return x / duration if duration > 0 else 0.0
+
     out_tokens = sum(output_tokens(r) for r in ok)
     in_tokens = sum(r.prompt_tokens or r.expected_input for r in ok)
-    per = lambda x: x / duration if duration > 0 else 0.0  # noqa: E731
-    summary: dict = {
-        "requests": len(measured),
-        "completed": len(ok),
-        "failed": failed,
-        "errors": error_kinds(measured),
-        "duration_s": duration,
-        "output_tokens": out_tokens,
-        "input_tokens": in_tokens,
-        "output_throughput": per(out_tokens),
-        "total_throughput": per(out_tokens + in_tokens),
-        "request_throughput": per(len(ok)),
-        "length_mismatches": length_mismatches(measured),
-    }
-    summary.update(percentiles([ttft(r) for r in ok], failed, "ttft_"))
-    summary.update(percentiles([t for r in ok if (t := tpot(r)) is not None], failed, "tpot_"))
-    summary.update(percentiles([g for r in ok for g in itl_per_chunk(r)], 0, "itl_"))
-    summary.update(percentiles([g for r in ok for g in itl_per_token(r)], 0, "itl_token_"))
-    summary.update(percentiles([e2el(r) for r in ok], failed, "e2el_"))
-    summary.update(percentiles([r.send - r.arrival for r in measured], 0, "client_queue_"))
-    tpot_p50 = summary.get("tpot_p50")
-    summary["per_user_tok_s"] = 1.0 / tpot_p50 if tpot_p50 else None
-    if objectives and objectives.any:
-        good = sum(1 for r in measured if objectives.met_by(r))
-        summary["goodput"] = per(good)
-        summary["goodput_share"] = good / len(measured) if measured else 0.0
-    return summary
+    tpot_ms = percentiles([t for r in ok if (t := tpot(r)) is not None], failed)
+    good = sum(1 for r in measured if objectives.met_by(r)) if objectives and objectives.any else None
+    return RunSummary(
+        requests=len(measured),
+        completed=len(ok),
+        failed=failed,
+        errors=error_kinds(measured),
+        duration_s=duration,
+        output_tokens=out_tokens,
+        input_tokens=in_tokens,
+        output_throughput=per_second(out_tokens),
+        total_throughput=per_second(out_tokens + in_tokens),
+        request_throughput=per_second(len(ok)),
+        length_mismatches=length_mismatches(measured),
+        ttft_ms=percentiles([ttft(r) for r in ok], failed),
+        tpot_ms=tpot_ms,
+        itl_ms=percentiles([g for r in ok for g in itl_per_chunk(r)]),
+        itl_token_ms=percentiles([g for r in ok for g in itl_per_token(r)]),
+        e2el_ms=percentiles([e2el(r) for r in ok], failed),
+        client_queue_ms=percentiles([r.send - r.arrival for r in measured]),
+        per_user_tok_s=1000.0 / tpot_ms.p50 if tpot_ms.p50 else None,
+        goodput=per_second(good) if good is not None else None,
+        goodput_share=(good / len(measured) if measured else 0.0) if good is not None else None,
+    )

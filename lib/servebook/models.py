@@ -14,6 +14,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
 TINY_NAME = "tiny-qwen3-moe"
@@ -105,15 +106,16 @@ def _build_weights(out: Path) -> None:
     import torch
     from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
-        **TINY_CONFIG,
+    values: dict[str, Any] = dict(TINY_CONFIG)
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # torch_dtype is accepted through **kwargs
+        **values,
         torch_dtype="bfloat16",
         eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
         pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
         bos_token_id=None,
     )
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' to() wrapper
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id).save_pretrained(out)
 
@@ -129,7 +131,9 @@ def build_tiny_model(force: bool = False) -> Path:
         _train_tokenizer(work)
         _build_weights(work)
         digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(work.iterdir()) if p.is_file()}
-        (work / "servebook-build.json").write_text(json.dumps({"name": TINY_NAME, "version": TINY_VERSION, "sha256": digests}, indent=2))
+        (work / "servebook-build.json").write_text(
+            json.dumps({"name": TINY_NAME, "version": TINY_VERSION, "sha256": digests}, indent=2)
+        )
         if target.exists():
             shutil.rmtree(target)
         work.rename(target)
@@ -142,7 +146,7 @@ def build_tiny_model(force: bool = False) -> Path:
 def resolve(model: str) -> str:
     """A path or repo id vLLM can load; builds the embedded model when named."""
     if is_builtin(model):
-        name = model[len(BUILTIN_PREFIX):]
+        name = model[len(BUILTIN_PREFIX) :]
         if name != TINY_NAME:
             raise ValueError(f"model: unknown builtin '{name}'; the only builtin is {BUILTIN_PREFIX}{TINY_NAME}")
         return str(build_tiny_model())
@@ -152,7 +156,7 @@ def resolve(model: str) -> str:
 
 def default_served_name(model: str) -> str:
     if is_builtin(model):
-        return model[len(BUILTIN_PREFIX):]
+        return model[len(BUILTIN_PREFIX) :]
     return Path(model.rstrip("/")).name or model
 
 

@@ -13,24 +13,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servebook.errors import ServebookError
+from servebook.errors import ModelConfigError, ServebookError
 
 KNOWN_FAMILIES = {
-    "minimax_m2": "MiniMax-M2", "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "kimi_k2": "Kimi-K2",
-    "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "gpt_oss": "gpt-oss", "glm4_moe": "GLM-4.5", "llama4_text": "Llama-4",
-    "llama4": "Llama-4", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+    "minimax_m2": "MiniMax-M2",
+    "deepseek_v3": "DeepSeek-V3",
+    "deepseek_v2": "DeepSeek-V2",
+    "kimi_k2": "Kimi-K2",
+    "qwen3_moe": "Qwen3-MoE",
+    "mixtral": "Mixtral",
+    "gpt_oss": "gpt-oss",
+    "glm4_moe": "GLM-4.5",
+    "llama4_text": "Llama-4",
+    "llama4": "Llama-4",
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
 }
 MLA_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_linear", "glm_moe_dsa"}
 # Model classes in vLLM that implement SupportsPP (vllm-parallelism.md section 3); unknown ones are assumed to.
 NO_PP_TYPES: set[str] = set()
-
-
-class ModelConfigError(ServebookError):
-    """A config.json is missing a field the planner needs."""
-
-    def __init__(self, source: str, field_name: str, hint: str = ""):
-        super().__init__(f"{source}: config.json has no '{field_name}'{'; ' + hint if hint else ''}; "
-                         "pass the checkpoint's complete config.json")
 
 
 @dataclass
@@ -119,12 +122,21 @@ def _quantization(q: dict[str, Any] | None) -> Quantization:
         return Quantization("mxfp4", experts_only=True, raw=q)
     if method == "compressed-tensors":
         groups = q.get("config_groups") or {}
-        weights = q.get("weights") or next((g.get("weights") for g in groups.values() if g.get("weights")), {}) or {}
+        weights: dict[str, Any] = (
+            q.get("weights") or next((g.get("weights") for g in groups.values() if g.get("weights")), {}) or {}
+        )
         ignore = " ".join(str(i) for i in (q.get("ignore") or q.get("ignore_patterns_reported") or []))
         experts_only = "attn" in ignore or "routed experts" in str(q.get("quantized_modules", ""))
         if weights.get("num_bits") == 4:
-            return Quantization("int4", group_size=weights.get("group_size"), symmetric=weights.get("symmetric", True),
-                                actorder=weights.get("actorder"), fmt=q.get("format", ""), experts_only=experts_only, raw=q)
+            return Quantization(
+                "int4",
+                group_size=weights.get("group_size"),
+                symmetric=weights.get("symmetric", True),
+                actorder=weights.get("actorder"),
+                fmt=q.get("format", ""),
+                experts_only=experts_only,
+                raw=q,
+            )
         if weights.get("num_bits") == 8 and weights.get("type") == "float":
             block = weights.get("block_structure")
             return Quantization("fp8", tuple(block) if block else None, experts_only=experts_only, raw=q)
@@ -144,8 +156,16 @@ def from_config(config: dict[str, Any], source: str = "config.json", index: dict
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     vocab = int(_need(cfg, "vocab_size", source))
     spec = ModelSpec(
-        source=source, model_type=model_type, architecture=arch, family=KNOWN_FAMILIES.get(model_type, "generic"),
-        hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab=vocab,
+        source=source,
+        model_type=model_type,
+        architecture=arch,
+        family=KNOWN_FAMILIES.get(model_type, "generic"),
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=vocab,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
         quant=_quantization(cfg.get("quantization_config") or outer.get("quantization_config")),
@@ -190,8 +210,10 @@ def from_config(config: dict[str, Any], source: str = "config.json", index: dict
         spec.v_head_dim = int(_need(cfg, "v_head_dim", source))
         spec.kv_heads = 1  # vLLM: get_num_kv_heads() is 1 under MLA
     if spec.family == "generic":
-        spec.notes.append(f"architecture '{model_type or arch}' is not one servebook knows in detail: "
-                          "shapes read from standard fields, rules checked generically (an estimate)")
+        spec.notes.append(
+            f"architecture '{model_type or arch}' is not one servebook knows in detail: "
+            "shapes read from standard fields, rules checked generically (an estimate)"
+        )
     if index and index.get("metadata", {}).get("total_size"):
         spec.checkpoint_bytes = int(index["metadata"]["total_size"])
     return spec
@@ -223,15 +245,17 @@ def load(model: str, revision: str | None = None) -> ModelSpec:
     from huggingface_hub.errors import EntryNotFoundError
 
     try:
-        config = _read_json(Path(hf_hub_download(model, "config.json", revision=revision)))
+        hub_config = _read_json(Path(hf_hub_download(model, "config.json", revision=revision)))
     except Exception as exc:
-        raise ServebookError(f"could not read config.json of '{model}' from the hub ({type(exc).__name__}: {exc}); "
-                             "pass a local checkpoint folder or a config.json path") from None
+        raise ServebookError(
+            f"could not read config.json of '{model}' from the hub ({type(exc).__name__}: {exc}); "
+            "pass a local checkpoint folder or a config.json path"
+        ) from None
     try:
         index = _read_json(Path(hf_hub_download(model, "model.safetensors.index.json", revision=revision)))
     except (EntryNotFoundError, Exception):
         index = None
-    return from_config(config, model, index)
+    return from_config(hub_config, model, index)
 
 
 def _safetensors_bytes(folder: Path) -> int | None:

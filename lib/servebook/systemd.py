@@ -21,7 +21,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from pydantic import BaseModel
 
 START_MARGIN = 1.5  # TimeoutStartSec = 1.5 x the load time, plus a fixed allowance
 START_ALLOWANCE_S = 300
@@ -80,7 +81,9 @@ def exec_line(args: list[str]) -> str:
 
 def render_unit(u: UnitSpec) -> str:
     gpus = ",".join(str(i) for i in u.gpu_ids)
-    check = [u.servebook, "gpu-check", "--port", str(u.port)] + (["--gpus", gpus] if gpus and u.device == "cuda" else [])
+    check = [u.servebook, "gpu-check", "--port", str(u.port)] + (
+        ["--gpus", gpus] if gpus and u.device == "cuda" else []
+    )
     wait = [u.servebook, "wait-ready", "--url", u.url, "--timeout", str(u.timeout_start_s)]
     state = u.state_dir or f"/var/lib/servebook/{u.name}"
     env_lines = "\n".join(f"Environment={_quote(f'{k}={v}')}" for k, v in sorted(u.environment.items()))
@@ -152,35 +155,60 @@ def render_env_file(u: UnitSpec, values: dict[str, str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def verify(unit_path: Path) -> dict[str, Any]:
+class Verified(BaseModel):
+    """``systemd-analyze verify``'s verdict; ``ran`` is false where systemd is not installed."""
+
+    ran: bool
+    ok: bool
+    output: str
+    returncode: int | None = None
+    blocking: list[str] = []
+
+
+class Installed(BaseModel):
+    enabled: bool
+    output: str
+
+
+def verify(unit_path: Path) -> Verified:
     """``systemd-analyze verify`` on a rendered unit (works without a running systemd)."""
     exe = shutil.which("systemd-analyze")
     if not exe:
-        return {"ran": False, "ok": False, "output": "systemd-analyze is not installed (apt-get install systemd)"}
+        return Verified(ran=False, ok=False, output="systemd-analyze is not installed (apt-get install systemd)")
     proc = subprocess.run([exe, "verify", str(unit_path)], capture_output=True, text=True, timeout=60)
     out = (proc.stdout + proc.stderr).strip()
     # A wrong value is only "ignored" by systemd (exit 0) and would silently change the unit: treat it as an error.
     # Paths of the target host (the venv, the user) may not exist on this machine: those are not.
-    serious = [l for l in out.splitlines() if re.search(
-        r"(Failed to parse|Unknown (key|section|lvalue)|[Bb]ad unit file|fatal error|Invalid|Missing '=')", l)
-        and not re.search(r"(is not executable|No such file|Failed to resolve user|does not exist)", l)]
-    return {"ran": True, "ok": proc.returncode == 0 and not serious, "returncode": proc.returncode, "output": out,
-            "blocking": serious}
+    serious = [
+        line
+        for line in out.splitlines()
+        if re.search(
+            r"(Failed to parse|Unknown (key|section|lvalue)|[Bb]ad unit file|fatal error|Invalid|Missing '=')", line
+        )
+        and not re.search(r"(is not executable|No such file|Failed to resolve user|does not exist)", line)
+    ]
+    return Verified(
+        ran=True, ok=proc.returncode == 0 and not serious, returncode=proc.returncode, output=out, blocking=serious
+    )
 
 
 def systemd_running() -> bool:
     return Path("/run/systemd/system").is_dir()
 
 
-def install(u: UnitSpec, unit_text: str) -> dict[str, Any]:
+def install(u: UnitSpec, unit_text: str) -> Installed:
     """Write the unit and the root-only environment file, create the user, enable and start. Needs root and systemd."""
     if not systemd_running():
-        raise RuntimeError("systemd is not running on this host (a container?); copy the rendered unit to a host that runs it")
+        raise RuntimeError(
+            "systemd is not running on this host (a container?); copy the rendered unit to a host that runs it"
+        )
     if os.geteuid() != 0:
         raise PermissionError("installing a system unit needs root")
     if subprocess.run(["id", "-u", u.user], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        "--groups", "video", u.user], check=True)
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "--groups", "video", u.user],
+            check=True,
+        )
     env = Path(u.env_file)
     env.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(env, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -188,9 +216,10 @@ def install(u: UnitSpec, unit_text: str) -> dict[str, Any]:
         fh.write(render_env_file(u, {k: os.environ[k] for k in u.secret_vars if k in os.environ}))
     Path(f"/etc/systemd/system/{u.unit_name}").write_text(unit_text)
     subprocess.run(["systemctl", "daemon-reload"], check=True)
-    proc = subprocess.run(["systemctl", "enable", "--now", u.unit_name], capture_output=True, text=True,
-                          timeout=u.timeout_start_s + 60)
-    return {"enabled": proc.returncode == 0, "output": (proc.stdout + proc.stderr)[-2000:]}
+    proc = subprocess.run(
+        ["systemctl", "enable", "--now", u.unit_name], capture_output=True, text=True, timeout=u.timeout_start_s + 60
+    )
+    return Installed(enabled=proc.returncode == 0, output=(proc.stdout + proc.stderr)[-2000:])
 
 
 def shell_line(args: list[str]) -> str:

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from IPython.display import display
 
-LOAD_STEPS = ["vLLM", "loading model", "checkpoint shards", "weights loaded", "KV cache", "engine initialised",
-              "API server up", "ready"]
+LOAD_STEPS = [
+    "vLLM",
+    "loading model",
+    "checkpoint shards",
+    "weights loaded",
+    "KV cache",
+    "engine initialised",
+    "API server up",
+    "ready",
+]
 
 
 def load_progress(interactive: bool, title: str = "launch") -> Callable[[str, float], None]:
     """A callback for :func:`servebook.server.launch` progress messages."""
     if not interactive:
+
         def show(message: str, elapsed: float) -> None:
             print(f"[{elapsed:7.1f} s] {message}", flush=True)
+
         return show
 
     import ipywidgets as widgets
@@ -37,8 +47,10 @@ def download_progress(interactive: bool) -> Callable[[dict[str, float]], None]:
 
     def line(s: dict[str, float]) -> str:
         eta = "?" if s["eta_s"] == float("inf") else f"{s['eta_s'] / 60:.1f} min"
-        return (f"{s['bytes_done'] / 1e9:8.2f} of {s['bytes_total'] / 1e9:.2f} GB, "
-                f"{s['rate_bytes_s'] / 1e6:7.1f} MB/s, {eta} left")
+        return (
+            f"{s['bytes_done'] / 1e9:8.2f} of {s['bytes_total'] / 1e9:.2f} GB, "
+            f"{s['rate_bytes_s'] / 1e6:7.1f} MB/s, {eta} left"
+        )
 
     if not interactive:
         return lambda s: print(line(s), flush=True)

@@ -84,8 +84,9 @@ def _store_cache(result: ParseResult, accepted: str | None = None) -> None:
         accepted_before = set(old.get("accepted", []))
         if accepted:
             accepted_before.add(accepted)
-        path.write_text(json.dumps({"options": result.options, "known_env": result.known_env,
-                                    "accepted": sorted(accepted_before)}))
+        path.write_text(
+            json.dumps({"options": result.options, "known_env": result.known_env, "accepted": sorted(accepted_before)})
+        )
 
 
 def _args_key(args: list[str]) -> str:
@@ -115,7 +116,7 @@ def unknown_flags(args: list[str], options: list[str]) -> list[str]:
 
 def _error_lines(message: str) -> str:
     """vLLM prints its whole usage before the error; keep the error."""
-    lines = [l for l in message.splitlines() if "error:" in l]
+    lines = [line for line in message.splitlines() if "error:" in line]
     return "\n".join(lines) or message[-1500:]
 
 
@@ -163,20 +164,29 @@ def parse_serve_args(model: str, args: list[str], timeout_s: float = 120) -> Par
                 close = difflib.get_close_matches(token.split("=", 1)[0], cached["options"], n=1)
                 if close:
                     hints.append(f"{token}: did you mean {close[0]}?")
-            message = f"vllm serve: error: unrecognized arguments: {' '.join(bad)}" + ("\n" + "\n".join(hints) if hints else "")
+            message = f"vllm serve: error: unrecognized arguments: {' '.join(bad)}" + (
+                "\n" + "\n".join(hints) if hints else ""
+            )
             return ParseResult(False, message, time.monotonic() - start, cached["known_env"], cached["options"], True)
         if _args_key(args) in cached.get("accepted", []):
             return ParseResult(True, "", time.monotonic() - start, cached["known_env"], cached["options"], True)
     proc = subprocess.run(
         [sys.executable, "-c", _PARSE_SCRIPT, json.dumps(["--model", model, *args])],
-        capture_output=True, text=True, timeout=timeout_s,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
     seconds = time.monotonic() - start
     for line in proc.stdout.splitlines():
         if line.startswith("SERVEBOOK-PARSE "):
             data = json.loads(line.removeprefix("SERVEBOOK-PARSE "))
-            result = ParseResult(data["ok"], _error_lines(data["message"]) if not data["ok"] else "", seconds,
-                                 data.get("known_env", []), data.get("options", []))
+            result = ParseResult(
+                data["ok"],
+                _error_lines(data["message"]) if not data["ok"] else "",
+                seconds,
+                data.get("known_env", []),
+                data.get("options", []),
+            )
             _store_cache(result, _args_key(args) if result.ok else None)
             return result
     return ParseResult(False, f"the parser subprocess failed (exit {proc.returncode}): {proc.stderr[-2000:]}", seconds)

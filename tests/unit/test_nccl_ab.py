@@ -2,8 +2,10 @@
 
 import pytest
 
-from servebook import ab, nccl, nccl_stage, params
+from servebook import ab, loadgen, nccl, params
 from servebook.errors import ParamsError
+from servebook.params import AbVariant
+from servebook.stages import nccl_tuning
 
 
 def test_bandwidth_as_nccl_tests_defines_it():
@@ -24,40 +26,55 @@ def test_sizes_and_parsing():
 
 def test_harmful_sets_are_flagged_against_the_baseline():
     def rows(bw_big, small_us):
-        return [{"collective": "all_reduce", "bytes": 8192, "time_us": small_us, "algbw_gbs": 0, "busbw_gbs": 0.2},
-                {"collective": "all_reduce", "bytes": 1 << 28, "time_us": 900, "algbw_gbs": bw_big, "busbw_gbs": bw_big}]
+        return [
+            {"collective": "all_reduce", "bytes": 8192, "time_us": small_us, "algbw_gbs": 0, "busbw_gbs": 0.2},
+            {"collective": "all_reduce", "bytes": 1 << 28, "time_us": 900, "algbw_gbs": bw_big, "busbw_gbs": bw_big},
+        ]
 
-    sets = [nccl.SetResult("baseline", {}, True, rows(300, 40), {}, "", [], 1),
-            nccl.SetResult("p2p_disable", {"NCCL_P2P_DISABLE": "1"}, True, rows(28, 42), {}, "", [], 1),
-            nccl.SetResult("algo_ring", {"NCCL_ALGO": "Ring"}, True, rows(301, 39), {}, "", [], 1),
-            nccl.SetResult("algo_tree", {"NCCL_ALGO": "Tree"}, False, [], {}, "ranks exited with code 1", [], 1)]
-    summary = {(r["set"], r["collective"]): r for r in nccl.summarize(sets)}
-    assert summary[("p2p_disable", "all_reduce")]["harmful"] == "busbw 28.0 vs 300.0 GB/s"
-    assert summary[("algo_ring", "all_reduce")]["harmful"] == ""
-    assert summary[("algo_tree", "-")]["harmful"].startswith("failed: ranks exited")
+    def result(name, env, ok, measured, error=""):
+        return nccl.SetResult(
+            name=name, env=env, ok=ok, rows=measured, info={}, error=error, confirmations=[], seconds=1
+        )
+
+    sets = [
+        result("baseline", {}, True, rows(300, 40)),
+        result("p2p_disable", {"NCCL_P2P_DISABLE": "1"}, True, rows(28, 42)),
+        result("algo_ring", {"NCCL_ALGO": "Ring"}, True, rows(301, 39)),
+        result("algo_tree", {"NCCL_ALGO": "Tree"}, False, [], "ranks exited with code 1"),
+    ]
+    summary = {(r.set, r.collective): r for r in nccl.summarize(sets)}
+    assert summary[("p2p_disable", "all_reduce")].harmful == "busbw 28.0 vs 300.0 GB/s"
+    assert summary[("algo_ring", "all_reduce")].harmful == ""
+    assert summary[("algo_tree", "-")].harmful.startswith("failed: ranks exited")
 
 
 def test_confirmations_come_from_ncclS_own_log():
     log = "vm:1:1 [0] NCCL INFO NCCL_PROTO set by environment to LL\nother line\n"
     assert nccl.confirmations(log, {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring"}) == [
-        "vm:1:1 [0] NCCL INFO NCCL_PROTO set by environment to LL", "NCCL_ALGO: no NCCL log line mentions it"]
+        "vm:1:1 [0] NCCL INFO NCCL_PROTO set by environment to LL",
+        "NCCL_ALGO: no NCCL log line mentions it",
+    ]
 
 
 def test_gloo_path_runs_without_gpus():
     result = nccl.run_all("gloo", 2, 8192, 65536, 2, 1, ["baseline", "proto_ll"], log=lambda _: None)
-    assert result["backend"] == "gloo" and [s["name"] for s in result["sets"]] == ["baseline"]
-    rows = result["sets"][0]["rows"]
-    assert {r["collective"] for r in rows} == {"all_reduce", "all_gather"} and len(rows) == 8
-    assert all(r["time_us"] > 0 and r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * nccl.bus_factor(r["collective"], 2))
-               for r in rows)
+    assert result.backend == "gloo" and [s.name for s in result.sets] == ["baseline"]
+    rows = result.sets[0].rows
+    assert {r.collective for r in rows} == {"all_reduce", "all_gather"} and len(rows) == 8
+    assert all(
+        r.time_us > 0 and r.busbw_gbs == pytest.approx(r.algbw_gbs * nccl.bus_factor(r.collective, 2)) for r in rows
+    )
 
 
-@pytest.mark.parametrize("base, variant, noise, expected", [
-    ([100, 104], [110, 112], 0.04, "better"),  # +8.7 % against a 4 % band
-    ([100, 104], [103, 101], 0.04, "no effect"),
-    ([100, 104], [90, 92], 0.04, "worse"),
-    ([100, 130], [120, 121], 0.30, "no effect"),  # +17 % but the baseline itself moved 26 %
-])
+@pytest.mark.parametrize(
+    "base, variant, noise, expected",
+    [
+        ([100, 104], [110, 112], 0.04, "better"),  # +8.7 % against a 4 % band
+        ([100, 104], [103, 101], 0.04, "no effect"),
+        ([100, 104], [90, 92], 0.04, "worse"),
+        ([100, 130], [120, 121], 0.30, "no effect"),  # +17 % but the baseline itself moved 26 %
+    ],
+)
 def test_noise_band_verdicts(base, variant, noise, expected):
     assert ab.verdict(base, variant, noise)[0] == expected
 
@@ -75,9 +92,17 @@ def test_variants_are_validated_with_the_params():
 
 
 def test_recommendation_keeps_the_default_unless_an_environment_set_wins():
-    rows = lambda verdict: [{"variant": "nccl-ll", "concurrency": c, "verdict": verdict, "change": 0.1} for c in (1, 32)]  # noqa: E731
-    keys = {"nccl-ll": ["extra_env"]}
-    env = {"nccl-ll": {"NCCL_PROTO": "LL"}}
-    assert nccl_stage.recommend({"rows": rows("no effect"), "variant_keys": keys, "variant_env": env})[0] == {}
-    assert nccl_stage.recommend({"rows": rows("better"), "variant_keys": keys, "variant_env": env})[0] == {"NCCL_PROTO": "LL"}
-    assert nccl_stage.recommend(None)[0] == {}
+    def outcome(verdict, variant):
+        rows = [ab.AbRow(variant=variant.name, concurrency=c, verdict=verdict, change=0.1, noise=0.05) for c in (1, 32)]
+        return ab.AbResult(
+            variants=[variant], samples={}, rows=rows, failures={}, concurrencies=[1, 32], workload=loadgen.Workload()
+        )
+
+    nccl_ll = AbVariant(name="nccl-ll", extra_env={"NCCL_PROTO": "LL"})
+    assert nccl_tuning.recommend(outcome("no effect", nccl_ll))[0] == {}
+    assert nccl_tuning.recommend(outcome("better", nccl_ll))[0] == {"NCCL_PROTO": "LL"}
+    assert nccl_tuning.recommend(None)[0] == {}
+    # a winner that changes serving flags is a note, never the environment to deploy with
+    seqs = AbVariant(name="seqs", max_num_seqs=8)
+    env, _, notes = nccl_tuning.recommend(outcome("better", seqs))
+    assert env == {} and notes and notes[0].startswith("seqs: better at every concurrency")

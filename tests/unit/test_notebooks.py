@@ -6,7 +6,7 @@ from pathlib import Path
 import jupytext
 import nbformat
 
-from servebook import params, runner
+from servebook import params, runner, stages
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -25,7 +25,9 @@ def test_params_files_and_notebooks_agree():
 def test_the_check_catches_an_undeclared_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: builtin:tiny-qwen3-moe\n")
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nb = nbformat.v4.new_notebook(
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    )
     nb.cells.append(nbformat.v4.new_code_cell("port: int = 1234  # the port", metadata={"tags": ["parameters"]}))
     path = tmp_path / "00_x.ipynb"
     nbformat.write(nb, path)
@@ -58,10 +60,10 @@ def test_each_notebook_starts_with_a_description():
 
 
 def test_stage_selection():
-    picked = runner.select_stages("launch,00")
-    assert [p.stem for p in picked] == ["00_reconnaissance", "03_launch"]
+    picked = stages.select("launch,00")
+    assert [s.record.FILE for s in picked] == ["00_reconnaissance", "03_launch"]
     try:
-        runner.select_stages("lunch")
+        stages.select("lunch")
     except params.ParamsError as exc:
         assert "unknown stage 'lunch'" in str(exc)
     else:

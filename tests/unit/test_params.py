@@ -73,8 +73,13 @@ def test_missing_file_and_non_mapping(tmp_path):
 def test_cli_rejects_a_misspelled_key_without_creating_a_run_folder(tmp_path):
     f = write(tmp_path, "run_name: typo\nmodle: x\n")
     outputs = tmp_path / "outputs"
-    proc = subprocess.run([sys.executable, "-m", "servebook.cli", "run", str(f)], capture_output=True, text=True,
-                          env={**__import__("os").environ, "SERVEBOOK_OUTPUTS": str(outputs)}, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "run", str(f)],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "SERVEBOOK_OUTPUTS": str(outputs)},
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "unknown parameter 'modle': did you mean 'model'?" in proc.stderr
     assert not outputs.exists()

@@ -25,16 +25,18 @@ def device(gpu="H200", count=8):
 
 
 def layouts(name, gpu="H200", count=8, **kw):
-    result = planner.plan(spec(name), device(gpu, count), **kw)
-    return result, {l["name"]: l for l in result["layouts"]}
+    result = planner.plan(spec(name), device(gpu, count), **kw).model_dump()  # the plan as its record stores it
+    return result, {layout["name"]: layout for layout in result["layouts"]}
 
 
 def test_minimax_m25_fp8_on_8_gpus():
     result, by = layouts("minimax-m2.5", max_model_len=65536)
     tp8 = by["TP=8"]
     assert not tp8["accepted"]
-    assert tp8["reasons"] == ["ValueError: The output_size of gate's and up's weight = 192 is not divisible by "
-                              "weight quantization block_n = 128."]
+    assert tp8["reasons"] == [
+        "ValueError: The output_size of gate's and up's weight = 192 is not divisible by "
+        "weight quantization block_n = 128."
+    ]
     ep = by["TP=8+EP"]
     assert ep["accepted"] and ep["fits"] and ep["experts_per_gpu"] == 32 and ep["ep_size"] == 8
     assert 26 * GiB < ep["weight_bytes_per_gpu"] < 30 * GiB  # ~28 GB of FP8 experts + ~1 GB else
@@ -62,7 +64,7 @@ def test_the_same_model_fits_more_kv_on_h200():
     _, h200 = layouts("kimi-k2.5", "H200", max_model_len=65536)
     assert h200["TP=8"]["max_kv_tokens"] > 3 * rtx["TP=8"]["max_kv_tokens"]
     fp8, _ = layouts("kimi-k2.5", "H200", max_model_len=65536, kv_cache_dtype="fp8")
-    assert {l["name"]: l for l in fp8["layouts"]}["TP=8"]["kv_bytes_per_token_per_gpu"] == 61 * 576
+    assert {layout["name"]: layout for layout in fp8["layouts"]}["TP=8"]["kv_bytes_per_token_per_gpu"] == 61 * 576
 
 
 def test_qwen3_fp8_block_failures_from_the_issue_trackers():
@@ -98,7 +100,7 @@ def test_glm_llama4_mixtral_and_dense_models():
     _, mix = layouts("mixtral-8x7b", count=16)
     assert mix["TP=1+DP=16+EP"]["warnings"][0].startswith("8 of 16 EP ranks hold no expert")
     dense, by = layouts("llama-3.1-8b")
-    assert all(not l["ep"] for l in dense["layouts"])
+    assert all(not layout["ep"] for layout in dense["layouts"])
     assert by["TP=8"]["accepted"] and by["TP=8"]["kv_bytes_per_token_per_gpu"] == 32 * 2 * 1 * 128 * 2
 
 
@@ -113,7 +115,7 @@ def test_unknown_architecture_is_a_marked_estimate():
     s = spec("unknown-arch")
     assert s.family == "generic" and "not one servebook knows" in s.notes[0]
     result = planner.plan(s, device())
-    assert result["recommended"] is not None
+    assert result.recommended is not None
 
 
 def test_malformed_configs_name_the_missing_field(tmp_path):
@@ -136,20 +138,28 @@ def test_max_model_len_beyond_the_model_is_refused():
 
 
 def test_pp_split_follows_vllm():
-    assert planner.pp_split(62, 2) == [31, 31] and planner.pp_split(61, 2) == [31, 30] and planner.pp_split(10, 4) == [3, 3, 2, 2]
+    assert (
+        planner.pp_split(62, 2) == [31, 31]
+        and planner.pp_split(61, 2) == [31, 30]
+        and planner.pp_split(10, 4) == [3, 3, 2, 2]
+    )
 
 
 def test_embedded_default_on_the_cpu_predicts_vllms_kv_tokens():
     s = modelspec.load("builtin:tiny-qwen3-moe")
     cpu = planner.Device("CPU", 1, 24 * GiB, 0.0, kind="cpu", cpu_kv_bytes=GiB)
-    result = planner.plan(s, cpu, max_model_len=2048)
-    by = {l["name"]: l for l in result["layouts"]}
+    result = planner.plan(s, cpu, max_model_len=2048).model_dump()
+    by = {layout["name"]: layout for layout in result["layouts"]}
     assert not by["TP=1+EP"]["accepted"]  # expert parallelism needs more than one rank
-    l = by["TP=1"]
-    assert l["max_kv_tokens"] == 2_097_152  # what vLLM logs for this server
-    assert l["max_concurrency"] == 1024.0
-    assert result["recommended"]["launch"] == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-                                               "data_parallel_size": 1, "enable_expert_parallel": False}
+    layout = by["TP=1"]
+    assert layout["max_kv_tokens"] == 2_097_152  # what vLLM logs for this server
+    assert layout["max_concurrency"] == 1024.0
+    assert planner.Layout(**{k: result["recommended"][k] for k in ("tp", "pp", "dp", "ep")}).parallelism.params() == {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "data_parallel_size": 1,
+        "enable_expert_parallel": False,
+    }
 
 
 def test_predicted_weights_match_the_checkpoints_tensor_bytes():
@@ -161,18 +171,47 @@ def test_predicted_weights_match_the_checkpoints_tensor_bytes():
 
 def test_cli_json_shape_and_speed():
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "servebook.cli", "plan", str(CONFIGS / "minimax-m2.5.json"),
-                          "--gpus", "8", "--gpu", "H200", "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "servebook.cli",
+            "plan",
+            str(CONFIGS / "minimax-m2.5.json"),
+            "--gpus",
+            "8",
+            "--gpu",
+            "H200",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     print(f"servebook plan --json in {time.monotonic() - started:.2f} s")
     for item in data["layouts"] + [data["recommended"]]:
-        for key in ("tp", "pp", "dp", "ep", "accepted", "reasons", "weight_bytes_per_gpu", "kv_bytes_per_token_per_gpu", "max_kv_tokens"):
+        for key in (
+            "tp",
+            "pp",
+            "dp",
+            "ep",
+            "accepted",
+            "reasons",
+            "weight_bytes_per_gpu",
+            "kv_bytes_per_token_per_gpu",
+            "max_kv_tokens",
+        ):
             assert key in item
     assert isinstance(data["layouts"][0]["ep"], bool)
 
 
 def test_cli_unknown_gpu_lists_the_known_ones():
-    out = subprocess.run([sys.executable, "-m", "servebook.cli", "plan", str(CONFIGS / "minimax-m2.5.json"), "--gpu", "V100"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "plan", str(CONFIGS / "minimax-m2.5.json"), "--gpu", "V100"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "unknown GPU 'V100'" in out.stderr and "H200" in out.stderr

@@ -2,16 +2,22 @@ import json
 
 import nbformat
 import plotly.graph_objects as go
+import pytest
 
-from servebook import report, results, runner
+from servebook import environment, report, results, runner, server
+from servebook.errors import MissingRecord
+from servebook.records import BenchmarkRecord, LaunchRecord
+from servebook.results import Manifest, StageRun
 
 
 def executed_notebook(path, secret=""):
     nb = nbformat.v4.new_notebook()
     fig = go.Figure(go.Scatter(x=[1, 2, 4], y=[10, 20, 25], name="tok/s"))
     cell = nbformat.v4.new_code_cell("show()")
-    cell.outputs = [nbformat.v4.new_output("display_data", data={report.PLOTLY_MIME: fig.to_plotly_json(), "text/plain": "fig"}),
-                    nbformat.v4.new_output("stream", text=f"token {secret}\n")]
+    cell.outputs = [
+        nbformat.v4.new_output("display_data", data={report.PLOTLY_MIME: fig.to_plotly_json(), "text/plain": "fig"}),
+        nbformat.v4.new_output("stream", text=f"token {secret}\n"),
+    ]
     nb.cells = [nbformat.v4.new_markdown_cell("# Stage"), cell]
     nbformat.write(nb, path)
 
@@ -20,15 +26,30 @@ def test_report_draws_plots_offline_with_one_plotly_js(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_supersecretvalue")
     for name in ("00_a", "01_b"):
         executed_notebook(tmp_path / f"{name}.ipynb", secret="hf_supersecretvalue")
-    manifest = {"run_name": "t", "run_dir": str(tmp_path), "status": "failed", "versions": {}, "host": {},
-                "stages": [{"name": "00_a", "status": "ok", "seconds": 1.0},
-                           {"name": "01_b", "status": "failed", "seconds": 2.0, "error": "LaunchError: boom <here>"}]}
+    manifest = Manifest(
+        run_name="t",
+        run_dir=str(tmp_path),
+        params_file="p.yaml",
+        overrides=[],
+        params={},
+        command="",
+        started_at="",
+        host=environment.host(),
+        versions={},
+        git_commit=None,
+        status="failed",
+        stages=[
+            StageRun(name="00_a", status="ok", seconds=1.0, summary="the answer | with a bar"),
+            StageRun(name="01_b", status="failed", seconds=2.0, error="LaunchError: boom <here>"),
+        ],
+    )
     html = report.build(tmp_path, manifest).read_text()
     assert html.count("Plotly.newPlot") == 2
     assert html.count("plotly.js v") == 1  # the library's banner, embedded once
     assert "cdn.plot.ly" not in html.split("<body", 1)[1].split("Plotly.newPlot")[0]
     assert "Run failed at stage 01_b" in html and "LaunchError: boom &lt;here&gt;" in html
     assert "hf_supersecretvalue" not in html
+    assert "the answer \\| with a bar" in html.replace("&#124;", "\\|") or "the answer | with a bar" in html
 
 
 def test_run_folders_are_never_reused(tmp_path):
@@ -39,9 +60,13 @@ def test_run_folders_are_never_reused(tmp_path):
 
 def test_results_round_trip_and_mask_secrets(tmp_path, monkeypatch):
     monkeypatch.setenv("MY_API_KEY", "sk-verysecret")
-    path = results.write(tmp_path, "launch", {"command": ["x", "sk-verysecret"], "env": {"A": 1}})
+    cfg = server.ServerConfig(model="m", model_path="/m", served_model_name="m", extra_args=["--x", "sk-verysecret"])
+    path = results.write(tmp_path, LaunchRecord.planned(cfg))
     assert path.name == "03_launch.json"
     assert "sk-verysecret" not in path.read_text()
-    assert results.read(tmp_path, "launch")["command"] == ["x", "***"]
-    assert results.read(tmp_path, "benchmark") is None
-    assert json.loads(path.read_text())["stage"] == "03_launch"
+    back = results.read(tmp_path, LaunchRecord)
+    assert back.command[-1] == "***" and back.layout.name == "TP=1" and back.config.served_model_name == "m"
+    assert results.read(tmp_path, BenchmarkRecord) is None
+    assert json.loads(path.read_text())["schema_version"] == results.SCHEMA_VERSION
+    with pytest.raises(MissingRecord, match="run the launch stage first"):
+        results.require(tmp_path / "elsewhere", LaunchRecord, "benchmark")

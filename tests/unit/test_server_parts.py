@@ -2,7 +2,7 @@
 
 import pytest
 
-from servebook import server, vllm_compat
+from servebook import client, server, vllm_compat
 from servebook.errors import PreflightError
 
 CPU_LOG = """\
@@ -27,28 +27,42 @@ def test_load_progress_reads_every_phase():
     progress = server.LoadProgress()
     said = [progress.feed(line, i) for i, line in enumerate((CPU_LOG + GPU_LOG).splitlines())]
     v = progress.values
-    assert v["vllm_version"] == "0.32.0" and v["shards_percent"] == 100 and v["weights_load_s"] == 0.02
-    assert v["kv_cache_tokens"] == 187_264 and v["kv_cache_device"] == "GPU"  # the later GPU line wins
-    assert v["max_concurrency"] == 2.86 and v["max_concurrency_context"] == 65_536
-    assert v["model_memory_gib"] == 68.41 and v["model_load_s"] == 2160.5 and v["kv_cache_memory_gib"] == 12.5
-    assert v["graph_capture_s"] == 41 and v["graph_memory_gib"] == 1.25 and v["engine_init_s"] == 5.06
+    assert v.vllm_version == "0.32.0" and v.shards_percent == 100 and v.weights_load_s == 0.02
+    assert v.kv_cache_tokens == 187_264 and v.kv_cache_device == "GPU"  # the later GPU line wins
+    assert v.max_concurrency == 2.86 and v.max_concurrency_context == 65_536
+    assert v.model_memory_gib == 68.41 and v.model_load_s == 2160.5 and v.kv_cache_memory_gib == 12.5
+    assert v.graph_capture_s == 41 and v.graph_memory_gib == 1.25 and v.engine_init_s == 5.06
     assert "checkpoint shards 100% (1/1)" in said
     assert progress.seen["shards"] == 3 and progress.seen["api_up"] == 7
 
 
-@pytest.mark.parametrize("log, expected", [
-    ("usage: vllm serve ...\nvllm serve: error: unrecognized arguments: --enable-pcie-oneshot-allreduce\n",
-     "bad command-line flag: unrecognized arguments: --enable-pcie-oneshot-allreduce"),
-    ("(EngineCore pid=3) ValueError: The output_size of gate's and up's weight = 192 is not divisible by weight quantization block_n = 128.\n"
-     "(EngineCore pid=3) RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n",
-     "FP8 block alignment"),
-    ("(Worker_TP3 pid=9) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n", "out of GPU memory"),
-    ("(APIServer pid=1) OSError: [Errno 98] Address already in use\n", "port already in use"),
-    ("(EngineCore pid=3) KeyError: 'experts'\nRuntimeError: Engine core initialization failed. See root cause above.\n",
-     "exception while starting: KeyError: 'experts'"),
-    ("\x1b[31m(APIServer pid=1) ValueError: User-specified max_model_len (100000) is greater than the derived max_model_len\x1b[0m\n",
-     "exception while starting: ValueError: User-specified max_model_len"),
-])
+@pytest.mark.parametrize(
+    "log, expected",
+    [
+        (
+            "usage: vllm serve ...\nvllm serve: error: unrecognized arguments: --enable-pcie-oneshot-allreduce\n",
+            "bad command-line flag: unrecognized arguments: --enable-pcie-oneshot-allreduce",
+        ),
+        (
+            "(EngineCore pid=3) ValueError: The output_size of gate's and up's weight = 192 is not divisible by weight quantization block_n = 128.\n"
+            "(EngineCore pid=3) RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n",
+            "FP8 block alignment",
+        ),
+        (
+            "(Worker_TP3 pid=9) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n",
+            "out of GPU memory",
+        ),
+        ("(APIServer pid=1) OSError: [Errno 98] Address already in use\n", "port already in use"),
+        (
+            "(EngineCore pid=3) KeyError: 'experts'\nRuntimeError: Engine core initialization failed. See root cause above.\n",
+            "exception while starting: KeyError: 'experts'",
+        ),
+        (
+            "\x1b[31m(APIServer pid=1) ValueError: User-specified max_model_len (100000) is greater than the derived max_model_len\x1b[0m\n",
+            "exception while starting: ValueError: User-specified max_model_len",
+        ),
+    ],
+)
 def test_root_cause_names_the_failure(log, expected):
     assert expected in server.root_cause(log)
 
@@ -65,12 +79,17 @@ def cfg(**kw):
 
 
 def test_serve_args_follow_the_layout():
-    args = cfg(tensor_parallel_size=8, enable_expert_parallel=True, kv_cache_dtype="fp8", max_num_seqs=64,
-               extra_args=["--enable-prefix-caching"]).serve_args()
+    args = cfg(
+        tensor_parallel_size=8,
+        enable_expert_parallel=True,
+        kv_cache_dtype="fp8",
+        max_num_seqs=64,
+        extra_args=["--enable-prefix-caching"],
+    ).serve_args()
     assert args[:4] == ["--served-model-name", "m", "--host", "127.0.0.1"]
     for flag in (["--tensor-parallel-size", "8"], ["--kv-cache-dtype", "fp8"], ["--max-num-seqs", "64"]):
         i = args.index(flag[0])
-        assert args[i:i + 2] == flag
+        assert args[i : i + 2] == flag
     assert "--enable-expert-parallel" in args and args[-1] == "--enable-prefix-caching"
     assert "--pipeline-parallel-size" not in args
     cpu = cfg(device="cpu").serve_args()
@@ -85,7 +104,7 @@ def test_environment_keeps_the_api_key_off_the_command_line(monkeypatch):
     assert all("sk-secret" not in a for a in c.command())
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and env["NCCL_DEBUG"] == "WARN"
     assert env["VLLM_ENGINE_READY_TIMEOUT_S"] == "4200"
-    recorded = server._server_env_record(c, env)
+    recorded = server.environment_record(c, env)
     assert recorded["VLLM_API_KEY"] == "***"
 
 
@@ -96,7 +115,7 @@ def test_missing_api_key_variable_is_a_preflight_error(monkeypatch):
 
 
 def test_load_budget_grows_with_checkpoint_size(monkeypatch):
-    monkeypatch.setattr(server.ServerConfig, "checkpoint_gb", lambda self: 547.0)
+    monkeypatch.setattr(server.models, "checkpoint_bytes", lambda path: (547e9, True))
     assert cfg().load_budget_s() == pytest.approx(server.BASE_BUDGET_S + 547 * server.SECONDS_PER_GB)
     assert cfg().load_budget_s() > 36 * 60  # the story's load fits
     assert cfg(load_timeout_s=60).load_budget_s() == 60
@@ -109,18 +128,33 @@ def test_fingerprint_ignores_only_the_budget():
 
 def test_unknown_flags_against_a_cached_option_list():
     options = ["--max-model-len", "--enforce-eager", "--enable-prefix-caching", "--tensor-parallel-size", "-tp"]
-    assert vllm_compat.unknown_flags(["--max-model-len", "4", "--enable-pcie-oneshot-allreduce"], options) == ["--enable-pcie-oneshot-allreduce"]
-    assert vllm_compat.unknown_flags(["--max_model_len=4", "--no-enable-prefix-caching", "--enforce", "-tp", "2",
-                                      "--compilation-config.mode=none"], options) == []
+    assert vllm_compat.unknown_flags(["--max-model-len", "4", "--enable-pcie-oneshot-allreduce"], options) == [
+        "--enable-pcie-oneshot-allreduce"
+    ]
+    assert (
+        vllm_compat.unknown_flags(
+            [
+                "--max_model_len=4",
+                "--no-enable-prefix-caching",
+                "--enforce",
+                "-tp",
+                "2",
+                "--compilation-config.mode=none",
+            ],
+            options,
+        )
+        == []
+    )
     assert vllm_compat.unknown_flags(["--en"], options) == ["--en"]  # ambiguous prefix
 
 
 def test_removed_vllm_variables_get_a_hint():
-    problems = vllm_compat.unknown_vllm_env(["VLLM_USE_V1", "VLLM_ALL2ALL_BACKEND", "VLLM_LOGGING_LEVEL", "NCCL_DEBUG"],
-                                            ["VLLM_LOGGING_LEVEL"])
+    problems = vllm_compat.unknown_vllm_env(
+        ["VLLM_USE_V1", "VLLM_ALL2ALL_BACKEND", "VLLM_LOGGING_LEVEL", "NCCL_DEBUG"], ["VLLM_LOGGING_LEVEL"]
+    )
     assert len(problems) == 2
     assert "only the V1 engine" in problems[0] and "--all2all-backend" in problems[1]
 
 
 def test_health_of_nothing_listening_is_loading():
-    assert server.health("http://127.0.0.1:9") == "loading"
+    assert client.health("http://127.0.0.1:9") == "loading"

@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from servebook import deploy_stage, modelspec, params, planner, server, systemd
+from servebook import modelspec, params, planner, server, systemd
+from servebook.records import LaunchRecord
+from servebook.stages import deploy
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "tests" / "fixtures" / "configs"
@@ -17,18 +19,20 @@ def story_unit(params_name: str, config_name: str, gpu: str) -> tuple[systemd.Un
     from servebook import gpus
 
     g = gpus.lookup(gpu)
-    plan = planner.plan(spec, planner.Device(g.name, 8, g.memory_bytes, g.bandwidth_bytes_s), p.max_model_len,
-                        p.gpu_memory_utilization, p.kv_cache_dtype)
-    predicted = server.BASE_BUDGET_S + server.SECONDS_PER_GB * plan["weights_total_bytes"] / 1e9
-    cfg = server.ServerConfig.from_params(p.model_dump(), "cuda")
-    unit = deploy_stage.unit_spec(p.run_name, deploy_stage.launch_record(cfg), predicted_load_s=predicted)
+    plan = planner.plan(spec, planner.Device.for_gpu(g, 8), p.max_model_len, p.gpu_memory_utilization, p.kv_cache_dtype)
+    predicted = server.load_budget_s(plan.weights_total_bytes)
+    cfg = server.ServerConfig.from_params(p, "cuda")
+    unit = deploy.unit_spec(p.run_name, LaunchRecord.planned(cfg), predicted_load_s=predicted)
     return unit, systemd.render_unit(unit), plan
 
 
-@pytest.mark.parametrize("params_name, config_name, gpu", [
-    ("minimax-m2.5-8gpu.yaml", "minimax-m2.5.json", "H200"),
-    ("kimi-k2.5-8gpu.yaml", "kimi-k2.5.json", "RTX-PRO-6000"),
-])
+@pytest.mark.parametrize(
+    "params_name, config_name, gpu",
+    [
+        ("minimax-m2.5-8gpu.yaml", "minimax-m2.5.json", "H200"),
+        ("kimi-k2.5-8gpu.yaml", "kimi-k2.5.json", "RTX-PRO-6000"),
+    ],
+)
 def test_story_units(params_name, config_name, gpu, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "sk-never-in-the-unit")
     unit, text, plan = story_unit(params_name, config_name, gpu)
@@ -36,7 +40,7 @@ def test_story_units(params_name, config_name, gpu, tmp_path, monkeypatch):
     assert line("Type") == "exec" and line("KillMode") == "control-group" and line("Restart") == "on-failure"
     assert line("User") == "vllm" and line("LimitNOFILE") == "65536" and line("StandardOutput") == "journal"
     # the start timeout covers the predicted load of the plan's weights, with margin
-    load = server.BASE_BUDGET_S + server.SECONDS_PER_GB * plan["weights_total_bytes"] / 1e9
+    load = server.BASE_BUDGET_S + server.SECONDS_PER_GB * plan.weights_total_bytes / 1e9
     assert int(line("TimeoutStartSec")) == unit.timeout_start_s >= 1.5 * load
     assert f"VLLM_ENGINE_READY_TIMEOUT_S={unit.timeout_start_s}" in text
     assert int(line("StartLimitIntervalSec")) > 3 * unit.timeout_start_s
@@ -53,17 +57,19 @@ def test_story_units(params_name, config_name, gpu, tmp_path, monkeypatch):
     path = tmp_path / unit.unit_name
     path.write_text(text)
     result = systemd.verify(path)
-    assert result["ran"], result["output"]
-    assert result["ok"], result["output"]
+    assert result.ran, result.output
+    assert result.ok, result.output
 
 
 def test_verify_catches_a_broken_unit(tmp_path):
     path = tmp_path / "servebook-bad.service"
     path.write_text("[Service]\nType=bogus\nExecStart=/bin/true\nKillMode=sometimes\n")
     result = systemd.verify(path)
-    assert result["ran"] and not result["ok"]
+    assert result.ran and not result.ok
 
 
 def test_exec_lines_are_quoted_for_systemd():
-    assert systemd.exec_line(["/v/python", "-m", "x", "--json", '{"a": 1}', "100%", "$HOME"]) == \
-        '/v/python -m x --json "{\\"a\\": 1}" "100%%" "$$HOME"'
+    assert (
+        systemd.exec_line(["/v/python", "-m", "x", "--json", '{"a": 1}', "100%", "$HOME"])
+        == '/v/python -m x --json "{\\"a\\": 1}" "100%%" "$$HOME"'
+    )

@@ -1,0 +1,288 @@
+"""The typed record of every stage: what each ``NN_<stage>.json`` holds.
+
+One class per results file, with units in field names where a number has one.  A stage
+produces its record, later stages and the report read it through this type
+(``results.read(run, LaunchRecord)``).  The parts are the core modules' own result types.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Literal
+
+from pydantic import BaseModel, computed_field
+
+from servebook import ab, bench, client, download, environment, hardware, nccl, planner, server, systemd
+from servebook.planner import Parallelism
+from servebook.results import Record
+from servebook.secrets import mask, mask_env
+from servebook.units import GiB
+from servebook.vllm_log import LogValues
+
+# ---------------------------------------------------------------- 00 reconnaissance
+
+
+class Verdict(BaseModel):
+    ready: bool
+    reasons: list[str]  # each one blocks serving
+    notes: list[str]  # worth knowing, not blocking
+
+
+class CheckpointSize(BaseModel):
+    model: str
+    bytes: int | None  # None when neither the disk nor the hub could say
+    on_local_disk: bool
+
+
+class ReconRecord(Record):
+    FILE = "00_reconnaissance"
+
+    device: Literal["cuda", "cpu"]
+    target_gpus: list[int]
+    inventory: hardware.Inventory
+    host: environment.Host
+    versions: dict[str, str | None]
+    checkpoint: CheckpointSize
+    verdict: Verdict
+
+
+# ---------------------------------------------------------------- 01 plan
+
+
+class PlanRecord(Record, planner.Plan):
+    FILE = "01_plan"
+
+    requested: planner.Layout | None  # the params' own layout as the plan judged it
+    launch_layout: Literal["recommended", "params"]  # which one the launch stage uses
+
+    @property
+    def layout_for_launch(self) -> Parallelism | None:
+        """The layout handed to the launch stage, or None when launch keeps the params' layout."""
+        if self.launch_layout == "recommended" and self.recommended:
+            return self.recommended.parallelism
+        return None
+
+
+# ---------------------------------------------------------------- 02 download
+
+
+class DownloadRecord(Record):
+    FILE = "02_download"
+
+    source: Literal["builtin", "local", "hub"]
+    model: str
+    local_path: str
+    revision: str | None = None
+    commit: str | None = None
+    listing: download.ListingInfo | None = None
+    preflight: download.Preflight | None = None
+    fetch: download.Fetched | None = None
+    bytes: int
+    verification: download.Verification
+
+
+# ---------------------------------------------------------------- 03 launch
+
+
+class GpuMemory(BaseModel):
+    gpu: int
+    used_bytes: int
+    total_bytes: int
+
+
+class ProcessMemory(BaseModel):
+    pid: int
+    title: str
+    rss_bytes: int
+
+
+class MemoryAfterLoad(BaseModel):
+    per_gpu: list[GpuMemory] = []  # on GPUs
+    processes: list[ProcessMemory] = []  # on the CPU: the server's processes
+    rss_total_bytes: int = 0
+
+
+class PlanCheck(BaseModel):
+    """The plan's prediction for the launched layout beside what vLLM logged."""
+
+    layout: str
+    predicted_kv_tokens: int
+    reported_kv_tokens: int | None
+    predicted_weight_gib: float
+    reported_weight_gib: float | None
+    kv_tokens_error_pct: float | None = None
+    weight_error_pct: float | None = None
+
+    @classmethod
+    def of(cls, predicted: planner.Layout, reported: LogValues) -> PlanCheck:
+        def error(p: float, r: float | None) -> float | None:
+            return 100 * (p - r) / r if r else None
+
+        weight_gib = predicted.weight_bytes_per_gpu / GiB
+        return cls(
+            layout=predicted.name,
+            predicted_kv_tokens=predicted.max_kv_tokens,
+            reported_kv_tokens=reported.kv_cache_tokens,
+            predicted_weight_gib=weight_gib,
+            reported_weight_gib=reported.model_memory_gib,
+            kv_tokens_error_pct=error(predicted.max_kv_tokens, reported.kv_cache_tokens),
+            weight_error_pct=error(weight_gib, reported.model_memory_gib),
+        )
+
+
+class LaunchRecord(Record):
+    """The server a run uses: the exact configuration it was launched with, how it loaded, what vLLM logged."""
+
+    FILE = "03_launch"
+
+    config: server.ServerConfig  # what the A/B relaunches and deploy turns into a unit
+    layout_source: Literal["plan", "params"] = "params"
+    command: list[str]  # secrets masked
+    command_line: str
+    environment: dict[str, str]  # what differs from the launching shell, secrets masked
+    fingerprint: str
+    load_budget_s: float
+    pid: int = 0
+    pgid: int = 0
+    reused: bool = False
+    started_by_this_run: bool = False
+    log_path: str = ""
+    seconds_to_ready: float = 0.0
+    phases: dict[str, float] = {}  # phase -> seconds since the process started
+    vllm_reported: LogValues = LogValues()
+    preflight: server.Preflight | None = None
+    memory_after_load: MemoryAfterLoad = MemoryAfterLoad()
+    plan_check: PlanCheck | None = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def layout(self) -> Parallelism:
+        return self.config.parallelism
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def gpu_ids(self) -> list[int]:
+        """The physical GPUs the server uses (none on the CPU)."""
+        return self.config.target_gpus
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name
+
+    @property
+    def model_path(self) -> str:
+        return self.config.model_path
+
+    @property
+    def api_key_env(self) -> str:
+        return self.config.api_key_env
+
+    @classmethod
+    def planned(cls, cfg: server.ServerConfig) -> LaunchRecord:
+        """The record of a configuration not launched here (a unit for another host): command and environment only."""
+        command = [mask(a) for a in cfg.command()]
+        return cls(
+            config=cfg,
+            command=command,
+            command_line=subprocess.list2cmdline(command),
+            environment=mask_env(cfg.environment(base={}, with_secrets=False)),
+            fingerprint=cfg.fingerprint(),
+            load_budget_s=cfg.load_budget_s(),
+        )
+
+    @classmethod
+    def of(cls, launch: server.Launch, **extra: object) -> LaunchRecord:
+        command = [mask(a) for a in launch.command]
+        return cls(
+            config=launch.config,
+            command=command,
+            command_line=mask(subprocess.list2cmdline(launch.command)),
+            environment=launch.environment,
+            fingerprint=launch.config.fingerprint(),
+            load_budget_s=launch.config.load_budget_s(),
+            pid=launch.pid,
+            pgid=launch.pgid,
+            reused=launch.reused,
+            started_by_this_run=launch.started_by_this_run,
+            log_path=launch.log_path,
+            seconds_to_ready=launch.seconds_to_ready,
+            phases=launch.phases,
+            vllm_reported=launch.values,
+            preflight=launch.preflight,
+            **extra,
+        )
+
+
+# ---------------------------------------------------------------- 04 smoke test
+
+
+class SmokeTestRecord(Record, client.SmokeResult):
+    FILE = "04_smoke_test"
+
+
+# ---------------------------------------------------------------- 05 benchmark
+
+
+class BenchmarkRecord(Record, bench.SweepResult):
+    FILE = "05_benchmark"
+
+
+# ---------------------------------------------------------------- 06 NCCL tuning
+
+
+class NcclTuningRecord(Record):
+    FILE = "06_nccl_tuning"
+
+    micro: nccl.MicroResult
+    ab: ab.AbResult | None
+    recommended_env: dict[str, str]  # the environment to deploy with; empty means the default
+    recommendation: str
+    notes: list[str]
+
+
+# ---------------------------------------------------------------- 07 deploy
+
+
+class Command(BaseModel):
+    """A command servebook ran as the service would, and what it said."""
+
+    command: str
+    returncode: int
+    output: str
+    seconds: float | None = None
+
+
+class DryRun(BaseModel):
+    """What systemd would do, done by hand: pre-start check, the exact ExecStart, post-start wait, smoke test."""
+
+    pre_start: Command
+    skipped: str = ""
+    post_start: Command | None = None
+    smoke_test: client.SmokeResult | None = None
+    stop: server.Terminated | None = None
+    log: str = ""
+
+
+class DeployRecord(Record):
+    FILE = "07_deploy"
+
+    unit_name: str
+    unit_file: str
+    env_file: str
+    timeout_start_s: int
+    load_seconds: float
+    load_source: Literal["measured", "predicted"]
+    start_limit_interval_s: int
+    verify: systemd.Verified
+    systemd_running: bool
+    pre_start_with_ad_hoc_server: Command
+    ad_hoc_server_stopped: str = ""
+    installed: systemd.Installed | None = None
+    service_ready: str = ""
+    smoke_test: client.SmokeResult | None = None
+    dry_run: DryRun | None = None

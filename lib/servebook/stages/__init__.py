@@ -1,0 +1,100 @@
+"""The pipeline, declared once: every stage, its notebook, its record, what it reads, its gate, its summary.
+
+A stage is one module here with the same small interface, one notebook ``notebooks/NN_<name>.ipynb``
+and one row of :data:`STAGES`.  ``servebook run``, ``--stages``, the CLI's single-stage commands, the
+report and the tests read this table; nothing else lists stages.
+
+Arrows point one way: ``cli``/``runner`` → ``stages`` → the core modules.  A stage reads an upstream
+stage's *record* (``results.read(run, LaunchRecord)``), never its code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Protocol, cast
+
+from servebook.errors import ParamsError
+from servebook.params import Params
+from servebook.results import Record
+
+
+class StageModule(Protocol):
+    """What every module in this package provides."""
+
+    def run(self, p: Params, run_dir: str | Path) -> Record:
+        """Do the stage's work, write its record into the run folder and return it (also when the gate will fail)."""
+        ...
+
+    def check(self, record: Record, p: Params) -> None:
+        """The go/no-go gate: raise a :class:`~servebook.errors.ServebookError` that says what to do, or return."""
+        ...
+
+    def summary(self, record: Record) -> str:
+        """One line of Markdown with the stage's answer, for the report's first screen and the CLI."""
+        ...
+
+
+@dataclass(frozen=True)
+class Stage:
+    record: type[Record]  # its FILE, NN_<name>, numbers and names the stage
+    module: ModuleType
+    needs: tuple[str, ...] = ()  # stages whose records it reads when present
+    requires: tuple[str, ...] = ()  # stages whose records it cannot run without
+
+    @property
+    def number(self) -> int:
+        return int(self.record.FILE[:2])
+
+    @property
+    def name(self) -> str:
+        return self.record.FILE[3:]
+
+    @property
+    def notebook(self) -> str:
+        return f"{self.record.FILE}.ipynb"
+
+    @property
+    def api(self) -> StageModule:
+        return cast(StageModule, self.module)
+
+
+def _table() -> list[Stage]:
+    from servebook import records
+    from servebook.stages import benchmark, deploy, download, launch, nccl_tuning, plan, reconnaissance, smoke_test
+
+    return [
+        Stage(records.ReconRecord, reconnaissance),
+        Stage(records.PlanRecord, plan, needs=("reconnaissance",)),
+        Stage(records.DownloadRecord, download),
+        Stage(records.LaunchRecord, launch, needs=("reconnaissance", "plan", "download")),
+        Stage(records.SmokeTestRecord, smoke_test, requires=("launch",)),
+        Stage(records.BenchmarkRecord, benchmark, requires=("launch",)),
+        Stage(records.NcclTuningRecord, nccl_tuning, needs=("reconnaissance",), requires=("launch",)),
+        Stage(records.DeployRecord, deploy, needs=("nccl_tuning",), requires=("launch",)),
+    ]
+
+
+STAGES: list[Stage] = _table()
+
+
+def by_name(name: str) -> Stage:
+    for stage in STAGES:
+        if stage.name == name:
+            return stage
+    raise KeyError(name)
+
+
+def select(wanted: str | None) -> list[Stage]:
+    """Stages for ``--stages`` (names like ``launch`` or numbers like ``03``), in pipeline order."""
+    if not wanted:
+        return list(STAGES)
+    known = {key: stage for stage in STAGES for key in (stage.name, f"{stage.number:02d}", stage.record.FILE)}
+    items = [w.strip() for w in wanted.split(",") if w.strip()]
+    unknown = [item for item in items if item not in known]
+    if unknown:
+        names = ", ".join(stage.name for stage in STAGES)
+        raise ParamsError("--stages", [f"unknown stage '{u}'; known stages: {names}" for u in unknown])
+    picked = {known[item].name for item in items}
+    return [stage for stage in STAGES if stage.name in picked]

@@ -1,0 +1,81 @@
+"""Stage 05: the concurrency sweep against the launched server, and the comparison of runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from servebook import bench, client, metrics, results
+from servebook.errors import ServebookError, SweepAborted
+from servebook.loadgen import Workload
+from servebook.params import Params
+from servebook.records import BenchmarkRecord, LaunchRecord
+
+
+def sweep_config(p: Params) -> bench.SweepConfig:
+    return bench.SweepConfig(
+        workload=Workload(p.bench_input_len, p.bench_output_len, p.bench_endpoint, p.bench_shared_prefix_len),
+        max_concurrency=p.bench_max_concurrency,
+        repeats=p.bench_repeats,
+        prompts_per_level=p.bench_prompts_per_level,
+        plateau_gain=p.bench_plateau_gain,
+        objectives=metrics.Objectives(p.bench_ttft_slo_ms, p.bench_tpot_slo_ms, p.bench_e2el_slo_ms),
+        request_timeout_s=p.bench_request_timeout_s,
+    )
+
+
+def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
+    """Sweep the server the launch stage recorded; always write the record, the gate raises on a fault."""
+    run_dir = results.run_folder(run_dir)
+    launch = results.require(run_dir, LaunchRecord, "benchmark")
+    swept = bench.sweep(
+        launch.url,
+        launch.served_model_name,
+        launch.model_path,
+        sweep_config(p),
+        run_dir,
+        client.headers(launch.api_key_env),
+        table_prefix=BenchmarkRecord.FILE,
+    )
+    record = BenchmarkRecord(**dict(swept))
+    results.write(run_dir, record)
+    return record
+
+
+def check(record: BenchmarkRecord, p: Params) -> None:
+    if record.fault:
+        raise SweepAborted(f"benchmark stopped: {record.fault}; the levels measured before it are saved")
+
+
+def summary(record: BenchmarkRecord) -> str:
+    parts = []
+    if record.single_stream:
+        parts.append(f"one stream {record.single_stream.output_throughput:,.0f} tok/s")
+    if record.best:
+        parts.append(f"best {record.best.output_throughput:,.0f} tok/s at {record.best.concurrency} streams")
+    if record.saturated:
+        parts.append(f"levels off from {record.plateau_concurrency} streams")
+    elif record.stopped_by == "max_concurrency":
+        parts.append(f"**not saturated** at {record.max_concurrency} streams")
+    else:
+        parts.append(f"stopped: {record.stop_reason}")
+    return "; ".join(parts)
+
+
+def levels(record: BenchmarkRecord) -> pd.DataFrame:
+    return pd.DataFrame([level.model_dump() for level in record.levels])
+
+
+def load_run(run_dir: str | Path) -> tuple[str, pd.DataFrame]:
+    """A run's per-level table, labelled with the layout its launch record names."""
+    run_dir = Path(run_dir)
+    record = results.read(run_dir, BenchmarkRecord)
+    if record is None:
+        raise ServebookError(
+            f"{run_dir} holds no {BenchmarkRecord.FILE}.json: not a servebook run folder with a "
+            "benchmark; pass folders that `servebook run` or `servebook bench` wrote"
+        )
+    launch = results.read(run_dir, LaunchRecord)
+    label = f"{launch.layout.name} ({run_dir.name})" if launch else run_dir.name
+    return label, levels(record)

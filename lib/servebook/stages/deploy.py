@@ -1,0 +1,170 @@
+"""Stage 07: render, verify, prove and (only when asked) install the service."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from servebook import client, models, results, server, systemd
+from servebook.errors import DeployFailed
+from servebook.params import Params
+from servebook.records import Command, DeployRecord, DryRun, LaunchRecord, NcclTuningRecord
+from servebook.secrets import MASK
+
+
+def servebook_exe() -> str:
+    return str(Path(sys.executable).with_name("servebook"))
+
+
+def unit_spec(
+    name: str,
+    launch: LaunchRecord,
+    nccl_env: dict[str, str] | None = None,
+    predicted_load_s: float | None = None,
+    user: str = "vllm",
+) -> systemd.UnitSpec:
+    """A unit from the launch record: its exact command, its environment, its measured load time."""
+    measured = launch.started_by_this_run and launch.seconds_to_ready > 0
+    load = launch.seconds_to_ready if measured else float(predicted_load_s or server.BASE_BUDGET_S)
+    env = {k: v for k, v in launch.environment.items() if v != MASK and k not in systemd.SECRET_VARS}
+    env.update(nccl_env or {})
+    cfg = launch.config
+    unit = systemd.UnitSpec(
+        name=name,
+        description=f"vLLM serving {cfg.served_model_name} (servebook)",
+        command=list(launch.command),
+        environment=env,
+        secret_vars=["VLLM_API_KEY"] if cfg.api_key_env else [],
+        url=cfg.url,
+        port=cfg.port,
+        gpu_ids=cfg.target_gpus,
+        device=cfg.device,
+        load_seconds=load,
+        load_source="measured" if measured else "predicted",
+        servebook=servebook_exe(),
+        user=user,
+    )
+    # vLLM's own engine-ready timeout must not cut the load shorter than the unit allows
+    unit.environment["VLLM_ENGINE_READY_TIMEOUT_S"] = str(unit.timeout_start_s)
+    return unit
+
+
+def _run(args: list[str], timeout: float) -> Command:
+    started = time.monotonic()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    return Command(
+        command=systemd.shell_line(args),
+        returncode=proc.returncode,
+        output=(proc.stdout + proc.stderr).strip(),
+        seconds=round(time.monotonic() - started, 1),
+    )
+
+
+def pre_start_check(unit: systemd.UnitSpec) -> Command:
+    args = [unit.servebook, "gpu-check", "--port", str(unit.port)]
+    if unit.gpu_ids and unit.device == "cuda":
+        args += ["--gpus", ",".join(map(str, unit.gpu_ids))]
+    return _run(args, timeout=120)
+
+
+def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, model: str) -> DryRun:
+    """Do what systemd would: the pre-start check, the exact ExecStart in its own group, the post-start wait,
+    a smoke test against it, then a stop of the whole group."""
+    out = DryRun(pre_start=pre_start_check(unit))
+    if out.pre_start.returncode != 0:
+        out.skipped = "the pre-start check refused, as systemd would"
+        return out
+    log = run_dir / "service-dry-run.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            unit.command,
+            env={**os.environ, **unit.environment},
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        wait = [unit.servebook, "wait-ready", "--url", unit.url, "--timeout", str(unit.timeout_start_s)]
+        out.post_start = _run(wait, timeout=unit.timeout_start_s + 60)
+        if out.post_start.returncode == 0:
+            out.smoke_test = client.smoke_test(unit.url, model, max_tokens=8)
+    finally:
+        out.stop = server.terminate(proc.pid)
+        proc.wait(timeout=30)
+    out.log = str(log)
+    return out
+
+
+def run(p: Params, run_dir: str | Path) -> DeployRecord:
+    run_dir = results.run_folder(run_dir)
+    launch = results.require(run_dir, LaunchRecord, "deploy")
+    tuned = results.read(run_dir, NcclTuningRecord)
+    name = p.deploy_name or launch.served_model_name.replace("/", "-")
+    size, _ = models.checkpoint_bytes(launch.model_path)
+    unit = unit_spec(name, launch, tuned.recommended_env if tuned else None, server.load_budget_s(size), p.deploy_user)
+    unit_text = systemd.render_unit(unit)
+    unit_path = run_dir / unit.unit_name
+    unit_path.write_text(unit_text)
+    env_path = run_dir / f"{name}.env"
+    env_path.write_text(systemd.render_env_file(unit))
+    record = DeployRecord(
+        unit_name=unit.unit_name,
+        unit_file=str(unit_path),
+        env_file=str(env_path),
+        timeout_start_s=unit.timeout_start_s,
+        load_seconds=unit.load_seconds,
+        load_source="measured" if unit.load_source == "measured" else "predicted",
+        start_limit_interval_s=unit.start_limit_interval_s,
+        verify=systemd.verify(unit_path),
+        systemd_running=systemd.systemd_running(),
+        # the ad hoc server this run started holds the port: the check must say so
+        pre_start_with_ad_hoc_server=pre_start_check(unit),
+    )
+    if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
+        record.ad_hoc_server_stopped = server.stop(port=unit.port).summary  # the service replaces it
+    if p.deploy_install:
+        record.installed = systemd.install(unit, unit_text)
+        ok, message, _ = server.wait_ready(unit.url, unit.timeout_start_s)
+        record.service_ready = message
+        if ok:
+            record.smoke_test = client.smoke_test(unit.url, launch.served_model_name, 8, launch.api_key_env)
+    else:
+        record.dry_run = dry_run_start(unit, run_dir, launch.served_model_name)
+    results.write(run_dir, record)
+    return record
+
+
+def check(record: DeployRecord, p: Params) -> None:
+    problems = []
+    if not record.verify.ok:
+        problems.append("systemd-analyze verify: " + "; ".join(record.verify.blocking or [record.verify.output]))
+    dry = record.dry_run
+    if dry and dry.post_start and dry.post_start.returncode:
+        problems.append("the post-start wait failed: " + dry.post_start.output)
+    if dry and dry.skipped:
+        problems.append("the pre-start check refused: " + dry.pre_start.output)
+    if dry and dry.smoke_test and not dry.smoke_test.passed:
+        problems.append("the smoke test against the dry-run service failed")
+    if record.installed and not record.installed.enabled:
+        problems.append("systemctl enable --now failed: " + record.installed.output[-300:])
+    if problems:
+        raise DeployFailed("deploy:\n  - " + "\n  - ".join(problems))
+
+
+def summary(record: DeployRecord) -> str:
+    verified = "verified" if record.verify.ok else "**did not verify**"
+    proven = ""
+    if record.dry_run and record.dry_run.post_start:
+        ok = (
+            record.dry_run.post_start.returncode == 0 and record.dry_run.smoke_test and record.dry_run.smoke_test.passed
+        )
+        proven = "; dry run ready and answering" if ok else "; **dry run failed**"
+    installed = "; installed" if record.installed and record.installed.enabled else ""
+    return (
+        f"`{record.unit_name}` (TimeoutStartSec={record.timeout_start_s}, load {record.load_seconds:.0f} s "
+        f"{record.load_source}), {verified}{proven}{installed}"
+    )

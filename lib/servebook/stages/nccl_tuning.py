@@ -1,0 +1,138 @@
+"""Stage 06: the collective micro-benchmark, the server A/B, and the environment to deploy with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+from servebook import ab, loadgen, nccl, results, server
+from servebook.params import Params
+from servebook.records import LaunchRecord, NcclTuningRecord
+
+NCCL_PREFIX = ("NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+def micro(p: Params, log: Callable[[str], None] = print) -> nccl.MicroResult:
+    sets = p.nccl_sets or list(nccl.DEFAULT_SETS)
+    return nccl.run_all(
+        "auto", p.nccl_world, p.nccl_min_bytes, p.nccl_max_bytes, p.nccl_iters, p.nccl_warmup, sets, log=log
+    )
+
+
+def recommend(result: ab.AbResult | None) -> tuple[dict[str, str], str, list[str]]:
+    """The environment to deploy with: the default unless an NCCL-only variant wins at every concurrency."""
+    if not result:
+        return {}, "no server A/B ran: deploy with the default environment", []
+    by_variant: dict[str, list[ab.AbRow]] = {}
+    for row in result.rows:
+        by_variant.setdefault(row.variant, []).append(row)
+    winners = [v for v, rows in by_variant.items() if rows and all(r.verdict == "better" for r in rows)]
+    other = [
+        f"{v}: better at every concurrency, but it changes serving flags; apply it to the launch parameters if wanted"
+        for v in winners
+        if not result.variant(v).environment_only
+    ]
+    env_winners = [v for v in winners if result.variant(v).environment_only]
+    if not env_winners:
+        return (
+            {},
+            "no environment set beat run-to-run noise at every concurrency: deploy with the default environment",
+            other,
+        )
+    best = max(env_winners, key=lambda v: min(r.change or 0.0 for r in by_variant[v]))
+    env = {k: v for k, v in (result.variant(best).extra_env or {}).items() if k.startswith(NCCL_PREFIX)}
+    return env, f"{best} beat the baseline beyond its noise band at every concurrency", other
+
+
+def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> NcclTuningRecord:
+    run_dir = results.run_folder(run_dir)
+    measured = micro(p, log)
+    compared = None
+    if p.ab_variants:
+        launch = results.require(run_dir, LaunchRecord, "nccl_tuning")
+        base: server.ServerConfig = launch.config
+        workload = loadgen.Workload(p.bench_input_len, p.bench_output_len)
+        compared = ab.run(
+            base, p.ab_variants, run_dir, workload, sorted({1, p.ab_concurrency}), p.ab_requests, p.ab_repeats, log=log
+        )
+    env, why, notes = recommend(compared)
+    record = NcclTuningRecord(micro=measured, ab=compared, recommended_env=env, recommendation=why, notes=notes)
+    results.write(run_dir, record)
+    return record
+
+
+def check(record: NcclTuningRecord, p: Params) -> None:
+    """Nothing to stop on: a harmful set or a variant that fails to start is a finding, not a failure."""
+
+
+def summary(record: NcclTuningRecord) -> str:
+    env = " ".join(f"{k}={v}" for k, v in record.recommended_env.items())
+    deploy_with = f"deploy with `{env}`" if env else "deploy with the default environment"
+    where = "NCCL" if record.micro.on_gpus else "gloo on the CPU (no NCCL figures)"
+    variants = f", {len(record.ab.variants)} server variant(s) compared" if record.ab else ""
+    return f"{deploy_with}; collectives measured with {where}{variants}"
+
+
+def bandwidth_table(record: NcclTuningRecord) -> pd.DataFrame:
+    return pd.DataFrame([{"set": s.name, **row.model_dump()} for s in record.micro.sets for row in s.rows])
+
+
+def bandwidth_figures(record: NcclTuningRecord) -> list[go.Figure]:
+    """Bus bandwidth against message size, and the latency of small messages, per set and collective."""
+    bw = bandwidth_table(record)
+    if bw.empty:
+        return []
+    harmful = {row.set for row in record.micro.summary if row.harmful}
+    bw["set"] = [f"{s} (harmful)" if s in harmful else s for s in bw["set"]]
+    labels = {"busbw_gbs": "bus bandwidth (GB/s)", "bytes": "message bytes", "time_us": "time per operation (µs)"}
+    return [
+        px.line(
+            bw,
+            x="bytes",
+            y="busbw_gbs",
+            color="set",
+            facet_col="collective",
+            log_x=True,
+            markers=True,
+            title="Bus bandwidth against message size",
+            labels=labels,
+        ),
+        px.line(
+            bw[bw["bytes"] <= nccl.SMALL_BYTES],
+            x="bytes",
+            y="time_us",
+            color="set",
+            facet_col="collective",
+            log_x=True,
+            markers=True,
+            title="Latency of small messages",
+            labels=labels,
+        ),
+    ]
+
+
+def ab_table(record: NcclTuningRecord) -> pd.DataFrame:
+    return pd.DataFrame([row.model_dump() for row in record.ab.rows]) if record.ab else pd.DataFrame()
+
+
+def ab_figure(record: NcclTuningRecord) -> go.Figure | None:
+    table = ab_table(record)
+    if table.empty or table["change"].isna().all():
+        return None
+    table = table.dropna(subset=["change"])
+    table["change %"] = 100 * table["change"]
+    table["noise %"] = 100 * table["noise"]
+    return px.bar(
+        table,
+        x="variant",
+        y="change %",
+        color="verdict",
+        facet_col="concurrency",
+        error_y="noise %",
+        error_y_minus="noise %",
+        title="Change against the baseline (bars: ± the baseline's noise band)",
+    )

@@ -1,0 +1,128 @@
+"""Stage 01: every layout vLLM would accept for the model on these GPUs, sized, ranked, and a gate before launch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+from servebook import gpus, hardware, modelspec, planner, results
+from servebook.errors import LayoutRejected, ServebookError
+from servebook.params import Params
+from servebook.records import PlanRecord, ReconRecord
+from servebook.units import GiB
+
+
+def device_for(p: Params, run_dir: Path) -> planner.Device:
+    """The hardware to plan for: a named GPU, what reconnaissance found, or the CPU."""
+    found = results.read(run_dir, ReconRecord)
+    inv = found.inventory if found else hardware.inventory()
+    device = found.device if found and p.device == "auto" else hardware.resolve_device(p.device, inv)
+    if device == "cpu" and not p.plan_gpu:
+        return planner.Device.for_cpu(int(p.cpu_kv_cache_gib * GiB))
+    name = p.plan_gpu or (inv.gpus[0].name if inv.gpus else "")
+    if not name:
+        raise ServebookError("plan_gpu is empty and NVML found no GPU; name the GPU to plan for (e.g. plan_gpu: H200)")
+    count = p.plan_gpu_count or len(p.gpu_ids) or len(inv.gpus) or p.world_size
+    if p.plan_gpu:
+        return planner.Device.for_gpu(gpus.lookup(name), count)
+    # the real GPUs' readings beat the datasheet
+    return planner.Device.for_gpu(
+        gpus.lookup(name), count, nvlink=inv.nvlink_everywhere, memory_bytes=inv.gpus[0].memory_total
+    )
+
+
+def run(p: Params, run_dir: str | Path) -> PlanRecord:
+    run_dir = results.run_folder(run_dir)
+    spec = modelspec.load(p.model)
+    planned = planner.plan(
+        spec,
+        device_for(p, run_dir),
+        p.max_model_len,
+        p.gpu_memory_utilization,
+        p.kv_cache_dtype,
+        p.plan_reserve_gib or None,
+        p.plan_batch,
+    ).rank_by(p.plan_rank_by)
+    own = planner.Parallelism(
+        tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size, dp=p.data_parallel_size, ep=p.enable_expert_parallel
+    )
+    record = PlanRecord(
+        **dict(planned),
+        requested=planned.find(own),
+        launch_layout="recommended" if p.layout_from_plan and planned.recommended else "params",
+    )
+    results.write(run_dir, record)
+    return record
+
+
+def check(record: PlanRecord, p: Params) -> None:
+    """Stop before a launch vLLM would refuse: the params' layout, when launch will use it."""
+    if record.launch_layout == "recommended":
+        return
+    own = record.requested
+    if own is None:
+        raise LayoutRejected(
+            "the params' layout does not use the GPUs planned for; set plan_gpu_count or gpu_ids to match"
+        )
+    if not own.usable:
+        alt = record.recommended.name if record.recommended else "none"
+        raise LayoutRejected(
+            f"vLLM would refuse {own.name}:\n  - "
+            + "\n  - ".join(own.reasons)
+            + f"\nthe plan recommends {alt}; set layout_from_plan: true or change the layout"
+        )
+
+
+def summary(record: PlanRecord) -> str:
+    usable = sum(1 for layout in record.layouts if layout.usable)
+    rec = f"recommends **{record.recommended.name}**" if record.recommended else "**no layout fits**"
+    launch = record.recommended if record.launch_layout == "recommended" else record.requested
+    used = f"; launch uses {launch.name}" if launch else ""
+    return f"{usable} of {len(record.layouts)} layouts accepted and fit on {record.device.count} × {record.device.name}; {rec}{used}"
+
+
+def table(record: planner.Plan) -> pd.DataFrame:
+    rows = []
+    for layout in record.layouts:
+        rows.append(
+            {
+                "layout": layout.name,
+                "vLLM accepts": layout.accepted,
+                "fits": layout.fits,
+                "weights GiB/GPU": round(layout.weight_bytes_per_gpu / GiB, 2),
+                "KV bytes/token/GPU": int(layout.kv_bytes_per_token_per_gpu),
+                "KV tokens/engine": layout.max_kv_tokens,
+                "max concurrency": round(layout.max_concurrency, 1),
+                "experts/GPU": layout.experts_per_gpu,
+                "collectives/token": layout.allreduces_per_token + layout.all2all_per_token,
+                "1-stream ceiling tok/s": round(layout.decode_tok_s_single) if layout.decode_tok_s_single else None,
+                f"ceiling at {layout.batch} tok/s": round(layout.decode_tok_s_batch)
+                if layout.decode_tok_s_batch
+                else None,
+                "why not": "; ".join(layout.reasons),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def memory_figure(record: PlanRecord) -> go.Figure:
+    """Weights by part and the KV cache per GPU for every accepted layout, against the usable memory."""
+    rows = [
+        {"layout": layout.name, "part": part, "GiB": b / GiB}
+        for layout in record.layouts
+        if layout.accepted
+        for part, b in layout.weight_breakdown.items()
+    ]
+    rows += [
+        {"layout": layout.name, "part": "KV cache", "GiB": layout.available_kv_bytes_per_gpu / GiB}
+        for layout in record.layouts
+        if layout.accepted
+    ]
+    fig = px.bar(rows, x="layout", y="GiB", color="part", title="Weights and KV cache per GPU (accepted layouts)")
+    gpu = record.device.kind == "cuda"
+    usable = record.device.memory_bytes / GiB * (record.gpu_memory_utilization if gpu else 1)
+    fig.add_hline(y=usable, line_dash="dash", annotation_text="usable memory" if gpu else "host memory")
+    return fig

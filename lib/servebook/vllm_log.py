@@ -1,0 +1,160 @@
+"""What vLLM's log says: load phases with their timings and values, and the root cause of a failure.
+
+Pure functions over text; the patterns are checked against log lines of real runs in
+``tests/fixtures``.  vLLM prefixes engine lines with ``(EngineCore pid=N)`` and colours them
+when it believes it writes to a terminal; both are handled here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from servebook.secrets import mask
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+PHASES: list[tuple[str, re.Pattern[str]]] = [
+    ("version", re.compile(r"(?:vLLM (?:server |API server )?version|█ +version) (\d[\w.+\-]*)")),
+    ("loading_model", re.compile(r"Starting to load model (\S+)")),
+    ("shards", re.compile(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \|\s*(\d+)/(\d+)")),
+    ("weights_loaded", re.compile(r"Loading weights took ([\d.]+) seconds")),
+    ("model_loaded", re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds")),
+    ("kv_memory", re.compile(r"Available KV cache memory: ([\d.]+) GiB")),
+    ("kv_cache", re.compile(r"(\w+) KV cache size: ([\d,]+) tokens")),
+    ("max_concurrency", re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")),
+    ("graph_capture", re.compile(r"Graph capturing finished in ([\d.]+) secs?, took ([\d.\-]+) GiB")),
+    ("engine_init", re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)")),
+    ("api_up", re.compile(r"Application startup complete")),
+]
+
+ROOT_CAUSES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"error: (unrecognized arguments: .*|argument .*|ambiguous option: .*)"), "bad command-line flag"),
+    (
+        re.compile(r"((?:The |Weight )\S.* is not divisible by weight quantization block_[nk] = \d+.*)"),
+        "FP8 block alignment: choose a layout from the plan whose shards are multiples of the block",
+    ),
+    (
+        re.compile(r"((?:CUDA|torch\.OutOfMemoryError|OutOfMemoryError).*out of memory.*)", re.I),
+        "out of GPU memory: lower max_model_len or gpu_memory_utilization, or use more GPUs",
+    ),
+    (
+        re.compile(r"(No available memory for the cache blocks.*|insufficient .*KV cache.*)", re.I),
+        "no memory left for the KV cache",
+    ),
+    (
+        re.compile(r"(\S*maximum .*context length.*larger than.*KV cache.*)", re.I),
+        "max_model_len does not fit the KV cache",
+    ),
+    (re.compile(r"(Address already in use.*|\[Errno 98\].*)"), "port already in use"),
+    (
+        re.compile(r"(Total number of attention heads .* must be divisible by tensor parallel size .*)"),
+        "tensor_parallel_size does not divide the attention heads",
+    ),
+    # the last line of a traceback: an exception name at the start, after vLLM's "(EngineCore pid=N)" prefix
+    (re.compile(r"^(?:\(\S+ pid=\d+\)\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)"), "exception while starting"),
+    (re.compile(r"(Illegal instruction.*)"), "the CPU lacks an instruction set this vLLM build needs"),
+]
+
+
+class LogValues(BaseModel):
+    """What vLLM logged while loading, with units in the names; a field is None where vLLM did not log it."""
+
+    vllm_version: str | None = None
+    shards_percent: int | None = None
+    weights_load_s: float | None = None
+    model_memory_gib: float | None = None  # weights per GPU, "Model loading took X GiB"
+    model_load_s: float | None = None
+    kv_cache_memory_gib: float | None = None
+    kv_cache_device: str | None = None  # GPU or CPU
+    kv_cache_tokens: int | None = None  # per engine
+    max_concurrency_context: int | None = None
+    max_concurrency: float | None = None
+    graph_capture_s: float | None = None
+    graph_memory_gib: float | None = None
+    engine_init_s: float | None = None
+
+
+@dataclass
+class LoadProgress:
+    """What the log has said so far, with the time (seconds since start) each phase was seen."""
+
+    seen: dict[str, float] = field(default_factory=dict)
+    values: LogValues = field(default_factory=LogValues)
+
+    def feed(self, line: str, elapsed: float) -> str | None:
+        """Digest one log line; return a short description when it marks progress."""
+        said = [
+            s for name, pattern in PHASES if (m := pattern.search(line)) for s in [self._note(name, m, elapsed)] if s
+        ]
+        return "; ".join(said) or None
+
+    def _note(self, name: str, m: re.Match[str], elapsed: float) -> str:
+        first = name not in self.seen
+        if first or name == "shards":  # shards advance; other phases keep their first sighting
+            self.seen[name] = round(elapsed, 2)
+        values, message = _PHASE_READERS[name](m.groups())
+        self.values = self.values.model_copy(update=values)
+        return message if first or name == "shards" else ""
+
+
+def _num(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+# phase -> (values to record, progress message), from the regex groups
+_PHASE_READERS: dict[str, Callable[[tuple[str, ...]], tuple[dict[str, Any], str]]] = {
+    "version": lambda g: ({"vllm_version": g[0]}, f"vLLM {g[0]} starting"),
+    "loading_model": lambda g: ({}, "loading model"),
+    "shards": lambda g: ({"shards_percent": int(g[0])}, f"checkpoint shards {g[0]}% ({g[1]}/{g[2]})"),
+    "weights_loaded": lambda g: ({"weights_load_s": float(g[0])}, f"weights loaded in {g[0]} s"),
+    "model_loaded": lambda g: (
+        {"model_memory_gib": float(g[0]), "model_load_s": float(g[1])},
+        f"model loaded: {g[0]} GiB in {float(g[1]):.1f} s",
+    ),
+    "kv_memory": lambda g: ({"kv_cache_memory_gib": float(g[0])}, f"KV cache memory {g[0]} GiB"),
+    "kv_cache": lambda g: ({"kv_cache_device": g[0], "kv_cache_tokens": _num(g[1])}, f"KV cache: {g[1]} tokens"),
+    "max_concurrency": lambda g: (
+        {"max_concurrency_context": _num(g[0]), "max_concurrency": float(g[1])},
+        f"maximum concurrency {g[1]}x at {g[0]} tokens per request",
+    ),
+    "graph_capture": lambda g: (
+        {"graph_capture_s": float(g[0]), "graph_memory_gib": float(g[1])},
+        f"graphs captured in {g[0]} s",
+    ),
+    "engine_init": lambda g: ({"engine_init_s": float(g[0])}, f"engine initialised in {g[0]} s"),
+    "api_up": lambda g: ({}, "API server up"),
+}
+
+
+def root_cause(log_text: str) -> str:
+    """The most telling error line in a server log, with what it means."""
+    # vLLM's closing "Engine core initialization failed. See root cause above." points elsewhere
+    lines = [line for line in ANSI_ESCAPE.sub("", log_text).splitlines() if "See root cause above" not in line]
+    for pattern, meaning in ROOT_CAUSES:
+        for i in range(len(lines) - 1, -1, -1):
+            m = pattern.search(lines[i])
+            if m:
+                text = m.group(1).strip()
+                if "validation error for" in text:  # pydantic puts the reason on the following lines
+                    detail = [
+                        line.strip()
+                        for line in lines[i + 1 : i + 4]
+                        if line.strip() and "For further information" not in line
+                    ]
+                    text = " ".join([text, *detail[:2]]).replace("Value error, ", "")
+                return f"{meaning}: {text[:600]}"
+    return "the server exited without a recognised error; read the log tail"
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return mask("\n".join(ANSI_ESCAPE.sub("", text).splitlines()[-lines:]))
