@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from servebook import server, vllm_compat
+from servebook import params, server, vllm_compat
 from servebook.errors import PreflightError
 
 
@@ -25,7 +25,7 @@ def cfg(port: int, **kw) -> server.ServerConfig:
         model="builtin:tiny-qwen3-moe", served_model_name="", port=port, max_model_len=2048, cpu_kv_cache_gib=1
     )
     values.update(kw)
-    return server.ServerConfig.from_params(values, "cpu")
+    return server.ServerConfig.from_params(params.Params(**values), "cpu")
 
 
 def timed_launch(c: server.ServerConfig, log_dir: Path) -> tuple[float, float, float]:
@@ -36,8 +36,8 @@ def timed_launch(c: server.ServerConfig, log_dir: Path) -> tuple[float, float, f
     t = time.monotonic()
     outcome = server.stop(port=c.port)
     stop_s = time.monotonic() - t
-    assert not outcome["remaining"], outcome
-    return ready, launched.preflight.get("seconds", 0.0), stop_s
+    assert not outcome.remaining, outcome
+    return ready, launched.preflight.seconds, stop_s
 
 
 def main() -> None:

@@ -17,7 +17,11 @@ if ! command -v systemd-analyze >/dev/null; then
   apt-get update -qq && apt-get install -y -qq systemd >/dev/null
 fi
 
-# notebooks are committed without outputs
+# guardrails: format, lint, types (strict for the records and stages), notebooks committed without outputs
+echo "tests: ruff, mypy, nbstripout"
+.venv/bin/ruff format --check --quiet lib tests benchmarks
+.venv/bin/ruff check --quiet lib tests benchmarks
+.venv/bin/mypy
 .venv/bin/nbstripout --verify notebooks/*.ipynb
 
 rm -rf build/nbval
