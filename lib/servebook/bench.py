@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from servebook import client, loadgen, metrics
 from servebook.loadgen import Workload
 
-StopReason = Literal["plateau", "max_concurrency", "objective", "fault"]
+StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault"]
 TableRow = dict[str, float | int | str | None]  # one row of a parquet/CSV table
 
 
@@ -181,7 +181,7 @@ class SweepResult(BaseModel):
     stopped_by: StopReason
     stop_reason: str  # the same, said for a person, with the figure that decided it
     fault: str
-    plateau_concurrency: int | None  # where throughput levels off; only when stopped_by is "plateau"
+    plateau_concurrency: int | None  # where throughput levels off; only when saturated (plateau or decline)
     last_gain: float | None  # output throughput gain of the last doubling
     best: Best | None
     single_stream: SingleStream | None
@@ -191,7 +191,7 @@ class SweepResult(BaseModel):
 
     @property
     def saturated(self) -> bool:
-        return self.stopped_by == "plateau"
+        return self.stopped_by in ("plateau", "decline")
 
 
 def plateau_reached(throughputs: list[float], gain: float) -> bool:
@@ -277,6 +277,15 @@ def aggregate(rows: list[TableRow]) -> list[Level]:
     return out
 
 
+def declined(levels: list[Level], gain: float) -> Level | None:
+    """The best level, when the newest one fell past it by more than ``gain`` in every repeat: past saturation."""
+    if len(levels) < 2:
+        return None
+    best = max(levels[:-1], key=lambda lv: lv.output_throughput)
+    newest = levels[-1]
+    return best if newest.output_throughput_max < best.output_throughput * (1 - gain) else None
+
+
 def _gain(throughputs: list[float]) -> float | None:
     return throughputs[-1] / throughputs[-2] - 1 if len(throughputs) >= 2 and throughputs[-2] > 0 else None
 
@@ -302,6 +311,7 @@ def sweep(
     stop_reason, fault = "", ""
     throughputs: list[float] = []
     done_levels: list[int] = []
+    measured: list[Level] = []
     content_len = cfg.workload.input_len
     if cfg.workload.endpoint == "chat":  # the template's tokens count towards the prompt
         content_len -= maker.chat_overhead()
@@ -339,10 +349,20 @@ def sweep(
             break
         level = aggregate([r for r in rows if r["concurrency"] == c])[0]
         done_levels.append(c)
+        measured.append(level)
         throughputs.append(level.output_throughput)
         broken = objective_broken(level, cfg.objectives)
         if broken:
             stopped_by, stop_reason = "objective", f"latency objective broken at concurrency {c}: {broken}"
+            break
+        peak = declined(measured, cfg.plateau_gain)
+        if peak:
+            stopped_by = "decline"
+            stop_reason = (
+                f"past saturation: throughput fell to {level.output_throughput:,.0f} tok/s at concurrency {c}, "
+                f"{1 - level.output_throughput / peak.output_throughput:.0%} below its best "
+                f"({peak.output_throughput:,.0f} tok/s at {peak.concurrency}) in every repeat"
+            )
             break
         if plateau_reached(throughputs, cfg.plateau_gain):
             stopped_by = "plateau"
@@ -353,8 +373,16 @@ def sweep(
             break
     last_gain = _gain(throughputs)
     if stopped_by == "max_concurrency":
-        rising = f", throughput still rising {last_gain:+.0%} over the last doubling" if last_gain is not None else ""
-        stop_reason = f"reached bench_max_concurrency {cfg.max_concurrency} before a plateau{rising}: not saturated"
+        if last_gain is None:
+            trend = ""
+        elif last_gain >= cfg.plateau_gain:
+            trend = f", throughput still rising ({last_gain:+.0%} over the last doubling)"
+        else:
+            trend = (
+                f", throughput flat over the last doubling ({last_gain:+.0%}); a plateau needs two such doublings: "
+                "raise bench_max_concurrency"
+            )
+        stop_reason = f"reached bench_max_concurrency {cfg.max_concurrency} before a plateau{trend}: not saturated"
     per_level = aggregate(rows)
     tables = {name: f"{table_prefix}_{name}.parquet" for name in ("requests", "runs", "levels")}
     loadgen.save_records(records, out_dir / f"{table_prefix}_requests")
@@ -393,7 +421,7 @@ def sweep(
         stop_reason=stop_reason,
         fault=fault,
         plateau_concurrency=plateau_level(done_levels, throughputs, cfg.plateau_gain)
-        if stopped_by == "plateau"
+        if stopped_by in ("plateau", "decline")
         else None,
         last_gain=last_gain,
         best=Best(concurrency=best.concurrency, output_throughput=best.output_throughput) if best else None,

@@ -156,7 +156,7 @@ def stream_timing(client: httpx.Client, model: str, max_tokens: int) -> StreamTi
             event = json.loads(line[6:])
             if event.get("usage"):
                 usage = event["usage"]
-            if event.get("choices") and event["choices"][0].get("text"):
+            if event.get("choices"):  # a token chunk, even with empty text (as vLLM's benchmark counts it)
                 now = time.perf_counter()
                 first = first or now
                 last = now

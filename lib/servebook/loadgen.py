@@ -42,8 +42,8 @@ class RequestRecord:
     warmup: bool
     arrival: float  # when the request was ready to go
     send: float = 0.0  # when it left (after waiting for a concurrency slot)
-    first_chunk: float | None = None  # first content chunk
-    end: float | None = None  # last content chunk
+    first_chunk: float | None = None  # first chunk carrying choices (vLLM's TTFT)
+    end: float | None = None  # last chunk carrying choices
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     prompt_tokens: int | None = None  # from the server's usage
@@ -131,15 +131,26 @@ def _body(workload: Workload, model: str, prompt: str) -> tuple[str, dict[str, A
     return "/v1/completions", {**common, "prompt": prompt}
 
 
-def _content(event: dict[str, Any]) -> str:
-    choices = event.get("choices") or []
-    if not choices:
-        return ""
-    c = choices[0]
-    if "text" in c:
-        return c.get("text") or ""
-    delta = c.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
+def apply_event(rec: RequestRecord, event: dict[str, Any], now: float) -> None:
+    """Fold one streamed event into a request's timeline, as vLLM's benchmark times it.
+
+    A chunk that carries ``choices`` is a token event even when its text is empty (a special token, or bytes the
+    detokenizer holds back until a UTF-8 character is whole): the first one sets TTFT, the last one E2EL.  A
+    usage-only chunk (``choices: []``) carries counts, never timing.  With ``continuous_usage_stats`` every chunk
+    says how many tokens have been generated so far, so each token event gets the tokens it brought.
+    """
+    usage = event.get("usage") or {}
+    if event.get("choices"):
+        total = usage.get("completion_tokens")
+        seen = sum(rec.chunk_tokens)
+        tokens = (total - seen) if total is not None else 1
+        rec.first_chunk = rec.first_chunk if rec.first_chunk is not None else now
+        rec.end = now
+        rec.chunk_times.append(now)
+        rec.chunk_tokens.append(max(tokens, 0))
+    if usage:
+        rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+        rec.completion_tokens = usage.get("completion_tokens", rec.completion_tokens)
 
 
 async def _one(
@@ -156,7 +167,6 @@ async def _one(
     path, body = _body(workload, model, prompt)
     async with gate:
         rec.send = time.perf_counter()
-        seen_tokens = 0
         try:
             async with session.post(
                 url + path, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
@@ -177,22 +187,11 @@ async def _one(
                     if "error" in event:
                         rec.error = f"stream error: {str(event['error'])[:300]}"
                         return
-                    usage = event.get("usage") or {}
-                    if _content(event):
-                        total = usage.get("completion_tokens")
-                        tokens = (total - seen_tokens) if total is not None else 1
-                        seen_tokens = total if total is not None else seen_tokens + 1
-                        rec.first_chunk = rec.first_chunk or now
-                        rec.end = now
-                        rec.chunk_times.append(now)
-                        rec.chunk_tokens.append(max(tokens, 0))
-                    if usage:
-                        rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
-                        rec.completion_tokens = usage.get("completion_tokens", rec.completion_tokens)
+                    apply_event(rec, event, now)
                 if rec.first_chunk is None:
-                    rec.error = "empty: the stream carried no content"
+                    rec.error = "empty: the stream carried no token chunk"
                 elif rec.completion_tokens is not None and sum(rec.chunk_tokens) < rec.completion_tokens:
-                    # tokens whose text the detokenizer held back (part of a UTF-8 character) came without content
+                    # a server without continuous usage counts: the tokens the chunks did not account for
                     rec.chunk_tokens[-1] += rec.completion_tokens - sum(rec.chunk_tokens)
         except asyncio.TimeoutError:
             rec.error = f"timeout: no complete answer within {timeout_s:.0f} s"

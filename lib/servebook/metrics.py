@@ -7,10 +7,11 @@ say so in the name (``ttft_ms.p50``, ``ttft_p50_ms`` in tables), as vLLM's bench
 throughputs are tokens (or requests) per second.
 
 =================  ==========================================================================
-TTFT               first content chunk − send
-E2EL               last content chunk − send (the trailing usage chunk and ``[DONE]`` ignored)
+TTFT               first chunk carrying ``choices`` − send (its text may be empty: a special token, or
+                   bytes held back until a UTF-8 character is whole), exactly as vLLM's benchmark
+E2EL               last chunk carrying ``choices`` − send (usage-only chunks and ``[DONE]`` ignored)
 TPOT               (E2EL − TTFT) / (output tokens − 1), per request; requests with ≤ 1 token have none
-ITL (per chunk)    the gap between consecutive content chunks, one value per gap (vLLM's ITL)
+ITL (per chunk)    the gap between consecutive token chunks, one value per gap (vLLM's ITL)
 ITL (per token)    each gap divided by the tokens its chunk carried, one value per token; differs from
                    the per-chunk ITL when the server bundles tokens (speculative decoding, MTP)
 client queue       send − arrival: time the client held a ready request back for a free slot

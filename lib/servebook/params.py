@@ -242,6 +242,11 @@ class Params(BaseModel):
                 f"bench_input_len + bench_output_len = {self.bench_input_len + self.bench_output_len} exceeds "
                 f"max_model_len {self.max_model_len}; shorten the requests or raise max_model_len"
             )
+        if self.model.startswith(("/", "./", "../", "~")) and not Path(self.model).expanduser().exists():
+            raise ValueError(
+                f"model: no folder {self.model} on this machine; point model at a checkpoint folder that exists, "
+                "or give a hub repo id such as MiniMaxAI/MiniMax-M2.5"
+            )
         for flag in self.extra_args:
             if re.search(r"--api-key\b", flag):
                 raise ValueError("extra_args must not carry --api-key; set api_key_env to the variable that holds it")

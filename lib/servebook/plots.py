@@ -57,7 +57,9 @@ def throughput(result: SweepResult, name: str = "") -> go.Figure:
         _mark(fig, result.plateau_concurrency, f"levels off from {result.plateau_concurrency} streams")
         subtitle = result.stop_reason
     elif result.stopped_by == "max_concurrency":
-        subtitle = f"not saturated: still rising at the {result.max_concurrency}-stream limit"
+        subtitle = f"not saturated at the {result.max_concurrency}-stream limit"
+        if result.last_gain is not None:
+            subtitle += f" ({result.last_gain:+.0%} over the last doubling)"
     else:
         subtitle = result.stop_reason
     fig.update_xaxes(type="log", title="concurrent streams", tickvals=list(lv["concurrency"]))

@@ -17,6 +17,7 @@ from servebook.results import Manifest
 from servebook.secrets import mask
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
+TEMPLATE = Path(__file__).parent / "report_template" / "servebook_report.html.j2"  # lab, minus CDN scripts
 
 
 def _figure_html(fig: dict[str, Any]) -> str:
@@ -79,7 +80,13 @@ def build(run_dir: str | Path, manifest: Manifest, out_name: str = "report.html"
             merged.cells.append(cell)
     for i, cell in enumerate(merged.cells):
         cell["id"] = f"cell-{i}"
-    exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
+    exporter = HTMLExporter(
+        extra_template_paths=[str(TEMPLATE.parent)],
+        template_file=TEMPLATE.name,
+        exclude_input=True,
+        exclude_input_prompt=True,
+        exclude_output_prompt=True,
+    )
     body, _ = exporter.from_notebook_node(merged)
     if "Plotly.newPlot" in body:  # embed plotly.js once, and only when a figure needs it
         plotly_js = f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>'

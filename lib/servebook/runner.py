@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -20,6 +21,7 @@ from typing import Any
 
 import nbformat
 import papermill as pm
+from jupyter_client.manager import AsyncKernelManager
 
 from servebook import environment, errors, report, results, server, stages
 from servebook import params as params_mod
@@ -28,6 +30,17 @@ from servebook.records import LaunchRecord
 from servebook.results import Manifest, StageRun, outputs_root, repo_root
 from servebook.secrets import mask, secret_values
 from servebook.stages import Stage
+
+
+class IpcKernelManager(AsyncKernelManager):
+    """Stage kernels over IPC sockets in a private folder: no TCP port opened, no "running over TCP without
+    encryption" warning in every batch run."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.transport = "ipc"
+        self.ip = str(Path(tempfile.mkdtemp(prefix="servebook-kernel-")) / "kernel")
+
 
 RUNNER_PARAMS = set(params_mod.RUNNER_PARAMETERS)  # set by the runner, never by a params file
 
@@ -83,6 +96,24 @@ def _stage_error(exc: BaseException) -> tuple[str, int]:
     return f"{type(exc).__name__}: {exc}", 1
 
 
+class _Indented:
+    """A text stream that indents every line written to it: a stage's own output under the runner's line."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.at_line_start = True
+
+    def write(self, text: str) -> int:
+        for piece in text.splitlines(keepends=True):
+            self.target.write(("    " if self.at_line_start else "") + piece)
+            self.at_line_start = piece.endswith("\n")
+        self.target.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+
 def stage_summary(stage: Stage, run_dir: Path) -> str:
     """The stage's one-line answer from its record; empty when it wrote none."""
     try:
@@ -110,10 +141,12 @@ def run(
     wanted: str | None = None,
     log: Callable[[str], None] = print,
     suffix: str = "",
+    stream_output: bool = True,
 ) -> tuple[Path, int]:
     """Execute the selected stages (all by default); returns (run folder, exit code).
 
-    ``suffix`` names single-stage runs (``<run_name>-bench``) apart from whole pipelines.
+    ``suffix`` names single-stage runs (``<run_name>-bench``) apart from whole pipelines; with ``stream_output``
+    what a stage prints (load phases, benchmark levels, NCCL sets) appears as it happens, indented under the stage.
     """
     params = params_mod.load(params_path, overrides)  # raises before anything exists
     selected = stages.select(wanted)
@@ -152,6 +185,8 @@ def run(
                     progress_bar=False,
                     log_output=False,
                     report_mode=False,
+                    kernel_manager_class=IpcKernelManager,
+                    stdout_file=_Indented(sys.stdout) if stream_output else None,
                 )
             except Exception as exc:  # papermill has saved the notebook with the failing cell marked
                 entry.status = "failed"

@@ -174,7 +174,9 @@ def verify(unit_path: Path) -> Verified:
     """``systemd-analyze verify`` on a rendered unit (works without a running systemd)."""
     exe = shutil.which("systemd-analyze")
     if not exe:
-        return Verified(ran=False, ok=False, output="systemd-analyze is not installed (apt-get install systemd)")
+        return Verified(
+            ran=False, ok=False, output="not verified: systemd-analyze is not installed (apt-get install systemd)"
+        )
     proc = subprocess.run([exe, "verify", str(unit_path)], capture_output=True, text=True, timeout=60)
     out = (proc.stdout + proc.stderr).strip()
     # A wrong value is only "ignored" by systemd (exit 0) and would silently change the unit: treat it as an error.

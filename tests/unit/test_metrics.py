@@ -190,3 +190,72 @@ def test_compare_labels_layouts_and_finds_the_crossover(tmp_path):
 def test_compare_refuses_a_folder_that_is_not_a_run(tmp_path):
     with pytest.raises(ServebookError, match="not a servebook run folder"):
         benchmark.load_run(tmp_path)
+
+
+def stream(events):
+    """A request's timeline from (time, event) pairs, sent at t=0."""
+    r = RequestRecord(index=0, level="", warmup=False, arrival=0.0, send=0.0, expected_output=4)
+    for now, event in events:
+        loadgen.apply_event(r, event, now)
+    return r
+
+
+def usage(done):
+    return {"prompt_tokens": 8, "completion_tokens": done, "total_tokens": 8 + done}
+
+
+def test_ttft_counts_a_chunk_with_empty_text_as_vllms_benchmark_does():
+    # the first token decodes to half a UTF-8 character: its chunk carries choices with empty text
+    r = stream(
+        [
+            (0.10, {"choices": [{"text": ""}], "usage": usage(1)}),
+            (0.12, {"choices": [{"text": "é"}], "usage": usage(2)}),
+            (0.14, {"choices": [{"text": "a"}], "usage": usage(3)}),
+            (0.16, {"choices": [{"text": "b", "finish_reason": "length"}], "usage": usage(4)}),
+            (0.17, {"choices": [], "usage": usage(4)}),
+        ]
+    )  # usage-only: counts, never timing
+    assert r.ok and metrics.ttft(r) == pytest.approx(0.10) and metrics.e2el(r) == pytest.approx(0.16)
+    assert metrics.tpot(r) == pytest.approx(0.02) and r.chunk_tokens == [1, 1, 1, 1]
+    assert metrics.itl_per_chunk(r) == pytest.approx([0.02, 0.02, 0.02])
+
+
+def test_chat_role_only_chunk_starts_the_clock_like_vllm():
+    r = stream(
+        [
+            (0.05, {"choices": [{"delta": {"role": "assistant", "content": ""}}], "usage": usage(0)}),
+            (0.10, {"choices": [{"delta": {"content": "x"}}], "usage": usage(1)}),
+            (0.20, {"choices": [{"delta": {"content": "y"}}], "usage": usage(2)}),
+        ]
+    )
+    assert metrics.ttft(r) == pytest.approx(0.05) and r.chunk_tokens == [0, 1, 1]
+
+
+def test_a_stream_of_only_empty_text_tokens_is_a_success_not_a_failure():
+    r = stream([(0.1 * i, {"choices": [{"text": ""}], "usage": usage(i)}) for i in range(1, 5)])
+    assert r.first_chunk is not None and sum(r.chunk_tokens) == 4 and r.completion_tokens == 4
+
+
+def test_usage_only_stream_has_no_token_chunk():
+    r = stream([(0.1, {"choices": [], "usage": usage(0)})])
+    assert r.first_chunk is None and r.chunk_times == []
+
+
+def level(c, tp, low=None, high=None):
+    return bench.Level(
+        concurrency=c,
+        repeats=2,
+        output_throughput=tp,
+        output_throughput_min=low or tp,
+        output_throughput_max=high or tp,
+        spread_pct=0,
+    )
+
+
+def test_a_decline_past_the_best_level_ends_the_sweep():
+    # the H200 story: 21,028 tok/s at 128 streams, 13,487 at 256
+    levels = [level(64, 15000), level(128, 21028), level(256, 13487, 13000, 14000)]
+    assert bench.declined(levels, 0.05).concurrency == 128
+    # a noisy level whose best repeat reaches the peak is not a decline
+    assert bench.declined([level(8, 937), level(16, 917, 450, 1380)], 0.05) is None
+    assert bench.declined([level(1, 100)], 0.05) is None

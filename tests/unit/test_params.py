@@ -90,3 +90,10 @@ def test_notebook_namespace_is_validated():
     assert p.port == 9000
     with pytest.raises(ParamsError, match="'port'"):
         params.from_namespace({"port": 80})
+
+
+def test_a_missing_local_model_folder_is_named_before_anything_starts(tmp_path):
+    with pytest.raises(ParamsError, match=r"model: no folder /no/such/checkpoint on this machine"):
+        params.validate({"model": "/no/such/checkpoint"})
+    params.validate({"model": str(tmp_path)})  # an existing folder is fine
+    params.validate({"model": "MiniMaxAI/MiniMax-M2.5"})  # and a hub repo id is not a path

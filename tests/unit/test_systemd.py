@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from servebook import modelspec, params, planner, server, systemd
-from servebook.records import LaunchRecord
+from servebook.errors import DeployFailed
+from servebook.records import Command, DeployRecord, LaunchRecord
 from servebook.stages import deploy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,3 +74,25 @@ def test_exec_lines_are_quoted_for_systemd():
         systemd.exec_line(["/v/python", "-m", "x", "--json", '{"a": 1}', "100%", "$HOME"])
         == '/v/python -m x --json "{\\"a\\": 1}" "100%%" "$$HOME"'
     )
+
+
+def test_without_systemd_analyze_the_unit_is_not_verified_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(systemd.shutil, "which", lambda name: None)
+    result = systemd.verify(tmp_path / "x.service")
+    assert not result.ran and "apt-get install systemd" in result.output
+    record = DeployRecord(
+        unit_name="servebook-x.service",
+        unit_file="",
+        env_file="",
+        timeout_start_s=400,
+        load_seconds=60,
+        load_source="measured",
+        start_limit_interval_s=1500,
+        verify=result,
+        systemd_running=False,
+        pre_start_with_ad_hoc_server=Command(command="gpu-check", returncode=1, output="held"),
+    )
+    deploy.check(record, params.Params())  # a finding, not a failure
+    assert "**not verified**: install systemd (apt-get install systemd)" in deploy.summary(record)
+    with pytest.raises(DeployFailed, match="cannot be verified before it is installed"):
+        deploy.check(record, params.Params(deploy_install=True))

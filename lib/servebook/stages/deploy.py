@@ -140,7 +140,9 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
 
 def check(record: DeployRecord, p: Params) -> None:
     problems = []
-    if not record.verify.ok:
+    if not record.verify.ran and p.deploy_install:
+        problems.append(f"{record.verify.output}: the unit cannot be verified before it is installed")
+    elif record.verify.ran and not record.verify.ok:
         problems.append("systemd-analyze verify: " + "; ".join(record.verify.blocking or [record.verify.output]))
     dry = record.dry_run
     if dry and dry.post_start and dry.post_start.returncode:
@@ -156,7 +158,10 @@ def check(record: DeployRecord, p: Params) -> None:
 
 
 def summary(record: DeployRecord) -> str:
-    verified = "verified" if record.verify.ok else "**did not verify**"
+    if not record.verify.ran:
+        verified = "**not verified**: install systemd (apt-get install systemd)"
+    else:
+        verified = "verified" if record.verify.ok else "**did not verify**"
     proven = ""
     if record.dry_run and record.dry_run.post_start:
         ok = (
