@@ -40,7 +40,7 @@ download_allow: list[str] = []  # only files matching these globs; empty means a
 download_ignore: list[str] = []  # skip files matching these globs
 download_workers: int = 8  # files fetched in parallel
 download_disk_margin: float = 0.05  # free space required beyond the download, as a share
-interactive: bool = False  # show widgets (JupyterLab); batch runs leave it false
+interactive: bool = False  # live progress bars in JupyterLab instead of printed lines; batch runs leave it false
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%

@@ -60,7 +60,7 @@ extra_args: list[str] = []  # more vLLM serving flags, e.g. ['--enable-prefix-ca
 extra_env: dict[str, str] = {}  # more environment variables for the server (no secrets)
 load_timeout_s: int = 0  # seconds to wait for /health; 0 means derived from checkpoint size
 stop_leftovers: bool = False  # stop leftover vLLM processes holding our GPUs or port
-interactive: bool = False  # show widgets (JupyterLab); batch runs leave it false
+interactive: bool = False  # live progress bars in JupyterLab instead of printed lines; batch runs leave it false
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%

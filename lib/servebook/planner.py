@@ -267,7 +267,8 @@ def check_rules(spec: ModelSpec, layout: Layout) -> None:
                 "ValueError: Number of experts in the model must be greater than 0 when expert parallelism is enabled.",
             )
         elif tp * dp == 1:
-            _reject(layout, "expert parallelism needs TP x DP > 1 (EP size = TP x DP = 1): vLLM would run without it")
+            # vLLM accepts the flag and runs as without it: a warning, not a refusal
+            layout.warnings.append("expert parallelism has no effect at TP x DP = 1 (EP size = TP x DP = 1)")
     # 2. attention heads and KV heads
     if spec.heads % tp:
         _reject(

@@ -24,7 +24,7 @@ PHASES: list[tuple[str, re.Pattern[str]]] = [
     ("loading_model", re.compile(r"Starting to load model (\S+)")),
     ("shards", re.compile(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \|\s*(\d+)/(\d+)")),
     ("weights_loaded", re.compile(r"Loading weights took ([\d.]+) seconds")),
-    ("model_loaded", re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds")),
+    ("model_loaded", re.compile(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) seconds")),
     ("kv_memory", re.compile(r"Available KV cache memory: ([\d.]+) GiB")),
     ("kv_cache", re.compile(r"(\w+) KV cache size: ([\d,]+) tokens")),
     ("max_concurrency", re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")),
@@ -141,6 +141,10 @@ def root_cause(log_text: str) -> str:
             m = pattern.search(lines[i])
             if m:
                 text = m.group(1).strip()
+                if text.endswith(":"):  # a multi-line message: "RuntimeError:" and the reason below it
+                    prefix = re.compile(r"^(?:\(\S+ pid=\d+\)\s*)?")
+                    detail = [prefix.sub("", line).strip() for line in lines[i + 1 : i + 4]]
+                    text = " ".join([text, *[d for d in detail if d][:2]])
                 if "validation error for" in text:  # pydantic puts the reason on the following lines
                     detail = [
                         line.strip()

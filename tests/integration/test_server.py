@@ -112,6 +112,10 @@ def test_sigkilled_api_server_leaves_orphans_that_stop_finds(tmp_path):
     assert survivors, "the engine core outlives a SIGKILLed API server (vllm#55510)"
     assert any(hardware.title(p).startswith("VLLM::") for p in survivors)
 
+    # `servebook status` says what is true: nothing answers, and the engine still holds its memory
+    row = next(r for r in server.status() if r.port == 8135)
+    assert row.health == "API server gone" and "orphaned, still holding memory" in row.detail
+
     # The next launch's preflight sees them by title, even with the registry lost, and refuses to start beside them.
     server.unregister(8135)
     with pytest.raises(PreflightError, match="orphaned vLLM processes"):

@@ -1,5 +1,7 @@
 """Server pieces that need no running vLLM: command, environment, log reading, root causes."""
 
+from pathlib import Path
+
 import pytest
 
 from servebook import client, server, vllm_compat
@@ -158,3 +160,31 @@ def test_removed_vllm_variables_get_a_hint():
 
 def test_health_of_nothing_listening_is_loading():
     assert client.health("http://127.0.0.1:9") == "loading"
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-logs"
+
+
+def test_every_phase_of_a_real_cpu_log_is_read():
+    progress = server.LoadProgress()
+    for i, line in enumerate((FIXTURES / "cpu-0.32.0-tiny-qwen3-moe.log").read_text().splitlines()):
+        progress.feed(line, i)
+    v = progress.values
+    assert v.vllm_version == "0.32.0" and v.kv_cache_device == "CPU" and v.kv_cache_tokens == 2_097_152
+    assert v.engine_init_s and v.weights_load_s is not None and "api_up" in progress.seen
+
+
+def test_model_loading_without_the_word_memory_is_read():
+    # dense models and several MoE runners in vLLM 0.25 log "Model loading took X GiB and Y seconds"
+    progress = server.LoadProgress()
+    progress.feed("(Worker_TP0 pid=9) INFO [default_loader.py:291] Model loading took 28.49 GiB and 41.2 seconds", 1)
+    assert progress.values.model_memory_gib == 28.49 and progress.values.model_load_s == 41.2
+
+
+def test_a_multi_line_exception_keeps_its_message():
+    log = (
+        "(EngineCore pid=3) RuntimeError:\n(EngineCore pid=3) NCCL error in: nccl.cpp:1234, unhandled system error\n"
+        "(EngineCore pid=3) Last error: socket timeout\n"
+    )
+    cause = server.root_cause(log)
+    assert cause.startswith("exception while starting: RuntimeError: NCCL error in: nccl.cpp:1234"), cause
