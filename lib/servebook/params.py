@@ -82,7 +82,9 @@ class Params(BaseModel):
     run_name: str = Field(
         "default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="name appended to the run folder"
     )
-    interactive: bool = Field(False, description="live progress bars in JupyterLab instead of printed lines; batch runs leave it false")
+    interactive: bool = Field(
+        False, description="live progress bars in JupyterLab instead of printed lines; batch runs leave it false"
+    )
     keep_server: bool = Field(False, description="leave the server running when a batch run ends")
 
     # model

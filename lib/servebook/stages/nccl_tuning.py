@@ -14,6 +14,7 @@ from servebook.params import Params
 from servebook.records import LaunchRecord, NcclTuningRecord
 
 NCCL_PREFIX = ("NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS")
+VERDICT_COLOURS = {"better": "#2ca02c", "worse": "#d62728", "no effect": "#7f7f7f", "failed to start": "#000000"}
 
 
 def micro(p: Params, log: Callable[[str], None] = print) -> nccl.MicroResult:
@@ -134,5 +135,6 @@ def ab_figure(record: NcclTuningRecord) -> go.Figure | None:
         facet_col="concurrency",
         error_y="noise %",
         error_y_minus="noise %",
+        color_discrete_map=VERDICT_COLOURS,
         title="Change against the baseline (bars: ± the baseline's noise band)",
     )
