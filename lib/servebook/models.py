@@ -107,7 +107,7 @@ def _build_weights(out: Path) -> None:
     from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     values: dict[str, Any] = dict(TINY_CONFIG)
-    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # torch_dtype is accepted through **kwargs
+    config = Qwen3MoeConfig(
         **values,
         torch_dtype="bfloat16",
         eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
@@ -115,7 +115,7 @@ def _build_weights(out: Path) -> None:
         bos_token_id=None,
     )
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' to() wrapper
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id).save_pretrained(out)
 
