@@ -28,7 +28,7 @@ def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path)
     assert data.length_mismatches.input == data.length_mismatches.output == 0 and data.warnings == []
     assert data.best.output_throughput > 0 and data.single_stream.per_user_tok_s > 0
     assert all(level.repeats == 2 and level.failed == 0 for level in data.levels)
-    # the sweep stopped for a reason it names: here the 4-stream limit, not a plateau
+    # the sweep stopped for a reason it names; only a plateau or a decline is called saturated
     assert data.stopped_by in ("max_concurrency", "plateau", "decline") and data.stop_reason
     if data.stopped_by == "max_concurrency":
         assert data.plateau_concurrency is None and "not saturated" in data.stop_reason
