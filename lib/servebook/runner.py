@@ -8,8 +8,10 @@ each stage's record, a manifest and one HTML report, also when a stage fails.
 from __future__ import annotations
 
 import ast
+import atexit
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -36,10 +38,15 @@ class IpcKernelManager(AsyncKernelManager):
     """Stage kernels over IPC sockets in a private folder: no TCP port opened, no "running over TCP without
     encryption" warning in every batch run."""
 
+    socket_dir: Path | None = None  # one private folder per process, removed at exit
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if IpcKernelManager.socket_dir is None:
+            IpcKernelManager.socket_dir = Path(tempfile.mkdtemp(prefix="servebook-kernels-"))
+            atexit.register(shutil.rmtree, IpcKernelManager.socket_dir, True)
         self.transport = "ipc"
-        self.ip = str(Path(tempfile.mkdtemp(prefix="servebook-kernel-")) / "kernel")
+        self.ip = str(IpcKernelManager.socket_dir / "kernel")
 
 
 RUNNER_PARAMS = set(params_mod.RUNNER_PARAMETERS)  # set by the runner, never by a params file

@@ -36,6 +36,9 @@ def test_pipeline_runs_every_stage_and_stops_its_server(tmp_path):
     assert proc.returncode == 0
     run_dir = Path(proc.stdout.strip().splitlines()[-1])
     assert run_dir.parent == tmp_path / "outputs" and run_dir.name.endswith("-ci")
+    # never silent, never alarming: each stage's own lines stream indented under it, kernels talk over IPC
+    assert "    starting vLLM" in proc.stdout and "    concurrency    1 repeat 1" in proc.stdout
+    assert "running over TCP without encryption" not in proc.stderr
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "ok" and manifest["params"]["port"] == 8141
     assert [s["status"] for s in manifest["stages"]] == ["ok"] * len(manifest["stages"])

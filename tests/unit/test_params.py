@@ -97,3 +97,18 @@ def test_a_missing_local_model_folder_is_named_before_anything_starts(tmp_path):
         params.validate({"model": "/no/such/checkpoint"})
     params.validate({"model": str(tmp_path)})  # an existing folder is fine
     params.validate({"model": "MiniMaxAI/MiniMax-M2.5"})  # and a hub repo id is not a path
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "servebook.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_answers_wrong_or_simple_input_in_one_line(tmp_path):
+    assert cli("--version").stdout.startswith("servebook ")
+    one = cli("compare", str(tmp_path))
+    assert one.returncode == 1 and "compare needs two or more run folders, got 1" in one.stderr
+    not_runs = cli("compare", str(tmp_path), str(tmp_path))
+    assert not_runs.returncode == 1 and "not a servebook run folder" in not_runs.stderr
+    assert "Traceback" not in one.stderr + not_runs.stderr
+    stop = cli("stop", str(REPO / "params" / "ci.yaml"))  # symmetric with `launch PARAMS`: that params file's port
+    assert stop.returncode == 0 and "no servebook server on port 8123" in stop.stdout

@@ -49,6 +49,7 @@ def test_report_draws_plots_offline_with_one_plotly_js(tmp_path, monkeypatch):
     assert "cdn.plot.ly" not in html.split("<body", 1)[1].split("Plotly.newPlot")[0]
     assert "Run failed at stage 01_b" in html and "LaunchError: boom &lt;here&gt;" in html
     assert "hf_supersecretvalue" not in html
+    assert 'src="http' not in html  # no require.js, MathJax or mermaid from a CDN: it opens air-gapped
     assert "the answer \\| with a bar" in html.replace("&#124;", "\\|") or "the answer | with a bar" in html
 
 
