@@ -51,7 +51,7 @@ plan_gpu: str = ""  # GPU model to plan for (H200, RTX-PRO-6000...); empty means
 plan_gpu_count: int = 0  # GPUs to plan for; 0 means all GPUs reconnaissance found
 plan_rank_by: str = "throughput"  # throughput, latency (one stream) or concurrency (KV capacity)
 plan_batch: int = 64  # concurrent sequences the throughput ranking assumes
-plan_reserve_gib: float = 0.0  # activation and CUDA-graph reserve per GPU; 0 means max(3 GiB, 2%)
+plan_reserve_gib: float = 0.0  # fixed reserve per GPU beside weights and KV, GiB; 0 models it per layout
 layout_from_plan: bool = False  # launch with the plan's recommended layout instead of the params' layout
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
@@ -87,7 +87,7 @@ display(Markdown(
     + (f" (scaled ×{scaled:.3f} to the checkpoint's exact bytes)" if scaled != 1 else "")
     + f"\n\n**{dev.count} × {dev.name}**, {dev.memory_bytes / GiB:.1f} GiB each"
     + (f", {dev.bandwidth_bytes_s / 1e12:.2f} TB/s" if dev.bandwidth_bytes_s else "")
-    + f"; reserve for activations and graphs {planned.activation_reserve_bytes / GiB:.1f} GiB per GPU. {dev.source}"
+    + f"; {stage.reserve_text(planned)}. {dev.source}"
     + "".join(f"\n\n⚠️ {n}" for n in m.notes)))
 
 # %% [markdown]

@@ -28,8 +28,12 @@
 #   level reuses another's prefix cache (the cache is also reset between levels where the server allows it);
 # - every answer is exactly `bench_output_len` tokens (`ignore_eos`, `min_tokens`, `max_tokens`), checked
 #   against the server's usage counts;
-# - each level first sends as many warm-up requests as its concurrency, then is repeated `bench_repeats`
-#   times; the tables show the spread;
+# - each level first sends as many warm-up requests as its concurrency, then measures a window of at least
+#   `bench_prompts_per_level` requests (4 per stream) and `bench_min_level_s` seconds, `bench_repeats` times;
+#   while the repeats spread wider than `bench_max_spread_pct` it measures again, up to `bench_max_repeats`
+#   runs, and the tables show the spread that remains (a few seconds of a fast GPU server are not a
+#   measurement: two 5-second repeats at 16 streams once differed by 72 %);
+# - a level that falls below the best in every repeat ends the sweep as a decline: past saturation;
 # - the client is one asyncio process with an unthrottled connection pool and a 16 MB read buffer; time a
 #   request waits for a free slot is reported as *client queue*, not hidden in TTFT.
 #
@@ -44,6 +48,9 @@ bench_shared_prefix_len: int = 0  # tokens every prompt shares; 0 means all uniq
 bench_max_concurrency: int = 256  # highest concurrency the sweep may reach
 bench_repeats: int = 2  # runs per concurrency level, for the spread
 bench_prompts_per_level: int = 64  # measured requests per repeat (at least 4x concurrency)
+bench_min_level_s: float = 20.0  # each repeat's window lasts at least this many seconds
+bench_max_spread_pct: float = 10.0  # repeat a level while its runs spread wider than this (% of the median)
+bench_max_repeats: int = 4  # most runs per level when the spread stays wide
 bench_plateau_gain: float = 0.05  # stop when two doublings gain less than this share
 bench_ttft_slo_ms: float = 0.0  # TTFT objective in ms; 0 means none
 bench_tpot_slo_ms: float = 0.0  # TPOT objective in ms; 0 means none

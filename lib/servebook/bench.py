@@ -10,6 +10,7 @@ measured is saved either way.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 from collections.abc import Callable
@@ -32,8 +33,11 @@ class SweepConfig:
     workload: Workload = field(default_factory=Workload)
     max_concurrency: int = 256
     start_concurrency: int = 1
-    repeats: int = 2
+    repeats: int = 2  # at least this many runs per level
     prompts_per_level: int = 64  # measured requests per repeat (at least 4 x the concurrency)
+    min_level_s: float = 0.0  # and each repeat's window lasts at least this long
+    max_spread_pct: float = 10.0  # a level whose repeats spread wider is measured again ...
+    max_repeats: int = 4  # ... up to this many runs
     warmup: int = 0  # 0: as many as the concurrency
     plateau_gain: float = 0.05
     objectives: metrics.Objectives = field(default_factory=metrics.Objectives)
@@ -49,6 +53,20 @@ class SweepConfig:
 
     def measured_requests(self, concurrency: int) -> int:
         return max(self.prompts_per_level, 4 * concurrency)
+
+    def prompts_for(self, concurrency: int, requests_per_s: float | None) -> int:
+        """Measured prompts to prepare: the minimum count, or enough for ``min_level_s`` at the expected rate
+        with half again to spare (the window stops sending once both minimums are met)."""
+        least = self.measured_requests(concurrency)
+        if not self.min_level_s or not requests_per_s:
+            return least
+        return max(least, min(math.ceil(1.5 * self.min_level_s * requests_per_s), 50 * least))
+
+
+def spread_pct(throughputs: list[float]) -> float | None:
+    """(max - min) / median of a level's repeats, in percent."""
+    med = statistics.median(throughputs) if throughputs else 0.0
+    return 100 * (max(throughputs) - min(throughputs)) / med if med and len(throughputs) > 1 else None
 
 
 class MetricsSampler:
@@ -268,7 +286,7 @@ def aggregate(rows: list[TableRow]) -> list[Level]:
                 output_throughput=med,
                 output_throughput_min=min(tps),
                 output_throughput_max=max(tps),
-                spread_pct=100 * (max(tps) - min(tps)) / med if med else None,
+                spread_pct=spread_pct(tps),
                 failed=int(sum(_number(r["failed"]) for r in reps)),
                 preemptions=sum(_number(r["preemptions"]) for r in reps),
                 **medians,
@@ -312,30 +330,57 @@ def sweep(
     throughputs: list[float] = []
     done_levels: list[int] = []
     measured: list[Level] = []
+    short_windows: list[str] = []
     content_len = cfg.workload.input_len
     if cfg.workload.endpoint == "chat":  # the template's tokens count towards the prompt
         content_len -= maker.chat_overhead()
+    rate: float | None = None  # requests/s of the last run, to size the next window
+    previous_c = 0
     for c in cfg.levels():
-        for rep in range(cfg.repeats):
+        rep = 0
+        while True:
             warm = cfg.warmup or c
-            prompts = maker.prompts(cfg.measured_requests(c) + warm, content_len, cfg.workload.shared_prefix_len)
+            expected = rate * c / previous_c if rate and previous_c else rate
+            least = cfg.measured_requests(c)
+            prompts = maker.prompts(cfg.prompts_for(c, expected) + warm, content_len, cfg.workload.shared_prefix_len)
             reset = reset_prefix_cache(url, headers) if cfg.reset_prefix_cache else "not requested"
             before = _scrape(url)
             with MetricsSampler(url) as sampler:
                 recs, _, _ = loadgen.run_level(
-                    url, model, cfg.workload, prompts, c, f"c{c}r{rep}", warm, cfg.request_timeout_s, headers
+                    url,
+                    model,
+                    cfg.workload,
+                    prompts,
+                    c,
+                    f"c{c}r{rep}",
+                    warm,
+                    cfg.request_timeout_s,
+                    headers,
+                    min_requests=least,
+                    min_seconds=cfg.min_level_s,
                 )
             after = _scrape(url)
+            summary = metrics.summarize(recs, cfg.objectives)
+            if summary.request_throughput:
+                rate, previous_c = summary.request_throughput, c
+            if expected is None and cfg.min_level_s and summary.duration_s < cfg.min_level_s and not summary.failed:
+                log(
+                    f"concurrency {c:4d}: a first window of {summary.duration_s:.1f} s sized the next "
+                    f"({summary.request_throughput:.1f} requests/s); not counted"
+                )
+                continue
             for r in recs:
                 r.level = f"c{c}r{rep}"
             records += recs
-            summary = metrics.summarize(recs, cfg.objectives)
             rows.append(_level_row(c, rep, summary, before, after, sampler.peaks, reset))
             log(
                 f"concurrency {c:4d} repeat {rep + 1}: {summary.output_throughput:8.1f} output tok/s, "
-                f"TTFT p50 {summary.ttft_ms.p50 or 0:7.1f} ms, TPOT p50 {summary.tpot_ms.p50 or 0:6.1f} ms"
+                f"TTFT p50 {summary.ttft_ms.p50 or 0:7.1f} ms, TPOT p50 {summary.tpot_ms.p50 or 0:6.1f} ms, "
+                f"{summary.requests} requests in {summary.duration_s:.1f} s"
                 + (f", {summary.failed} failed ({rows[-1]['errors']})" if summary.failed else "")
             )
+            if summary.duration_s < cfg.min_level_s and not summary.failed:
+                short_windows.append(f"c{c} repeat {rep + 1}: {summary.duration_s:.1f} s")
             if summary.failed:
                 health = client.health(url)
                 if health != "ready" or summary.failed == summary.requests:
@@ -344,6 +389,12 @@ def sweep(
                         f"concurrency {c} ({rows[-1]['errors']}); /health: {health}"
                     )
                     break
+            rep += 1
+            spread = spread_pct([_number(r["output_throughput"]) for r in rows if r["concurrency"] == c])
+            if rep >= cfg.max_repeats or (rep >= cfg.repeats and (spread is None or spread <= cfg.max_spread_pct)):
+                break
+            if rep >= cfg.repeats:
+                log(f"concurrency {c:4d}: repeats spread {spread:.0f} % > {cfg.max_spread_pct:.0f} %, measuring again")
         if fault:
             stopped_by, stop_reason = "fault", f"server fault at concurrency {c}"
             break
@@ -404,6 +455,19 @@ def sweep(
         warnings.append(
             f"{mismatches.output} requests returned a different number of tokens than asked "
             "(the server ignored ignore_eos or max_tokens)"
+        )
+    if short_windows:
+        warnings.append(
+            f"{len(short_windows)} windows ended before bench_min_level_s ({cfg.min_level_s:.0f} s) for want of "
+            f"prompts: {'; '.join(short_windows[:5])}"
+        )
+    wide = [lv for lv in per_level if lv.spread_pct is not None and lv.spread_pct > cfg.max_spread_pct]
+    if wide:
+        warnings.append(
+            "spread still above bench_max_spread_pct after "
+            f"{cfg.max_repeats} runs at "
+            + ", ".join(f"c={lv.concurrency} ({lv.spread_pct:.0f} %)" for lv in wide)
+            + ": lengthen bench_min_level_s or read these levels as noisy"
         )
     if mismatches.input:
         warnings.append(f"{mismatches.input} prompts were counted differently by the server than by the tokenizer")

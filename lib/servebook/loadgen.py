@@ -14,6 +14,7 @@ import concurrent.futures
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +23,7 @@ import aiohttp
 
 READ_BUFFER = 16 * 1024 * 1024
 Endpoint = Literal["completions", "chat"]
+NOT_SENT = "not sent: the measured window already had enough"  # dropped before records are returned
 
 
 @dataclass
@@ -163,9 +165,13 @@ async def _one(
     gate: asyncio.Semaphore,
     timeout_s: float,
     headers: dict[str, str],
+    enough: Callable[[], bool] = lambda: False,
 ) -> None:
     path, body = _body(workload, model, prompt)
     async with gate:
+        if enough():
+            rec.error = NOT_SENT
+            return
         rec.send = time.perf_counter()
         try:
             async with session.post(
@@ -211,6 +217,8 @@ async def _run(
     warmup: int,
     timeout_s: float,
     headers: dict[str, str],
+    min_requests: int,
+    min_seconds: float,
 ) -> tuple[list[RequestRecord], float, float]:
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
@@ -230,6 +238,15 @@ async def _run(
             *(_one(session, url, workload, model, prompts[i], r, gate, timeout_s, headers) for i, r in enumerate(warm))
         )
         start = time.perf_counter()
+        sent = 0
+
+        def enough() -> bool:
+            nonlocal sent
+            if sent >= min_requests and time.perf_counter() - start >= min_seconds:
+                return True
+            sent += 1
+            return False
+
         measured = [
             RequestRecord(
                 i, level, False, start, expected_input=workload.input_len, expected_output=workload.output_len
@@ -237,9 +254,12 @@ async def _run(
             for i in range(warmup, len(prompts))
         ]
         await asyncio.gather(
-            *(_one(session, url, workload, model, prompts[r.index], r, gate, timeout_s, headers) for r in measured)
+            *(
+                _one(session, url, workload, model, prompts[r.index], r, gate, timeout_s, headers, enough)
+                for r in measured
+            )
         )
-        return warm + measured, start, time.perf_counter()
+        return warm + [r for r in measured if r.error != NOT_SENT], start, time.perf_counter()
 
 
 def run_level(
@@ -252,15 +272,29 @@ def run_level(
     warmup: int | None = None,
     timeout_s: float = 600.0,
     headers: dict[str, str] | None = None,
+    min_requests: int | None = None,
+    min_seconds: float = 0.0,
 ) -> tuple[list[RequestRecord], float, float]:
     """Send ``prompts`` keeping ``concurrency`` requests in flight; the first ``warmup`` (default: the
-    concurrency) are sent and awaited first and excluded from measurement.  Returns records and the
-    measured window's start and end on the client clock."""
+    concurrency) are sent and awaited first and excluded from measurement.  The measured window sends the rest,
+    or, with ``min_requests``, stops sending once it has sent that many and ``min_seconds`` have passed (the
+    prompts beyond are spare, for a server faster than expected).  Returns records and the measured window's
+    start and end on the client clock."""
     warmup = concurrency if warmup is None else warmup
     if warmup >= len(prompts):
         raise ValueError(f"{len(prompts)} prompts leave nothing to measure after {warmup} warm-up requests")
     coro = _run(
-        url, model, workload, prompts, concurrency, level or f"c{concurrency}", warmup, timeout_s, headers or {}
+        url,
+        model,
+        workload,
+        prompts,
+        concurrency,
+        level or f"c{concurrency}",
+        warmup,
+        timeout_s,
+        headers or {},
+        len(prompts) - warmup if min_requests is None else min_requests,
+        min_seconds,
     )
     # A thread of its own gets a fresh event loop, also inside Jupyter, whose kernel already runs one.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:

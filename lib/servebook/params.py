@@ -154,7 +154,7 @@ class Params(BaseModel):
     )
     plan_batch: int = Field(64, ge=1, description="concurrent sequences the throughput ranking assumes")
     plan_reserve_gib: float = Field(
-        0.0, ge=0, description="activation and CUDA-graph reserve per GPU; 0 means max(3 GiB, 2%)"
+        0.0, ge=0, description="fixed reserve per GPU beside weights and KV, GiB; 0 models it per layout"
     )
     layout_from_plan: bool = Field(
         False, description="launch with the plan's recommended layout instead of the params' layout"
@@ -202,6 +202,11 @@ class Params(BaseModel):
     bench_max_concurrency: int = Field(256, ge=1, le=16384, description="highest concurrency the sweep may reach")
     bench_repeats: int = Field(2, ge=1, le=10, description="runs per concurrency level, for the spread")
     bench_prompts_per_level: int = Field(64, ge=4, description="measured requests per repeat (at least 4x concurrency)")
+    bench_min_level_s: float = Field(20.0, ge=0, description="each repeat's window lasts at least this many seconds")
+    bench_max_spread_pct: float = Field(
+        10.0, gt=0, description="repeat a level while its runs spread wider than this (% of the median)"
+    )
+    bench_max_repeats: int = Field(4, ge=1, le=20, description="most runs per level when the spread stays wide")
     bench_plateau_gain: float = Field(0.05, gt=0, lt=1, description="stop when two doublings gain less than this share")
     bench_ttft_slo_ms: float = Field(0.0, ge=0, description="TTFT objective in ms; 0 means none")
     bench_tpot_slo_ms: float = Field(0.0, ge=0, description="TPOT objective in ms; 0 means none")

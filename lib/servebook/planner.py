@@ -158,6 +158,21 @@ def pp_split(layers: int, pp: int) -> list[int]:
     return sizes
 
 
+class Reserve(BaseModel):
+    """The per-GPU memory vLLM keeps beside weights and KV cache, by part (bytes)."""
+
+    cuda_hidden: float  # x gpu_memory_utilization: vLLM takes its share of what CUDA reports, not of NVML's total
+    non_torch: float
+    activation: float  # the profile run at max_num_batched_tokens
+    cuda_graphs: float
+    tokens: int  # max_num_batched_tokens the activation is sized for
+    flat: bool = False  # a fixed reserve from the params (plan_reserve_gib), not the model
+
+    @property
+    def total(self) -> float:
+        return self.cuda_hidden + self.non_torch + self.activation + self.cuda_graphs
+
+
 class Parallelism(BaseModel):
     """A parallel layout as vLLM takes it; the one owner of its name and its serving flags."""
 
@@ -220,6 +235,7 @@ class Layout:
     experts_per_gpu: int = 0
     weight_bytes_per_gpu: float = 0.0
     weight_breakdown: dict[str, float] = field(default_factory=dict)
+    reserve: Reserve | None = None  # per GPU, beside weights and KV (GPU plans)
     kv_bytes_per_token_per_gpu: float = 0.0
     available_kv_bytes_per_gpu: float = 0.0
     max_kv_tokens: int = 0  # per engine (one DP rank)
@@ -383,6 +399,51 @@ def check_rules(spec: ModelSpec, layout: Layout) -> None:
             )
 
 
+# ---------------------------------------------------------------- the reserve: what vLLM keeps that is neither
+# weights nor KV cache. vLLM sizes the KV cache as (gpu_memory_utilization x the memory CUDA reports) minus
+# weights, the profile run's activation peak, non-torch memory and (since v0.21) its CUDA-graph estimate
+# (vllm/v1/worker/gpu_worker.py, determine_available_memory). Calibrated on two H200s with vLLM 0.25.0
+# and a Qwen3-30B-A3B-shaped MoE (docs/examples/h200-vllm/README.md has the table): the constants below
+# reproduce the four logged layouts within 0.08 GiB per component.
+CUDA_HIDDEN_BYTES = 0.60 * GiB  # NVML's total (140.40 GiB on an H200) minus what CUDA reports (139.80 GiB)
+NON_TORCH_BYTES = 0.25 * GiB  # CUDA context, cuBLAS workspaces (logged 0.23 GiB at TP=1; 0.08 per DP engine)
+NON_TORCH_COLLECTIVE_BYTES = 0.30 * GiB  # NCCL and custom all-reduce buffers once TP or PP > 1 (logged 0.56 at TP=2)
+ACTIVATION_FACTOR = 2.06  # logged profile peak / the tensors the profile run must hold at once (below)
+GRAPH_BYTES_PER_LAYER = 0.044 * GiB  # CUDA-graph estimate per layer at TP=1 (0.35 GiB for 8 layers)
+GRAPH_TP_EXPONENT = 0.65  # TP=2 needed 0.224 GiB: graphs shrink with the activations they hold
+
+
+def max_num_batched_tokens(device: Device) -> int:
+    """vLLM's default for its API server: 8192 on GPUs of 70 GiB or more (except A100), else 2048
+    (vllm/engine/arg_utils.py, _set_default_max_num_seqs_and_batched_tokens_args)."""
+    return 8192 if device.memory_bytes >= 70 * GiB and "A100" not in device.name else 2048
+
+
+def reserve_for(spec: ModelSpec, layout: Layout, device: Device, gpu_memory_utilization: float) -> Reserve:
+    """What vLLM will keep per GPU for this layout, from the tensors its profile run holds at once."""
+    tokens = max_num_batched_tokens(device)
+    tp, dp = layout.tp, layout.dp
+    # The profile run's peak sits in a MoE layer: fused_moe's shared cache for the gate/up and down outputs
+    # (M x top-k x max(2 I, H)) and its activation cache (M x top-k x I), in bf16. Without EP, DP ranks gather
+    # each other's tokens and run the experts TP-sliced over TP x DP; with EP the experts are whole.
+    if spec.is_moe and spec.expert_intermediate:
+        moe_tokens = tokens * (dp if dp > 1 and not layout.ep else 1)
+        inter = spec.expert_intermediate // max(layout.moe_tp, 1)
+        moe = moe_tokens * spec.experts_per_token * (max(2 * inter, spec.hidden) + inter) * 2
+    else:
+        moe = tokens * (2 * max(spec.dense_intermediate // tp, 1) + spec.hidden) * 2
+    attention = tokens * (spec.heads + 2 * spec.kv_heads) * spec.head_dim * 2 / tp
+    collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 or layout.pp > 1 else 0.0
+    stage_layers = max(pp_split(spec.layers, layout.pp))
+    return Reserve(
+        cuda_hidden=gpu_memory_utilization * CUDA_HIDDEN_BYTES,
+        non_torch=NON_TORCH_BYTES + collective,
+        activation=ACTIVATION_FACTOR * (moe + attention),
+        cuda_graphs=GRAPH_BYTES_PER_LAYER * stage_layers / tp**GRAPH_TP_EXPONENT,
+        tokens=tokens,
+    )
+
+
 def size(
     spec: ModelSpec,
     layout: Layout,
@@ -391,10 +452,11 @@ def size(
     max_model_len: int,
     gpu_memory_utilization: float,
     kv_dtype_bytes: int,
-    reserve_bytes: float,
+    reserve_bytes: float | None,
     batch: int,
 ) -> None:
-    """Memory per GPU, KV capacity, communication and a bandwidth ceiling for decode."""
+    """Memory per GPU, KV capacity, communication and a bandwidth ceiling for decode; ``reserve_bytes`` fixes
+    the reserve, None models it per layout."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     stage_layers = max(pp_split(spec.layers, pp))
     moe_share = spec.moe_layers / spec.layers if spec.layers else 0
@@ -419,7 +481,15 @@ def size(
     layout.kv_bytes_per_token_per_gpu = stage_layers * per_layer
     if device.kind == "cpu":
         available = float(device.cpu_kv_bytes)
+        reserve_bytes = 0.0
     else:
+        if reserve_bytes is None:
+            layout.reserve = reserve_for(spec, layout, device, gpu_memory_utilization)
+        else:
+            layout.reserve = Reserve(
+                cuda_hidden=0.0, non_torch=0.0, activation=reserve_bytes, cuda_graphs=0.0, tokens=0, flat=True
+            )
+        reserve_bytes = layout.reserve.total
         available = device.memory_bytes * gpu_memory_utilization - layout.weight_bytes_per_gpu - reserve_bytes
     layout.available_kv_bytes_per_gpu = max(0.0, available)
     page = BLOCK_SIZE * per_layer
@@ -486,7 +556,7 @@ class Plan(BaseModel):
     max_model_len: int
     gpu_memory_utilization: float
     kv_cache_dtype: str
-    activation_reserve_bytes: float
+    activation_reserve_bytes: float | None  # a fixed reserve from the params; None: modelled per layout
     weights_total_bytes: float
     weights_scaled_to_checkpoint: float
     batch: int
@@ -524,10 +594,7 @@ def plan(
             f"{spec.max_position_embeddings}; vLLM refuses it"
         )
     kv_bytes = 1 if kv_cache_dtype.startswith("fp8") else 2
-    if device.kind == "cpu":
-        reserve = 0.0
-    else:
-        reserve = (reserve_gib if reserve_gib is not None else max(3.0, 0.02 * device.memory_bytes / GiB)) * GiB
+    reserve = reserve_gib * GiB if reserve_gib is not None and device.kind != "cpu" else None
     weights = weight_bytes(spec)
     layouts = []
     for tp, pp, dp in enumerate_layouts(device.count):

@@ -25,6 +25,18 @@ PHASES: list[tuple[str, re.Pattern[str]]] = [
     ("shards", re.compile(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \|\s*(\d+)/(\d+)")),
     ("weights_loaded", re.compile(r"Loading weights took ([\d.]+) seconds")),
     ("model_loaded", re.compile(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) seconds")),
+    # vLLM's memory profile (logged at DEBUG: VLLM_LOGGING_LEVEL=DEBUG), what the plan's reserve models
+    (
+        "memory_profile",
+        re.compile(
+            r"Total non KV cache memory: ([\d.]+) ?GiB; torch peak memory increase: ([\d.\-]+) ?GiB; "
+            r"non-torch forward increase memory: ([\d.\-]+) ?GiB"
+        ),
+    ),
+    (
+        "graph_estimate",
+        re.compile(r"gpu-memory-utilization=([\d.]+) is equivalent to --gpu-memory-utilization=([\d.]+) without"),
+    ),
     ("kv_memory", re.compile(r"Available KV cache memory: ([\d.]+) GiB")),
     ("kv_cache", re.compile(r"(\w+) KV cache size: ([\d,]+) tokens")),
     ("max_concurrency", re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")),
@@ -71,6 +83,10 @@ class LogValues(BaseModel):
     model_memory_gib: float | None = None  # weights per GPU, "Model loading took X GiB"
     model_load_s: float | None = None
     kv_cache_memory_gib: float | None = None
+    non_kv_memory_gib: float | None = None  # weights + activation peak + non-torch, per GPU (DEBUG log)
+    activation_peak_gib: float | None = None  # torch peak increase of the profile run (DEBUG log)
+    non_torch_gib: float | None = None  # NCCL, cuBLAS and other memory outside torch's allocator (DEBUG log)
+    graph_estimate_share: float | None = None  # CUDA graph memory vLLM set aside, as a share of GPU memory
     kv_cache_device: str | None = None  # GPU or CPU
     kv_cache_tokens: int | None = None  # per engine
     max_concurrency_context: int | None = None
@@ -116,6 +132,14 @@ _PHASE_READERS: dict[str, Callable[[tuple[str, ...]], tuple[dict[str, Any], str]
     "model_loaded": lambda g: (
         {"model_memory_gib": float(g[0]), "model_load_s": float(g[1])},
         f"model loaded: {g[0]} GiB in {float(g[1]):.1f} s",
+    ),
+    "memory_profile": lambda g: (
+        {"non_kv_memory_gib": float(g[0]), "activation_peak_gib": float(g[1]), "non_torch_gib": float(g[2])},
+        f"memory profiled: activation peak {g[1]} GiB, non-torch {g[2]} GiB",
+    ),
+    "graph_estimate": lambda g: (
+        {"graph_estimate_share": round(float(g[0]) - float(g[1]), 6)},
+        f"CUDA graph memory set aside: {float(g[0]) - float(g[1]):.2%} of the GPU",
     ),
     "kv_memory": lambda g: ({"kv_cache_memory_gib": float(g[0])}, f"KV cache memory {g[0]} GiB"),
     "kv_cache": lambda g: ({"kv_cache_device": g[0], "kv_cache_tokens": _num(g[1])}, f"KV cache: {g[1]} tokens"),

@@ -259,3 +259,21 @@ def test_a_decline_past_the_best_level_ends_the_sweep():
     # a noisy level whose best repeat reaches the peak is not a decline
     assert bench.declined([level(8, 937), level(16, 917, 450, 1380)], 0.05) is None
     assert bench.declined([level(1, 100)], 0.05) is None
+
+
+def test_spread_is_range_over_median_and_needs_two_runs():
+    from servebook.bench import spread_pct
+
+    assert spread_pct([100.0]) is None
+    assert spread_pct([90.0, 110.0]) == pytest.approx(20.0)
+    assert spread_pct([13_487.0, 21_028.0, 20_000.0]) == pytest.approx(100 * 7_541 / 20_000)
+
+
+def test_a_level_window_is_sized_for_its_seconds_at_the_expected_rate():
+    from servebook.bench import SweepConfig
+
+    cfg = SweepConfig(prompts_per_level=64, min_level_s=20.0)
+    assert cfg.prompts_for(16, None) == 64  # nothing known yet: the count alone
+    assert cfg.prompts_for(16, 60.0) == 1800  # 20 s at 60 requests/s, half again to spare
+    assert cfg.prompts_for(256, 0.1) == 1024  # never under 4 per stream
+    assert SweepConfig(prompts_per_level=64).prompts_for(16, 60.0) == 64  # no seconds asked: the count

@@ -84,6 +84,20 @@ def summary(record: PlanRecord) -> str:
     return f"{usable} of {len(record.layouts)} layouts accepted and fit on {record.device.count} × {record.device.name}; {rec}{used}"
 
 
+def reserve_text(record: planner.Plan) -> str:
+    """What the plan keeps per GPU beside weights and KV cache, and where that figure comes from."""
+    if record.device.kind == "cpu":
+        return "the KV cache is a fixed size on the CPU"
+    if record.activation_reserve_bytes is not None:
+        return f"a fixed reserve of {record.activation_reserve_bytes / GiB:.1f} GiB per GPU (plan_reserve_gib)"
+    sample = next((layout.reserve for layout in record.layouts if layout.reserve), None)
+    tokens = f" at {sample.tokens:,} batched tokens" if sample else ""
+    return (
+        "vLLM's reserve per GPU modelled per layout as vLLM profiles it: activation peak"
+        f"{tokens}, non-torch memory, CUDA graphs, and the memory CUDA does not report (column *reserve*)"
+    )
+
+
 def table(record: planner.Plan) -> pd.DataFrame:
     rows = []
     for layout in record.layouts:
@@ -93,6 +107,7 @@ def table(record: planner.Plan) -> pd.DataFrame:
                 "vLLM accepts": layout.accepted,
                 "fits": layout.fits,
                 "weights GiB/GPU": round(layout.weight_bytes_per_gpu / GiB, 2),
+                "reserve GiB/GPU": round(layout.reserve.total / GiB, 2) if layout.reserve else None,
                 "KV bytes/token/GPU": int(layout.kv_bytes_per_token_per_gpu),
                 "KV tokens/engine": layout.max_kv_tokens,
                 "max concurrency": round(layout.max_concurrency, 1),
@@ -117,11 +132,18 @@ def memory_figure(record: PlanRecord) -> go.Figure:
         for part, b in layout.weight_breakdown.items()
     ]
     rows += [
+        {"layout": layout.name, "part": "vLLM's reserve", "GiB": layout.reserve.total / GiB}
+        for layout in record.layouts
+        if layout.accepted and layout.reserve
+    ]
+    rows += [
         {"layout": layout.name, "part": "KV cache", "GiB": layout.available_kv_bytes_per_gpu / GiB}
         for layout in record.layouts
         if layout.accepted
     ]
-    fig = px.bar(rows, x="layout", y="GiB", color="part", title="Weights and KV cache per GPU (accepted layouts)")
+    fig = px.bar(
+        rows, x="layout", y="GiB", color="part", title="Weights, reserve and KV cache per GPU (accepted layouts)"
+    )
     gpu = record.device.kind == "cuda"
     usable = record.device.memory_bytes / GiB * (record.gpu_memory_utilization if gpu else 1)
     fig.add_hline(y=usable, line_dash="dash", annotation_text="usable memory" if gpu else "host memory")

@@ -1,0 +1,162 @@
+"""servebook's client against ``vllm bench serve`` on one running server, in alternating rounds.
+
+    python client_vs_vllm.py URL MODEL TOKENIZER --concurrency 16 64 --rounds 5 --seconds 20 --out DIR
+
+Each round measures the same server at each concurrency with both clients, the order swapped every round
+so that neither always runs on a warmer server (servebook's first, to size vLLM's). Both send random prompts of exactly --input-len tokens and
+ask for exactly --output-len tokens (ignore_eos). vLLM's benchmark runs in this process (its own code,
+``vllm.benchmarks.serve``), sized from servebook's request rate so that its window lasts as long.
+Writes one JSON row per measurement to DIR/rounds.jsonl and prints a table of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+from servebook import loadgen, metrics
+from servebook.loadgen import Workload
+
+
+def servebook_run(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int, rate: float | None) -> dict:
+    least = max(4 * c, 32)
+    count = max(least, math.ceil(1.5 * a.seconds * rate)) if rate else least * 20
+    prompts = maker.prompts(count + c, a.input_len)
+    recs, _, _ = loadgen.run_level(
+        a.url,
+        a.model,
+        Workload(a.input_len, a.output_len),
+        prompts,
+        c,
+        f"c{c}",
+        c,
+        min_requests=least,
+        min_seconds=a.seconds,
+    )
+    s = metrics.summarize(recs)
+    return {
+        "client": "servebook",
+        "concurrency": c,
+        "requests": s.requests,
+        "failed": s.failed,
+        "duration_s": s.duration_s,
+        "output_throughput": s.output_throughput,
+        "request_throughput": s.request_throughput,
+        "ttft_p50_ms": s.ttft_ms.p50,
+        "tpot_p50_ms": s.tpot_ms.p50,
+        "itl_p50_ms": s.itl_ms.p50,
+        "e2el_p50_ms": s.e2el_ms.p50,
+        "errors": s.errors,
+    }
+
+
+def vllm_run(a: argparse.Namespace, c: int, rate: float, seed: int) -> dict:
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    n = max(4 * c, math.ceil(a.seconds * rate * 1.05))
+    args = parser.parse_args(
+        [
+            "--backend",
+            "vllm",
+            "--base-url",
+            a.url,
+            "--model",
+            a.model,
+            "--tokenizer",
+            a.tokenizer,
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(a.input_len),
+            "--random-output-len",
+            str(a.output_len),
+            "--random-range-ratio",
+            "0",
+            "--ignore-eos",
+            "--max-concurrency",
+            str(c),
+            "--num-prompts",
+            str(n),
+            "--num-warmups",
+            str(c),
+            "--seed",
+            str(seed),
+            "--disable-tqdm",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            "50,90,99",
+        ]
+    )
+    r = serve.main(args)
+    return {
+        "client": "vllm bench serve",
+        "concurrency": c,
+        "requests": r.get("num_prompts", n),
+        "failed": r.get("failed", n - r.get("completed", 0)),
+        "completed": r.get("completed"),
+        "duration_s": r.get("duration"),
+        "output_throughput": r.get("output_throughput"),
+        "request_throughput": r.get("request_throughput"),
+        "ttft_p50_ms": r.get("median_ttft_ms"),
+        "tpot_p50_ms": r.get("median_tpot_ms"),
+        "itl_p50_ms": r.get("median_itl_ms"),
+        "e2el_p50_ms": r.get("median_e2el_ms"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("url")
+    ap.add_argument("model", help="the served model name")
+    ap.add_argument("tokenizer", help="folder of the served model's tokenizer")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=20.0, help="least window per measurement")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    maker = loadgen.PromptMaker(loadgen.load_tokenizer(a.tokenizer), seed=1)
+    rows_path = a.out / "rounds.jsonl"
+    rows: list[dict] = []
+    for c in a.concurrency:
+        rate: float | None = None
+        for rnd in range(a.rounds):
+            order = ("servebook", "vllm") if rnd % 2 == 0 else ("vllm", "servebook")
+            for who in order:
+                t0 = time.monotonic()
+                row = servebook_run(a, maker, c, rate) if who == "servebook" else vllm_run(a, c, rate or 1.0, rnd)
+                row["round"], row["wall_s"] = rnd + 1, round(time.monotonic() - t0, 1)
+                if who == "servebook":
+                    rate = row["request_throughput"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                with rows_path.open("a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+    print(f"\n{'c':>4} {'client':<17} {'n':>3} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}")
+    for c in a.concurrency:
+        for who in ("servebook", "vllm bench serve"):
+            mine = [r for r in rows if r["concurrency"] == c and r["client"] == who]
+            if not mine:
+                continue
+            med = {
+                k: statistics.median(r[k] for r in mine if r[k] is not None)
+                for k in ("output_throughput", "ttft_p50_ms", "tpot_p50_ms")
+            }
+            print(
+                f"{c:>4} {who:<17} {len(mine):>3} {med['output_throughput']:>10.1f} {med['ttft_p50_ms']:>8.2f}ms "
+                f"{med['tpot_p50_ms']:>8.3f}ms {sum(r['failed'] or 0 for r in mine):>6}"
+            )
+
+
+if __name__ == "__main__":
+    main()

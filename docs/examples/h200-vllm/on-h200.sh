@@ -1,0 +1,55 @@
+#!/bin/bash
+# The GPU run of docs/examples/h200-vllm, one step per device call, from the project root there:
+#   bash docs/examples/h200-vllm/on-h200.sh STEP
+# Steps, in order (the first three carry .gpu/c1, c2, c3 and must follow each other within 30 s):
+#   kit1     unpack the Python tree, build the bf16 and FP8 checkpoints on the GPU (their configs come back)
+#   kit2     stage the second kernel part
+#   pipeline put the kernels in place; stages 00-07 on the FP8 checkpoint at TP=2+EP
+#   compare  the bf16 server at TP=2; servebook's client against `vllm bench serve`, 5 alternating rounds
+#   orphans  SIGKILL that server's API process: status, refusal, cleanup, GPUs back to 0 MiB
+#   layouts  every other layout the plan judges for 2 GPUs, started until vLLM has sized its KV cache
+# Results go to $OUT (tarred); see README.md beside this script.
+set -uo pipefail
+STEP=$1; CONC=${CONC:-16 64}; EX=docs/examples/h200-vllm; R=/tmp/results
+if [ "$STEP" = kit1 ]; then source .gpu/c1/kit/unpack.sh; else source /tmp/kit/unpack.sh; fi
+mkdir -p $R
+pack() { tar czf "$OUT/$1.tgz" -C $R "$1" 2>/dev/null; ls -la "$OUT"; }
+gpu_mem() { nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | tr '\n' ' '; echo; }
+case $STEP in
+kit1)
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  mkdir -p $R/kit1
+  python3 /tmp/kit/mkckpt.py $MODELS/q3moe-bf16 --tokenizer /tmp/tok --layers 8 2>&1 | tail -2
+  python3 /tmp/kit/mkckpt.py $MODELS/q3moe-fp8 --tokenizer /tmp/tok --layers 8 --fp8 --moe-inter 384 2>&1 | tail -2
+  for m in bf16 fp8; do cp $MODELS/q3moe-$m/config.json $R/kit1/config-$m.json; done
+  du -sh $MODELS/*; pack kit1 ;;
+kit2) ls $STAGE ;;
+pipeline)
+  log "pipeline"; mkdir -p $R/pipeline
+  ( sleep 570; tar czf $OUT/pipeline-partial.tgz -C $R pipeline ) </dev/null >/dev/null 2>&1 &
+  SERVEBOOK_OUTPUTS=$R/pipeline servebook run $EX/params-fp8-tp2ep.yaml 2>&1 | tee $R/pipeline/console.log | cut -c1-300
+  gpu_mem; cp outputs/servers/*.log $R/pipeline/ 2>/dev/null; pack pipeline ;;
+compare)
+  mkdir -p $R/compare; log "launch"
+  servebook launch $EX/params-bf16-tp2.yaml --log-dir $R/compare 2>&1 | tail -5
+  python3 $EX/client_vs_vllm.py http://127.0.0.1:8000 q3moe-bf16 $MODELS/q3moe-bf16 \
+    --concurrency $CONC --rounds ${ROUNDS:-5} --seconds ${SECONDS_PER:-20} --out $R/compare 2>&1 \
+    | grep -v "^Namespace\|^Starting\|^Traffic\|^Burstiness\|^Maximum request\|^Initial test" | cut -c1-400
+  mv $R/compare $R/compare-c${CONC// /-}; pack compare-c${CONC// /-} ;;
+orphans)
+  mkdir -p $R/orphans; exec > >(tee $R/orphans/console.log) 2>&1
+  servebook launch $EX/params-bf16-tp2.yaml --log-dir $R/orphans 2>&1 | tail -2
+  API=$(python3 -c "from servebook import server; print(server.registered(8000).pid)")
+  echo "SIGKILL the API server, pid $API"; kill -9 $API; sleep 5
+  echo "--- memory after the kill: $(gpu_mem)"
+  echo "--- servebook status"; servebook status
+  echo "--- launching again without stop_leftovers (must be refused)"
+  servebook launch $EX/params-bf16-tp2.yaml --set stop_leftovers=false --log-dir $R/orphans; echo "exit $?"
+  echo "--- servebook stop"; servebook stop; sleep 3
+  echo "--- memory after stop: $(gpu_mem)"; echo "--- processes:"; ps -eo pid,comm,args | grep -i "vllm" | grep -v grep
+  exec >&- 2>&-; pack orphans ;;
+layouts)
+  mkdir -p $R/layouts
+  python3 $EX/layouts.py $EX/params-bf16-tp2.yaml ${LAYOUTS:-} --out $R/layouts 2>&1 | cut -c1-300
+  gpu_mem; pack layouts ;;
+esac

@@ -1,0 +1,75 @@
+"""The plan's weights and KV tokens per GPU against what vLLM logged, one row per launched layout.
+
+    python plan_vs_log.py --gpu-memory-mib 143771 NAME=CONFIG:TP:PP:DP:EP:SERVER_LOG ...
+
+CONFIG is the checkpoint's config.json; the plan is made here,
+for as many H200s as the layout uses (NVML's memory), with servebook's planner as it stands, so the table can be re-made after the planner changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from servebook import gpus, modelspec, planner
+from servebook.planner import Parallelism
+from servebook.units import GiB
+from servebook.vllm_log import LoadProgress
+
+
+def logged(path: Path) -> dict:
+    progress = LoadProgress()
+    for line in path.read_text(errors="replace").splitlines():
+        progress.feed(line, 0.0)
+    return progress.values.model_dump(exclude_none=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("rows", nargs="+")
+    ap.add_argument("--gpu-memory-mib", type=int, default=143771)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    out = []
+    print("| layout | weights/GPU plan → vLLM | KV tokens plan → vLLM | error | reserve plan → vLLM (GiB) |")
+    print("|---|---|---|---|---|")
+    for row in a.rows:
+        name, rest = row.split("=", 1)
+        config, tp, pp, dp, ep, log = rest.split(":")
+        spec = modelspec.from_config(json.loads(Path(config).read_text()), source=config)
+        world = int(tp) * int(pp) * int(dp)
+        device = planner.Device.for_gpu(gpus.lookup("H200"), world, memory_bytes=a.gpu_memory_mib * 2**20)
+        plan = planner.plan(spec, device, max_model_len=4096)
+        layout = plan.find(Parallelism(tp=int(tp), pp=int(pp), dp=int(dp), ep=ep == "1"))
+        assert layout is not None and layout.reserve is not None
+        got = logged(Path(log))
+        kv, weights = got.get("kv_cache_tokens"), got.get("model_memory_gib")
+        # what vLLM kept beside weights and KV, in the plan's terms (a share of NVML's total)
+        kept = None
+        if kv and weights:
+            kept = (a.gpu_memory_mib * 2**20 * 0.9 - kv * layout.kv_bytes_per_token_per_gpu) / GiB - weights
+        error = (layout.max_kv_tokens / kv - 1) if kv else None
+        out.append(
+            {
+                "layout": name,
+                "plan_weights_gib": layout.weight_bytes_per_gpu / GiB,
+                "vllm_weights_gib": weights,
+                "plan_kv_tokens": layout.max_kv_tokens,
+                "vllm_kv_tokens": kv,
+                "kv_error": error,
+                "plan_reserve_gib": layout.reserve.total / GiB,
+                "vllm_reserve_gib": kept,
+                "logged": got,
+            }
+        )
+        print(
+            f"| {name} | {layout.weight_bytes_per_gpu / GiB:.2f} → {weights} GiB | {layout.max_kv_tokens:,} → "
+            f"{kv:,} | {error:+.2%} | {layout.reserve.total / GiB:.2f} → {kept:.2f} |"
+        )
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
