@@ -29,5 +29,10 @@ if [ "$(cat "$venv/.setup-stamp" 2>/dev/null)" != "$stamp" ]; then
   "$venv/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (servebook)" >/dev/null
   echo "$stamp" > "$venv/.setup-stamp"
 fi
+# JupyterLab lists each stage once: the py:percent twins (kept for review and diffs) are hidden from its file
+# browser; jupytext still keeps each pair in step
+mkdir -p "$venv/etc/jupyter/jupyter_server_config.d"
+printf '%s\n' '{"ContentsManager": {"hide_globs": ["__pycache__", "*.pyc", "*.pyo", ".DS_Store", "*~", "[0-9][0-9]_*.py"]}}' \
+  > "$venv/etc/jupyter/jupyter_server_config.d/servebook.json"
 "$venv/bin/servebook" build-model --quiet
 echo "setup: ready in $(( $(date +%s) - started )) s"

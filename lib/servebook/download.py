@@ -63,6 +63,9 @@ def list_files(
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.utils import filter_repo_objects
 
+    from servebook import hub
+
+    hub.require(f"listing {repo}@{revision}")
     api = _api()
     try:
         info = api.model_info(repo, revision=revision)

@@ -64,6 +64,12 @@ class DownloadError(ServebookError):
     """The hub listing or a fetch failed."""
 
 
+class HubUnreachable(DownloadError):
+    """The Hugging Face Hub (or HF_ENDPOINT's mirror) does not answer, or HF_HUB_OFFLINE forbids asking it."""
+
+    exit_code = 3
+
+
 class InsufficientDisk(DownloadError):
     """Not enough free space for the download and its margin."""
 

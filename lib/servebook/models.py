@@ -171,8 +171,14 @@ def hub_checkpoint_bytes(repo_id: str, timeout_s: float = 10.0) -> int | None:
     """Weight bytes of a hub repository from its metadata, or None when the hub cannot be asked."""
     from huggingface_hub import HfApi
 
+    from servebook import hub
+    from servebook.errors import HubUnreachable
+
     try:
+        hub.require("checkpoint size")
         info = HfApi().model_info(repo_id, files_metadata=True, timeout=timeout_s)
+    except HubUnreachable:
+        return None
     except Exception:  # offline, gated, unknown: the caller reports "unknown"
         return None
     sizes = [s.size or 0 for s in info.siblings or [] if s.rfilename.endswith(".safetensors")]

@@ -219,6 +219,17 @@ def from_config(config: dict[str, Any], source: str = "config.json", index: dict
     return spec
 
 
+def _cached_config(model: str, revision: str | None) -> ModelSpec | None:
+    """The model's config from the local hub cache, when HF_HUB_OFFLINE asks for nothing else."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(model, "config.json", revision=revision)
+    if not isinstance(found, str):
+        return None
+    index = try_to_load_from_cache(model, "model.safetensors.index.json", revision=revision)
+    return from_config(_read_json(Path(found)), model, _read_json(Path(index)) if isinstance(index, str) else None)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
@@ -244,6 +255,12 @@ def load(model: str, revision: str | None = None) -> ModelSpec:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
+    from servebook import hub
+
+    cached = _cached_config(model, revision)
+    if cached is not None and hub.offline():
+        return cached
+    hub.require(f"reading config.json of '{model}'")
     try:
         hub_config = _read_json(Path(hf_hub_download(model, "config.json", revision=revision)))
     except Exception as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from servebook import server
+from servebook import report_check, server
 from servebook.errors import PreflightError
 
 from .conftest import vllm_titles
@@ -85,6 +85,10 @@ def test_pipeline_runs_every_stage_and_stops_its_server(tmp_path):
     assert html.count("Plotly.newPlot") >= 6 and html.count("plotly.js v") == 1  # plan, benchmark and NCCL plots
     for path in (p for p in run_dir.rglob("*") if p.is_file()):
         assert "hf_pipelinesecret123" not in path.read_text(errors="replace"), path.name
+    # as its reader opens it, air-gapped: no request beyond file://, every figure drawn, no axis stretched
+    if report_check.find_browser():
+        seen = report_check.check(run_dir / "report.html")
+        assert len(seen.figures) >= 6 and seen.ok, seen.problems()
 
 
 def test_a_failing_stage_stops_the_run_and_still_reports(tmp_path):

@@ -112,3 +112,33 @@ def test_cli_answers_wrong_or_simple_input_in_one_line(tmp_path):
     assert "Traceback" not in one.stderr + not_runs.stderr
     stop = cli("stop", str(REPO / "params" / "ci.yaml"))  # symmetric with `launch PARAMS`: that params file's port
     assert stop.returncode == 0 and "no servebook server on port 8123" in stop.stdout
+
+
+def test_an_unreachable_hub_is_named_at_once_without_retries(monkeypatch):
+    """huggingface_hub alone retries a refused connection for about 24 s; servebook asks once and says why."""
+    import time
+
+    from servebook import hub, modelspec
+    from servebook.errors import HubUnreachable
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    hub._unreachable.cache_clear()
+    started = time.monotonic()
+    with pytest.raises(HubUnreachable) as err:
+        modelspec.load("MiniMaxAI/MiniMax-M2.5")
+    assert time.monotonic() - started < hub.PROBE_TIMEOUT_S + 2
+    assert "http://127.0.0.1:9 does not answer" in str(err.value) and "HF_ENDPOINT" in str(err.value)
+    assert "local checkpoint folder" in str(err.value)
+
+
+def test_offline_mode_is_named_when_nothing_is_cached(monkeypatch, tmp_path):
+    from servebook import hub, modelspec
+    from servebook.errors import HubUnreachable
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(HubUnreachable, match="HF_HUB_OFFLINE is set"):
+        modelspec.load("some-org/never-downloaded")
+    assert hub.offline()

@@ -4,7 +4,7 @@ import nbformat
 import plotly.graph_objects as go
 import pytest
 
-from servebook import environment, report, results, runner, server
+from servebook import environment, report, report_check, results, runner, server
 from servebook.errors import MissingRecord
 from servebook.records import BenchmarkRecord, LaunchRecord
 from servebook.results import Manifest, StageRun
@@ -71,3 +71,38 @@ def test_results_round_trip_and_mask_secrets(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["schema_version"] == results.SCHEMA_VERSION
     with pytest.raises(MissingRecord, match="run the launch stage first"):
         results.require(tmp_path / "elsewhere", LaunchRecord, "benchmark")
+
+
+def _figure_notebook(path, fig):
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("show()")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={report.PLOTLY_MIME: fig.to_plotly_json()})]
+    nb.cells = [cell]
+    nbformat.write(nb, path)
+
+
+@pytest.mark.skipif(report_check.find_browser() is None, reason="no Chromium on this machine")
+def test_the_browser_check_finds_requests_and_stretched_axes(tmp_path):
+    """The checker itself: a request to the network, and an annotation at x=64 in data units on a log axis
+    (plotly reads it as 10^64), are found; a readable log-axis plot and bars from zero pass."""
+    readable = go.Figure(go.Scatter(x=[1, 2, 4, 8], y=[10, 20, 25, 26]), layout={"title": "readable"})
+    readable.update_xaxes(type="log")
+    stretched = go.Figure(go.Scatter(x=[1, 2, 4, 8], y=[10, 20, 25, 26]), layout={"title": "stretched"})
+    stretched.update_xaxes(type="log")
+    stretched.add_annotation(x=64, y=20, text="plateau")
+    bars = go.Figure(go.Bar(x=["baseline", "variant"], y=[500, 520]), layout={"title": "bars"})
+    for i, fig in enumerate((readable, stretched, bars)):
+        _figure_notebook(tmp_path / f"0{i}_s.ipynb", fig)
+    manifest = Manifest(
+        run_name="t", run_dir=str(tmp_path), params_file="p.yaml", overrides=[], params={}, command="",
+        started_at="", host=environment.host(), versions={}, git_commit=None, status="ok",
+        stages=[StageRun(name=f"0{i}_s", status="ok", seconds=1.0, summary="s") for i in range(3)],
+    )  # fmt: skip
+    page = report.build(tmp_path, manifest)
+    page.write_text(page.read_text().replace("</body>", '<img src="http://example.com/pixel.png"></body>'))
+    found = report_check.check(page)
+    assert [f.title for f in found.figures] == ["readable", "stretched", "bars"]
+    assert all(f.drawn for f in found.figures)
+    assert found.figures[0].problems == [] and found.figures[2].problems == []
+    assert "stretched" in found.figures[1].problems[0] and "xaxis" in found.figures[1].problems[0]
+    assert found.requests == ["http://example.com/pixel.png"] and not found.ok

@@ -141,10 +141,13 @@ def memory_figure(record: PlanRecord) -> go.Figure:
         for layout in record.layouts
         if layout.accepted
     ]
+    if record.device.kind != "cuda":
+        # the CPU backend's KV cache is a fixed size, not what is left of a GPU: no memory line to fill up to
+        kv = f"{record.device.cpu_kv_bytes / GiB:g} GiB" if record.device.cpu_kv_bytes else "fixed"
+        return px.bar(rows, x="layout", y="GiB", color="part", title=f"Weights and KV cache ({kv}, cpu_kv_cache_gib)")
     fig = px.bar(
         rows, x="layout", y="GiB", color="part", title="Weights, reserve and KV cache per GPU (accepted layouts)"
     )
-    gpu = record.device.kind == "cuda"
-    usable = record.device.memory_bytes / GiB * (record.gpu_memory_utilization if gpu else 1)
-    fig.add_hline(y=usable, line_dash="dash", annotation_text="usable memory" if gpu else "host memory")
+    usable = record.device.memory_bytes / GiB * record.gpu_memory_utilization
+    fig.add_hline(y=usable, line_dash="dash", annotation_text="usable memory")
     return fig
