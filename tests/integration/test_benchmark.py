@@ -20,6 +20,7 @@ def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path)
         workload=loadgen.Workload(input_len=48, output_len=24),
         max_concurrency=4,
         repeats=2,
+        max_repeats=2,  # exact request counts below: no extra runs for a wide spread
         prompts_per_level=8,
         objectives=metrics.Objectives(ttft_ms=60_000),
     )
@@ -41,6 +42,31 @@ def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path)
     assert (tmp_path / "sweep_levels.csv").is_file() and (tmp_path / "sweep_runs.parquet").is_file()
     runs = pd.read_parquet(tmp_path / "sweep_runs.parquet")
     assert set(runs.prefix_cache_reset) == {"reset"}  # the shared server runs with VLLM_SERVER_DEV_MODE=1
+
+
+def test_windows_last_their_seconds_and_a_broken_objective_ends_the_sweep(shared_server, tmp_path):
+    """Each window sends until it has both its requests and its seconds; a wide spread earns another run
+    (up to max_repeats); an objective no request can meet stops the sweep at its first level, by name."""
+    cfg = bench.SweepConfig(
+        workload=loadgen.Workload(input_len=16, output_len=8),
+        max_concurrency=4,
+        repeats=2,
+        max_repeats=3,
+        max_spread_pct=0.001,  # no two runs are this close: the third run is always asked for
+        prompts_per_level=4,
+        min_level_s=1.5,
+        objectives=metrics.Objectives(ttft_ms=0.001),
+    )
+    lines: list[str] = []
+    data = bench.sweep(
+        shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path, log=lines.append
+    )
+    assert data.stopped_by == "objective" and "TTFT" in data.stop_reason and "concurrency 1" in data.stop_reason
+    assert [level.concurrency for level in data.levels] == [1] and data.levels[0].repeats == 3
+    runs = pd.read_parquet(tmp_path / "sweep_runs.parquet")
+    assert len(runs) == 3 and all(runs.duration_s >= 1.5) and all(runs.requests >= 4)
+    assert any("measuring again" in line for line in lines)
+    assert any("spread still above bench_max_spread_pct" in w for w in data.warnings)
 
 
 def test_a_server_killed_mid_level_stops_the_sweep_and_keeps_results(tmp_path):
