@@ -3,7 +3,7 @@
 #   jupytext:
 #     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: kernelspec,jupytext,-all
+#     notebook_metadata_filter: kernelspec,language_info,jupytext,-all
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -13,6 +13,16 @@
 #     display_name: Python 3
 #     language: python
 #     name: python3
+#   language_info:
+#     codemirror_mode:
+#       name: ipython
+#       version: 3
+#     file_extension: .py
+#     mimetype: text/x-python
+#     name: python
+#     nbconvert_exporter: python
+#     pygments_lexer: ipython3
+#     version: 3.11.7
 # ---
 
 # %% [markdown]
@@ -31,9 +41,15 @@
 #
 # For accepted layouts: weights per GPU (experts split or sliced over TP × DP, everything else sliced by TP
 # and replicated per DP rank, layers split across PP stages), KV bytes per token per GPU (MLA's latent
-# cache is replicated on every TP rank), KV tokens at `gpu_memory_utilization` after a stated reserve for
-# activations and CUDA graphs (rounded to whole 16-token blocks as vLLM does), and decode ceilings from
-# memory bandwidth plus a fixed cost per collective. The ceilings rank layouts; the benchmark stage measures.
+# cache is replicated on every TP rank), KV tokens at `gpu_memory_utilization` after vLLM's reserve
+# (rounded to whole 16-token blocks as vLLM does), and decode ceilings from memory bandwidth plus a fixed
+# cost per collective. The ceilings rank layouts; the benchmark stage measures.
+#
+# The reserve is what vLLM keeps beside weights and KV cache, modelled per layout as vLLM profiles it: the
+# activation peak of a forward pass over `max_num_batched_tokens` (8,192 on GPUs of 70 GiB or more), non-torch
+# memory (more once NCCL joins), its CUDA-graph estimate, and the ~0.6 GiB per GPU that NVML counts but CUDA
+# does not report. Calibrated on two H200s with vLLM 0.25 (docs/examples/h200-vllm): KV tokens within 0.11 %
+# of vLLM's log on five layouts. `plan_reserve_gib` replaces it with a fixed figure.
 
 # %% tags=["parameters"]
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe

@@ -3,7 +3,7 @@
 #   jupytext:
 #     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: kernelspec,jupytext,-all
+#     notebook_metadata_filter: kernelspec,language_info,jupytext,-all
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -13,6 +13,16 @@
 #     display_name: Python 3
 #     language: python
 #     name: python3
+#   language_info:
+#     codemirror_mode:
+#       name: ipython
+#       version: 3
+#     file_extension: .py
+#     mimetype: text/x-python
+#     name: python
+#     nbconvert_exporter: python
+#     pygments_lexer: ipython3
+#     version: 3.11.7
 # ---
 
 # %% [markdown]

@@ -26,13 +26,18 @@ if [ "$(cat "$venv/.setup-stamp" 2>/dev/null)" != "$stamp" ]; then
     # transformers' Qwen3-MoE import. vLLM serves text models without them.
     "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
   fi
-  "$venv/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (servebook)" >/dev/null
+  "$venv/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
   echo "$stamp" > "$venv/.setup-stamp"
 fi
 # JupyterLab lists each stage once: the py:percent twins (kept for review and diffs) are hidden from its file
 # browser; jupytext still keeps each pair in step
-mkdir -p "$venv/etc/jupyter/jupyter_server_config.d"
-printf '%s\n' '{"ContentsManager": {"hide_globs": ["__pycache__", "*.pyc", "*.pyo", ".DS_Store", "*~", "[0-9][0-9]_*.py"]}}' \
-  > "$venv/etc/jupyter/jupyter_server_config.d/servebook.json"
+"$venv/bin/python" - "$venv/etc/jupyter/jupyter_server_config.json" <<'PY'
+import json, pathlib, sys
+path = pathlib.Path(sys.argv[1]); path.parent.mkdir(parents=True, exist_ok=True)
+config = json.loads(path.read_text()) if path.is_file() else {}
+config.setdefault("ContentsManager", {})["hide_globs"] = [
+    "__pycache__", "*.pyc", "*.pyo", ".DS_Store", "*~", "[0-9][0-9]_*.py"]
+path.write_text(json.dumps(config, indent=1) + "\n")
+PY
 "$venv/bin/servebook" build-model --quiet
 echo "setup: ready in $(( $(date +%s) - started )) s"

@@ -55,12 +55,12 @@ class SweepConfig:
         return max(self.prompts_per_level, 4 * concurrency)
 
     def prompts_for(self, concurrency: int, requests_per_s: float | None) -> int:
-        """Measured prompts to prepare: the minimum count, or enough for ``min_level_s`` at the expected rate
-        with half again to spare (the window stops sending once both minimums are met)."""
+        """Measured prompts to prepare: the minimum count, or enough for ``min_level_s`` at twice the expected
+        rate (the window stops sending once both minimums are met; the rest are spare)."""
         least = self.measured_requests(concurrency)
         if not self.min_level_s or not requests_per_s:
             return least
-        return max(least, min(math.ceil(1.5 * self.min_level_s * requests_per_s), 50 * least))
+        return max(least, min(math.ceil(2 * self.min_level_s * requests_per_s), 50 * least))
 
 
 def spread_pct(throughputs: list[float]) -> float | None:

@@ -186,7 +186,10 @@ def plan(
     batch: int = typer.Option(64, help="concurrent sequences for the throughput ranking"),
     as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON"),
 ) -> None:
-    """Which TP/PP/DP/EP layouts vLLM accepts for a model on N GPUs, memory per GPU, KV tokens, a recommendation."""
+    """Which TP/PP/DP/EP layouts vLLM accepts for a model on N GPUs, memory per GPU, KV tokens, a recommendation.
+
+    A terminal answer; `servebook run PARAMS --stages reconnaissance,plan` writes it as a run folder with a report.
+    """
     from servebook import gpus as gpu_specs
     from servebook import modelspec, planner
     from servebook.stages.plan import table

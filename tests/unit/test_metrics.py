@@ -274,6 +274,6 @@ def test_a_level_window_is_sized_for_its_seconds_at_the_expected_rate():
 
     cfg = SweepConfig(prompts_per_level=64, min_level_s=20.0)
     assert cfg.prompts_for(16, None) == 64  # nothing known yet: the count alone
-    assert cfg.prompts_for(16, 60.0) == 1800  # 20 s at 60 requests/s, half again to spare
+    assert cfg.prompts_for(16, 60.0) == 2400  # 20 s at twice the 60 requests/s expected
     assert cfg.prompts_for(256, 0.1) == 1024  # never under 4 per stream
     assert SweepConfig(prompts_per_level=64).prompts_for(16, 60.0) == 64  # no seconds asked: the count

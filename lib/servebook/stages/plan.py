@@ -120,7 +120,7 @@ def table(record: planner.Plan) -> pd.DataFrame:
                 "why not": "; ".join(layout.reasons),
             }
         )
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).dropna(axis=1, how="all")  # e.g. no reserve or ceilings on the CPU
 
 
 def memory_figure(record: PlanRecord) -> go.Figure:
