@@ -107,6 +107,16 @@ cols = ["concurrency", "output_throughput", "spread_pct", "per_user_tok_s", "ttf
 display(levels[[c for c in cols if c in levels]].round(2))
 
 # %% [markdown]
+# ## What limits each level
+#
+# From what was gathered during the level: the load generator's own CPU time (it must never silently be the
+# limit), vLLM's running and waiting requests against `max_num_seqs`, KV-cache usage and preemptions, and the
+# gain over the level before.
+
+# %%
+display(levels[["concurrency", "limit", "client_cpu_pct", "running_peak", "waiting_peak", "kv_cache_usage_peak"]])
+
+# %% [markdown]
 # ## Plots
 
 # %%

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ from servebook import client, loadgen, metrics
 from servebook.loadgen import Workload
 
 StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault"]
+LimitKind = Literal["client", "batch", "kv_cache", "server", "rising"]
+CLIENT_BOUND_PCT = 90.0  # one asyncio process near a full core paces the server instead of measuring it
+KV_FULL = 0.95
 TableRow = dict[str, float | int | str | None]  # one row of a parquet/CSV table
 
 
@@ -43,6 +47,7 @@ class SweepConfig:
     objectives: metrics.Objectives = field(default_factory=metrics.Objectives)
     request_timeout_s: float = 600.0
     reset_prefix_cache: bool = True
+    max_num_seqs: int = 0  # sequences the server runs at once, all engines together; 0: unknown
 
     def levels(self) -> list[int]:
         out, c = [], self.start_concurrency
@@ -151,8 +156,11 @@ class Level(BaseModel):
     kv_cache_usage_peak: float | None = None  # 0-1
     running_peak: float | None = None
     waiting_peak: float | None = None
+    client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core
     failed: int = 0
     preemptions: float = 0.0
+    limit: str = ""  # what limits this level, from the evidence above (limit_of)
+    limit_kind: LimitKind | None = None
 
 
 MEDIAN_FIELDS = [
@@ -168,6 +176,8 @@ MEDIAN_FIELDS = [
         "spread_pct",
         "failed",
         "preemptions",
+        "limit",
+        "limit_kind",
     }
 ]
 
@@ -226,6 +236,35 @@ def plateau_level(levels: list[int], throughputs: list[float], gain: float) -> i
         return None
     best = max(throughputs)
     return next(c for c, t in zip(levels, throughputs) if t >= best * (1 - gain))
+
+
+def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitKind, str]:
+    """What limits a level, from what was gathered during it; ``gain`` is its throughput over the previous
+    level's. The client is checked first: it must never silently be the limit."""
+    waiting = level.waiting_peak or 0.0
+    running = level.running_peak or 0.0
+    if level.client_cpu_pct is not None and level.client_cpu_pct >= CLIENT_BOUND_PCT:
+        return "client", (
+            f"client-bound: the load generator used {level.client_cpu_pct:.0f} % of a core, so the server may "
+            "have had more to give"
+        )
+    # vLLM's waiting gauge can read 0 between samples; streams in flight beyond those running wait all the same
+    if cfg.max_num_seqs and running >= cfg.max_num_seqs and (waiting > 0 or level.concurrency > cfg.max_num_seqs):
+        queued = max(waiting, level.concurrency - running)
+        return "batch", f"batch limit max_num_seqs={cfg.max_num_seqs}: {running:.0f} running, {queued:.0f} waiting"
+    usage = level.kv_cache_usage_peak or 0.0
+    if usage >= KV_FULL or (level.preemptions and waiting > 0):
+        return "kv_cache", (
+            f"KV cache full: {usage:.0%} used, {waiting:.0f} waiting, {level.preemptions:.0f} preemptions"
+        )
+    if gain is None:
+        return "rising", "the first level: nothing limits it yet"
+    if gain >= cfg.plateau_gain:
+        return "rising", f"still rising: not saturated ({gain:+.0%} over the level before)"
+    return "server", (
+        f"server-bound: {running:.0f} of {level.concurrency} streams run together, nothing waits, and doubling "
+        f"the streams gained {gain:+.0%}; the batch's compute or memory bandwidth is the wall"
+    )
 
 
 def objective_broken(level: Level, objectives: metrics.Objectives) -> str:
@@ -295,6 +334,15 @@ def aggregate(rows: list[TableRow]) -> list[Level]:
     return out
 
 
+def label_limits(levels: list[Level], cfg: SweepConfig) -> list[Level]:
+    """Set each level's limit, judging its gain against the level before it."""
+    for i, level in enumerate(levels):
+        previous = levels[i - 1].output_throughput if i else 0.0
+        gain = level.output_throughput / previous - 1 if previous > 0 else None
+        level.limit_kind, level.limit = limit_of(level, gain, cfg)
+    return levels
+
+
 def declined(levels: list[Level], gain: float) -> Level | None:
     """The best level, when the newest one fell past it by more than ``gain`` in every repeat: past saturation."""
     if len(levels) < 2:
@@ -345,6 +393,7 @@ def sweep(
             prompts = maker.prompts(cfg.prompts_for(c, expected) + warm, content_len, cfg.workload.shared_prefix_len)
             reset = reset_prefix_cache(url, headers) if cfg.reset_prefix_cache else "not requested"
             before = _scrape(url)
+            cpu_before, wall_before = time.process_time(), time.monotonic()
             with MetricsSampler(url) as sampler:
                 recs, _, _ = loadgen.run_level(
                     url,
@@ -359,6 +408,7 @@ def sweep(
                     min_requests=least,
                     min_seconds=cfg.min_level_s,
                 )
+            client_cpu_pct = 100 * (time.process_time() - cpu_before) / max(time.monotonic() - wall_before, 1e-9)
             after = _scrape(url)
             summary = metrics.summarize(recs, cfg.objectives)
             if summary.request_throughput:
@@ -373,6 +423,7 @@ def sweep(
                 r.level = f"c{c}r{rep}"
             records += recs
             rows.append(_level_row(c, rep, summary, before, after, sampler.peaks, reset))
+            rows[-1]["client_cpu_pct"] = round(client_cpu_pct, 1)
             log(
                 f"concurrency {c:4d} repeat {rep + 1}: {summary.output_throughput:8.1f} output tok/s, "
                 f"TTFT p50 {summary.ttft_ms.p50 or 0:7.1f} ms, TPOT p50 {summary.tpot_ms.p50 or 0:6.1f} ms, "
@@ -399,6 +450,8 @@ def sweep(
             stopped_by, stop_reason = "fault", f"server fault at concurrency {c}"
             break
         level = aggregate([r for r in rows if r["concurrency"] == c])[0]
+        label_limits([*measured, level], cfg)
+        log(f"concurrency {c:4d}: {level.limit}")
         done_levels.append(c)
         measured.append(level)
         throughputs.append(level.output_throughput)
@@ -434,7 +487,7 @@ def sweep(
                 "raise bench_max_concurrency"
             )
         stop_reason = f"reached bench_max_concurrency {cfg.max_concurrency} before a plateau{trend}: not saturated"
-    per_level = aggregate(rows)
+    per_level = label_limits(aggregate(rows), cfg)
     tables = {name: f"{table_prefix}_{name}.parquet" for name in ("requests", "runs", "levels")}
     loadgen.save_records(records, out_dir / f"{table_prefix}_requests")
     import pandas as pd

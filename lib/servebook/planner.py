@@ -158,6 +158,14 @@ def pp_split(layers: int, pp: int) -> list[int]:
     return sizes
 
 
+def default_max_num_seqs(device: Device, world_size: int = 1) -> int:
+    """Sequences one vLLM engine runs at once by default for its API server: 1024 on GPUs of 70 GiB or more
+    (except A100), 256 on other GPUs, 128 per CPU rank (vllm/engine/arg_utils.py, as for the batched tokens)."""
+    if device.kind == "cpu":
+        return 128 * world_size
+    return 1024 if device.memory_bytes >= 70 * GiB and "A100" not in device.name else 256
+
+
 class Reserve(BaseModel):
     """The per-GPU memory vLLM keeps beside weights and KV cache, by part (bytes)."""
 

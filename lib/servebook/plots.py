@@ -15,6 +15,8 @@ from plotly.subplots import make_subplots
 
 from servebook.bench import SweepResult
 
+LIMIT_LABELS = {"client": "client-bound", "batch": "batch limit", "kv_cache": "KV cache full", "server": "server-bound"}
+
 
 def _levels(result: SweepResult) -> pd.DataFrame:
     return pd.DataFrame([level.model_dump() for level in result.levels])
@@ -43,8 +45,13 @@ def throughput(result: SweepResult, name: str = "") -> go.Figure:
         go.Scatter(
             x=lv["concurrency"],
             y=lv["output_throughput"],
-            mode="lines+markers",
+            mode="lines+markers+text",
             name=name or "output tok/s",
+            # the limit's kind by each level it binds (a still-rising level needs no label)
+            text=[LIMIT_LABELS.get(k, "") for k in lv["limit_kind"]] if "limit_kind" in lv else None,
+            textposition="top left",
+            customdata=lv["limit"] if "limit" in lv else None,
+            hovertemplate="%{x} streams: %{y:,.0f} tok/s<br>%{customdata}<extra></extra>" if "limit" in lv else None,
             error_y=dict(
                 type="data",
                 symmetric=False,

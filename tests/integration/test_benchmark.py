@@ -90,3 +90,26 @@ def test_a_server_killed_mid_level_stops_the_sweep_and_keeps_results(tmp_path):
     assert "connection" in data.runs[-1]["errors"]
     reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
     assert (reqs.error != "").any() and (reqs.error == "").any()  # what was measured before the fault is kept
+
+
+def test_a_level_past_max_num_seqs_is_labelled_a_batch_limit(tmp_path):
+    """vLLM admits 4 sequences; at 8 streams the other 4 wait in its queue, and the level says so."""
+    launched = server.launch(config(8137, max_num_seqs=4), tmp_path / "server", log=print)
+    cfg = bench.SweepConfig(
+        workload=loadgen.Workload(input_len=32, output_len=64),
+        start_concurrency=2,
+        max_concurrency=8,
+        repeats=1,
+        max_repeats=1,
+        prompts_per_level=16,
+        min_level_s=2.0,
+        max_num_seqs=4,
+    )
+    try:
+        data = bench.sweep(launched.url, "tiny-qwen3-moe", launched.config.model_path, cfg, tmp_path)
+    finally:
+        server.stop(port=8137)
+    by_c = {level.concurrency: level for level in data.levels}
+    assert by_c[8].limit_kind == "batch", [(lv.concurrency, lv.limit) for lv in data.levels]
+    assert "max_num_seqs=4: 4 running, 4 waiting" in by_c[8].limit and by_c[8].running_peak == 4
+    assert by_c[2].limit_kind != "batch" and (by_c[2].client_cpu_pct or 0) > 0

@@ -277,3 +277,52 @@ def test_a_level_window_is_sized_for_its_seconds_at_the_expected_rate():
     assert cfg.prompts_for(16, 60.0) == 2400  # 20 s at twice the 60 requests/s expected
     assert cfg.prompts_for(256, 0.1) == 1024  # never under 4 per stream
     assert SweepConfig(prompts_per_level=64).prompts_for(16, 60.0) == 64  # no seconds asked: the count
+
+
+def _level(concurrency, **kw):
+    base = dict(repeats=2, output_throughput=1000.0, output_throughput_min=990.0, output_throughput_max=1010.0,
+                spread_pct=2.0)  # fmt: skip
+    return bench.Level(concurrency=concurrency, **{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "level, gain, kind, words",
+    [
+        (_level(256, client_cpu_pct=97.0, running_peak=256, waiting_peak=0), 0.01, "client", "97 % of a core"),
+        (
+            _level(16, running_peak=4, waiting_peak=12, client_cpu_pct=20.0),
+            0.0,
+            "batch",
+            "max_num_seqs=4: 4 running, 12 waiting",
+        ),
+        (
+            _level(64, kv_cache_usage_peak=0.99, running_peak=40, waiting_peak=24),
+            -0.1,
+            "kv_cache",
+            "99% used, 24 waiting",
+        ),
+        (
+            _level(64, kv_cache_usage_peak=0.6, running_peak=64, waiting_peak=3, preemptions=5.0),
+            0.0,
+            "kv_cache",
+            "5 preemptions",
+        ),
+        (_level(32, running_peak=32, waiting_peak=0, client_cpu_pct=40.0), 0.02, "server", "32 of 32 streams"),
+        (_level(8, running_peak=8, waiting_peak=0), 0.8, "rising", "still rising"),
+        (_level(1, running_peak=1), None, "rising", "first level"),
+    ],
+)
+def test_what_limits_a_level(level, gain, kind, words):
+    """Each rule on hand-built evidence; the client is judged first, then the batch, the KV cache, the gain."""
+    got_kind, text = bench.limit_of(level, gain, bench.SweepConfig(max_num_seqs=4 if kind == "batch" else 1024))
+    assert got_kind == kind and words in text
+
+
+def test_levels_are_labelled_against_the_level_before():
+    levels = [
+        _level(1, output_throughput=100.0),
+        _level(2, output_throughput=190.0),
+        _level(4, output_throughput=192.0),
+    ]
+    bench.label_limits(levels, bench.SweepConfig(plateau_gain=0.05))
+    assert [lv.limit_kind for lv in levels] == ["rising", "rising", "server"]

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from servebook import bench, client, metrics, results
+from servebook import bench, client, metrics, planner, results
 from servebook.errors import ServebookError, SweepAborted
 from servebook.loadgen import Workload
 from servebook.params import Params
-from servebook.records import BenchmarkRecord, LaunchRecord
+from servebook.records import BenchmarkRecord, LaunchRecord, PlanRecord
 
 
-def sweep_config(p: Params) -> bench.SweepConfig:
+def sweep_config(p: Params, max_num_seqs: int = 0) -> bench.SweepConfig:
     return bench.SweepConfig(
+        max_num_seqs=max_num_seqs,
         workload=Workload(p.bench_input_len, p.bench_output_len, p.bench_endpoint, p.bench_shared_prefix_len),
         max_concurrency=p.bench_max_concurrency,
         repeats=p.bench_repeats,
@@ -28,6 +29,16 @@ def sweep_config(p: Params) -> bench.SweepConfig:
     )
 
 
+def admitted_sequences(launch: LaunchRecord, plan: PlanRecord | None) -> int:
+    """Sequences the server runs at once, all DP engines together: the launch's max_num_seqs, else vLLM's
+    default for the planned device; 0 when neither is known."""
+    cfg = launch.config
+    per_engine = cfg.max_num_seqs or (
+        planner.default_max_num_seqs(plan.device, cfg.tensor_parallel_size * cfg.pipeline_parallel_size) if plan else 0
+    )
+    return per_engine * cfg.data_parallel_size
+
+
 def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     """Sweep the server the launch stage recorded; always write the record, the gate raises on a fault."""
     run_dir = results.run_folder(run_dir)
@@ -36,7 +47,7 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
         launch.url,
         launch.served_model_name,
         launch.model_path,
-        sweep_config(p),
+        sweep_config(p, admitted_sequences(launch, results.read(run_dir, PlanRecord))),
         run_dir,
         client.headers(launch.api_key_env),
         table_prefix=BenchmarkRecord.FILE,
