@@ -26,7 +26,7 @@ from servebook import client, loadgen, metrics
 from servebook.loadgen import Workload
 
 StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault"]
-LimitKind = Literal["client", "batch", "kv_cache", "server", "rising"]
+LimitKind = Literal["client", "batch", "kv_cache", "server", "decline", "rising"]
 CLIENT_BOUND_PCT = 90.0  # one asyncio process near a full core paces the server instead of measuring it
 KV_FULL = 0.95
 TableRow = dict[str, float | int | str | None]  # one row of a parquet/CSV table
@@ -261,9 +261,19 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
         return "rising", "the first level: nothing limits it yet"
     if gain >= cfg.plateau_gain:
         return "rising", f"still rising: not saturated ({gain:+.0%} over the level before)"
+    client = (
+        "the client's CPU was not measured, so it is a suspect"
+        if level.client_cpu_pct is None
+        else f"the client used {level.client_cpu_pct:.0f} % of a core"
+    )
+    if gain < -cfg.plateau_gain:
+        return "decline", (
+            f"declined {gain:+.0%} with {running:.0f} of {level.concurrency} streams running and nothing waiting in "
+            f"vLLM; {client}"
+        )
     return "server", (
         f"server-bound: {running:.0f} of {level.concurrency} streams run together, nothing waits, and doubling "
-        f"the streams gained {gain:+.0%}; the batch's compute or memory bandwidth is the wall"
+        f"the streams gained {gain:+.0%}; the batch's compute or memory bandwidth is the wall ({client})"
     )
 
 

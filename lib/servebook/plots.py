@@ -15,7 +15,13 @@ from plotly.subplots import make_subplots
 
 from servebook.bench import SweepResult
 
-LIMIT_LABELS = {"client": "client-bound", "batch": "batch limit", "kv_cache": "KV cache full", "server": "server-bound"}
+LIMIT_LABELS = {
+    "client": "client-bound",
+    "batch": "batch limit",
+    "kv_cache": "KV cache full",
+    "server": "server-bound",
+    "decline": "declined",
+}
 
 
 def _levels(result: SweepResult) -> pd.DataFrame:

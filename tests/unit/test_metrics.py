@@ -309,6 +309,7 @@ def _level(concurrency, **kw):
         ),
         (_level(32, running_peak=32, waiting_peak=0, client_cpu_pct=40.0), 0.02, "server", "32 of 32 streams"),
         (_level(8, running_peak=8, waiting_peak=0), 0.8, "rising", "still rising"),
+        (_level(256, running_peak=256, waiting_peak=0), -0.51, "decline", "client's CPU was not measured"),
         (_level(1, running_peak=1), None, "rising", "first level"),
     ],
 )
