@@ -6,7 +6,9 @@ Each round measures the same server at each concurrency with both clients, the o
 so that neither always runs on a warmer server (servebook's first, to size vLLM's). Both send random prompts of exactly --input-len tokens and
 ask for exactly --output-len tokens (ignore_eos). vLLM's benchmark runs in this process (its own code,
 ``vllm.benchmarks.serve``), sized from servebook's request rate so that its window lasts as long.
-Writes one JSON row per measurement to DIR/rounds.jsonl and prints a table of medians.
+Writes one JSON row per measurement to DIR/rounds.jsonl (with each client's CPU seconds per 1,000 output
+tokens), every request's timeline (servebook-*.parquet, vLLM's --save-detailed vllm-*.json), and prints a
+table of medians.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from servebook import loadgen, metrics
 from servebook.loadgen import Workload
 
 
-def servebook_run(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int, rate: float | None) -> dict:
+def servebook_run(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int, rate: float | None, tag: str) -> dict:
     least = max(4 * c, 32)
     count = max(least, math.ceil(1.5 * a.seconds * rate)) if rate else least * 20
     prompts = maker.prompts(count + c, a.input_len)
+    cpu = time.process_time()
     recs, _, _ = loadgen.run_level(
         a.url,
         a.model,
@@ -37,6 +40,8 @@ def servebook_run(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int, rat
         min_requests=least,
         min_seconds=a.seconds,
     )
+    cpu = time.process_time() - cpu
+    loadgen.save_records(recs, a.out / f"servebook-{tag}")  # every request's timeline, to study TTFT
     s = metrics.summarize(recs)
     return {
         "client": "servebook",
@@ -51,10 +56,12 @@ def servebook_run(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int, rat
         "itl_p50_ms": s.itl_ms.p50,
         "e2el_p50_ms": s.e2el_ms.p50,
         "errors": s.errors,
+        "client_cpu_s": cpu,
+        "client_cpu_s_per_1k_tokens": 1000 * cpu / max(s.output_tokens, 1),
     }
 
 
-def vllm_run(a: argparse.Namespace, c: int, rate: float, seed: int) -> dict:
+def vllm_run(a: argparse.Namespace, c: int, rate: float, seed: int, tag: str) -> dict:
     from vllm.benchmarks import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -80,6 +87,8 @@ def vllm_run(a: argparse.Namespace, c: int, rate: float, seed: int) -> dict:
             "--random-range-ratio",
             "0",
             "--ignore-eos",
+            "--temperature",
+            "0",
             "--max-concurrency",
             str(c),
             "--num-prompts",
@@ -93,9 +102,17 @@ def vllm_run(a: argparse.Namespace, c: int, rate: float, seed: int) -> dict:
             "ttft,tpot,itl,e2el",
             "--metric-percentiles",
             "50,90,99",
+            "--save-result",
+            "--save-detailed",
+            "--result-dir",
+            str(a.out),
+            "--result-filename",
+            f"vllm-{tag}.json",
         ]
     )
+    cpu = time.process_time()
     r = serve.main(args)
+    cpu = time.process_time() - cpu
     return {
         "client": "vllm bench serve",
         "concurrency": c,
@@ -109,6 +126,9 @@ def vllm_run(a: argparse.Namespace, c: int, rate: float, seed: int) -> dict:
         "tpot_p50_ms": r.get("median_tpot_ms"),
         "itl_p50_ms": r.get("median_itl_ms"),
         "e2el_p50_ms": r.get("median_e2el_ms"),
+        # in this process, so it includes vLLM's dataset sampling before the run: an upper bound
+        "client_cpu_s": cpu,
+        "client_cpu_s_per_1k_tokens": 1000 * cpu / max(r.get("total_output_tokens") or 1, 1),
     }
 
 
@@ -134,7 +154,12 @@ def main() -> None:
             order = ("servebook", "vllm") if rnd % 2 == 0 else ("vllm", "servebook")
             for who in order:
                 t0 = time.monotonic()
-                row = servebook_run(a, maker, c, rate) if who == "servebook" else vllm_run(a, c, rate or 1.0, rnd)
+                tag = f"c{c}-r{rnd + 1}"
+                row = (
+                    servebook_run(a, maker, c, rate, tag)
+                    if who == "servebook"
+                    else vllm_run(a, c, rate or 1.0, rnd, tag)
+                )
                 row["round"], row["wall_s"] = rnd + 1, round(time.monotonic() - t0, 1)
                 if who == "servebook":
                     rate = row["request_throughput"]
@@ -142,7 +167,10 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 with rows_path.open("a") as fh:
                     fh.write(json.dumps(row) + "\n")
-    print(f"\n{'c':>4} {'client':<17} {'n':>3} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}")
+    print(
+        f"\n{'c':>4} {'client':<17} {'n':>3} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6} "
+        f"{'CPU s/1k tok':>12}"
+    )
     for c in a.concurrency:
         for who in ("servebook", "vllm bench serve"):
             mine = [r for r in rows if r["concurrency"] == c and r["client"] == who]
@@ -150,11 +178,12 @@ def main() -> None:
                 continue
             med = {
                 k: statistics.median(r[k] for r in mine if r[k] is not None)
-                for k in ("output_throughput", "ttft_p50_ms", "tpot_p50_ms")
+                for k in ("output_throughput", "ttft_p50_ms", "tpot_p50_ms", "client_cpu_s_per_1k_tokens")
             }
             print(
                 f"{c:>4} {who:<17} {len(mine):>3} {med['output_throughput']:>10.1f} {med['ttft_p50_ms']:>8.2f}ms "
-                f"{med['tpot_p50_ms']:>8.3f}ms {sum(r['failed'] or 0 for r in mine):>6}"
+                f"{med['tpot_p50_ms']:>8.3f}ms {sum(r['failed'] or 0 for r in mine):>6} "
+                f"{med['client_cpu_s_per_1k_tokens']:>12.4f}"
             )
 
 
