@@ -156,6 +156,14 @@ _PHASE_READERS: dict[str, Callable[[tuple[str, ...]], tuple[dict[str, Any], str]
 }
 
 
+def read_values(log_text: str) -> LogValues:
+    """Everything a finished (or stopped) server's log said, as :class:`LogValues`."""
+    progress = LoadProgress()
+    for line in log_text.splitlines():
+        progress.feed(ANSI_ESCAPE.sub("", line), 0.0)
+    return progress.values
+
+
 def root_cause(log_text: str) -> str:
     """The most telling error line in a server log, with what it means."""
     # vLLM's closing "Engine core initialization failed. See root cause above." points elsewhere

@@ -236,12 +236,9 @@ H200_NVML_BYTES = 143771 * 2**20  # what NVML reported on those machines
 )
 def test_kv_tokens_and_weights_match_vllm_on_h200(log_name, dtype, tp, pp, dp, ep):
     """Planned against logged, per GPU: KV tokens within 0.3 %, weights within 1.5 % (issue #13's goals)."""
-    from servebook.vllm_log import LoadProgress
+    from servebook.vllm_log import read_values
 
-    progress = LoadProgress()
-    for line in (VLLM_LOGS / f"gpu-0.25.0-h200-{log_name}.log").read_text().splitlines():
-        progress.feed(line, 0.0)
-    logged = progress.values
+    logged = read_values((VLLM_LOGS / f"gpu-0.25.0-h200-{log_name}.log").read_text())
     g = gpus.lookup("H200")
     dev = planner.Device.for_gpu(g, tp * pp * dp, memory_bytes=H200_NVML_BYTES)
     planned = planner.plan(spec(f"q3moe-30b-a3b-shapes-8l-{dtype}"), dev, max_model_len=4096)

@@ -192,10 +192,9 @@ def test_a_multi_line_exception_keeps_its_message():
 
 def test_vllm_memory_profile_lines_are_read():
     """vLLM 0.25's DEBUG memory profile and its CUDA-graph estimate (INFO), from a real H200 run."""
-    progress = server.LoadProgress()
-    for line in (FIXTURES / "gpu-0.25.0-h200-bf16-tp1.log").read_text().splitlines():
-        progress.feed(line, 0.0)
-    v = progress.values
+    from servebook.vllm_log import read_values
+
+    v = read_values((FIXTURES / "gpu-0.25.0-h200-bf16-tp1.log").read_text())
     assert (v.vllm_version, v.model_memory_gib, v.kv_cache_memory_gib) == ("0.25.0", 9.31, 115.07)
     assert (v.non_kv_memory_gib, v.activation_peak_gib, v.non_torch_gib) == (10.4, 0.87, 0.23)
     assert v.graph_estimate_share == pytest.approx(0.0025)

@@ -21,7 +21,7 @@ from servebook import server
 from servebook.errors import LaunchError
 from servebook.params import Params
 from servebook.server import ServerConfig
-from servebook.vllm_log import LoadProgress
+from servebook.vllm_log import read_values
 
 
 class Sized(Exception):
@@ -51,10 +51,7 @@ def probe(p: Params, out: Path, name: str) -> dict:
     row["seconds"] = round(time.monotonic() - t0, 1)
     logs = sorted(folder.glob("server*.log"))
     if logs:
-        progress = LoadProgress()
-        for line in logs[-1].read_text(errors="replace").splitlines():
-            progress.feed(line, 0.0)
-        row["logged"] = progress.values.model_dump(exclude_none=True)
+        row["logged"] = read_values(logs[-1].read_text(errors="replace")).model_dump(exclude_none=True)
         row["log"] = str(logs[-1])
     return row
 

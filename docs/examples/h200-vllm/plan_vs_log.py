@@ -15,14 +15,11 @@ from pathlib import Path
 from servebook import gpus, modelspec, planner
 from servebook.planner import Parallelism
 from servebook.units import GiB
-from servebook.vllm_log import LoadProgress
+from servebook.vllm_log import read_values
 
 
 def logged(path: Path) -> dict:
-    progress = LoadProgress()
-    for line in path.read_text(errors="replace").splitlines():
-        progress.feed(line, 0.0)
-    return progress.values.model_dump(exclude_none=True)
+    return read_values(path.read_text(errors="replace")).model_dump(exclude_none=True)
 
 
 def main() -> None:
