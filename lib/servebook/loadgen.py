@@ -33,6 +33,10 @@ class Workload:
     endpoint: Endpoint = "completions"
     shared_prefix_len: int = 0  # tokens every prompt starts with (0: every prompt unique from its first token)
     seed: int = 0
+    # Token counts on every chunk (exact per-chunk tokens under speculative decoding) cost vLLM's API server
+    # time: on two H200s at 16 streams they raised TTFT p50 from 28.0 to 32.0 ms (vllm bench serve: 22.6).
+    # Off by default, as `vllm bench serve` asks: one count at the end (docs/examples/h200-vllm/README.md).
+    usage_each_chunk: bool = False
 
 
 @dataclass
@@ -125,8 +129,7 @@ def _body(workload: Workload, model: str, prompt: str) -> tuple[str, dict[str, A
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
-        # usage on every chunk tells how many tokens each chunk carried
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": workload.usage_each_chunk},
     }
     if workload.endpoint == "chat":
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
@@ -139,13 +142,18 @@ def apply_event(rec: RequestRecord, event: dict[str, Any], now: float) -> None:
     A chunk that carries ``choices`` is a token event even when its text is empty (a special token, or bytes the
     detokenizer holds back until a UTF-8 character is whole): the first one sets TTFT, the last one E2EL.  A
     usage-only chunk (``choices: []``) carries counts, never timing.  With ``continuous_usage_stats`` every chunk
-    says how many tokens have been generated so far, so each token event gets the tokens it brought.
+    says how many tokens have been generated so far, so each token event gets the tokens it brought; without,
+    each counts one and :func:`finish_stream` settles the difference with the final count.
     """
     usage = event.get("usage") or {}
-    if event.get("choices"):
+    if choices := event.get("choices"):
         total = usage.get("completion_tokens")
         seen = sum(rec.chunk_tokens)
-        tokens = (total - seen) if total is not None else 1
+        if total is not None:
+            tokens = total - seen
+        else:  # one token a chunk, except the chat stream's opening chunk, which only names the role
+            delta = choices[0].get("delta") or {}
+            tokens = 0 if "role" in delta and not delta.get("content") else 1
         rec.first_chunk = rec.first_chunk if rec.first_chunk is not None else now
         rec.end = now
         rec.chunk_times.append(now)
@@ -153,6 +161,15 @@ def apply_event(rec: RequestRecord, event: dict[str, Any], now: float) -> None:
     if usage:
         rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
         rec.completion_tokens = usage.get("completion_tokens", rec.completion_tokens)
+
+
+def finish_stream(rec: RequestRecord) -> None:
+    """Close a timeline once the stream has ended: a stream without a token chunk failed; tokens the final usage
+    counts beyond one a chunk (several tokens in one chunk, as speculative decoding sends them) go to the last."""
+    if rec.first_chunk is None:
+        rec.error = "empty: the stream carried no token chunk"
+    elif rec.completion_tokens is not None and sum(rec.chunk_tokens) < rec.completion_tokens:
+        rec.chunk_tokens[-1] += rec.completion_tokens - sum(rec.chunk_tokens)
 
 
 async def _one(
@@ -194,11 +211,7 @@ async def _one(
                         rec.error = f"stream error: {str(event['error'])[:300]}"
                         return
                     apply_event(rec, event, now)
-                if rec.first_chunk is None:
-                    rec.error = "empty: the stream carried no token chunk"
-                elif rec.completion_tokens is not None and sum(rec.chunk_tokens) < rec.completion_tokens:
-                    # a server without continuous usage counts: the tokens the chunks did not account for
-                    rec.chunk_tokens[-1] += rec.completion_tokens - sum(rec.chunk_tokens)
+                finish_stream(rec)
         except asyncio.TimeoutError:
             rec.error = f"timeout: no complete answer within {timeout_s:.0f} s"
         except aiohttp.ClientConnectorError as exc:

@@ -411,13 +411,15 @@ def check_rules(spec: ModelSpec, layout: Layout) -> None:
 # weights nor KV cache. vLLM sizes the KV cache as (gpu_memory_utilization x the memory CUDA reports) minus
 # weights, the profile run's activation peak, non-torch memory and (since v0.21) its CUDA-graph estimate
 # (vllm/v1/worker/gpu_worker.py, determine_available_memory). Calibrated on two H200s with vLLM 0.25.0
-# and a Qwen3-30B-A3B-shaped MoE (docs/examples/h200-vllm/README.md has the table): the constants below
-# reproduce the four logged layouts within 0.08 GiB per component.
+# and a Qwen3-30B-A3B-shaped MoE (docs/examples/h200-vllm/README.md has the table): with the constants below
+# the KV tokens of all seven launched layouts (TP, EP, DP, PP, bf16 and FP8) come within 0.11 %.
 CUDA_HIDDEN_BYTES = 0.60 * GiB  # NVML's total (140.40 GiB on an H200) minus what CUDA reports (139.80 GiB)
 NON_TORCH_BYTES = 0.25 * GiB  # CUDA context, cuBLAS workspaces (logged 0.23 GiB at TP=1; 0.08 per DP engine)
-NON_TORCH_COLLECTIVE_BYTES = 0.30 * GiB  # NCCL and custom all-reduce buffers once TP or PP > 1 (logged 0.56 at TP=2)
+NON_TORCH_COLLECTIVE_BYTES = 0.30 * GiB  # NCCL and custom all-reduce buffers at TP > 1 (logged 0.56; PP=2: 0.07)
 ACTIVATION_FACTOR = 2.06  # logged profile peak / the tensors the profile run must hold at once (below)
-GRAPH_BYTES_PER_LAYER = 0.044 * GiB  # CUDA-graph estimate per layer at TP=1 (0.35 GiB for 8 layers)
+# CUDA-graph estimate per layer of the model at TP=1 (0.35 GiB for 8 layers); not per PP stage: TP=1+PP=2
+# logged 0.39 GiB for a 4-layer stage
+GRAPH_BYTES_PER_LAYER = 0.044 * GiB
 GRAPH_TP_EXPONENT = 0.65  # TP=2 needed 0.224 GiB: graphs shrink with the activations they hold
 
 
@@ -432,22 +434,22 @@ def reserve_for(spec: ModelSpec, layout: Layout, device: Device, gpu_memory_util
     tokens = max_num_batched_tokens(device)
     tp, dp = layout.tp, layout.dp
     # The profile run's peak sits in a MoE layer: fused_moe's shared cache for the gate/up and down outputs
-    # (M x top-k x max(2 I, H)) and its activation cache (M x top-k x I), in bf16. Without EP, DP ranks gather
-    # each other's tokens and run the experts TP-sliced over TP x DP; with EP the experts are whole.
+    # (M x top-k x max(2 I, H)) and its activation cache (M x top-k x I), in bf16. DP ranks gather each
+    # other's tokens before the experts, with EP too (vLLM's default all2all backend, allgather-reducescatter:
+    # TP=1+DP=2+EP logged 1.34 GiB, as much as without EP); without EP the experts are TP-sliced over TP x DP.
     if spec.is_moe and spec.expert_intermediate:
-        moe_tokens = tokens * (dp if dp > 1 and not layout.ep else 1)
+        moe_tokens = tokens * dp
         inter = spec.expert_intermediate // max(layout.moe_tp, 1)
         moe = moe_tokens * spec.experts_per_token * (max(2 * inter, spec.hidden) + inter) * 2
     else:
         moe = tokens * (2 * max(spec.dense_intermediate // tp, 1) + spec.hidden) * 2
     attention = tokens * (spec.heads + 2 * spec.kv_heads) * spec.head_dim * 2 / tp
-    collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 or layout.pp > 1 else 0.0
-    stage_layers = max(pp_split(spec.layers, layout.pp))
+    collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 else 0.0
     return Reserve(
         cuda_hidden=gpu_memory_utilization * CUDA_HIDDEN_BYTES,
         non_torch=NON_TORCH_BYTES + collective,
         activation=ACTIVATION_FACTOR * (moe + attention),
-        cuda_graphs=GRAPH_BYTES_PER_LAYER * stage_layers / tp**GRAPH_TP_EXPONENT,
+        cuda_graphs=GRAPH_BYTES_PER_LAYER * spec.layers / tp**GRAPH_TP_EXPONENT,
         tokens=tokens,
     )
 

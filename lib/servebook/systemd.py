@@ -45,7 +45,7 @@ class UnitSpec:
     device: str
     load_seconds: float  # measured, or predicted from the checkpoint size
     load_source: str  # "measured" or "predicted"
-    servebook: str  # path of the servebook executable on the target host
+    servebook: list[str]  # the command that runs servebook's CLI on the target host
     user: str = "vllm"
     state_dir: str = ""
 
@@ -81,10 +81,10 @@ def exec_line(args: list[str]) -> str:
 
 def render_unit(u: UnitSpec) -> str:
     gpus = ",".join(str(i) for i in u.gpu_ids)
-    check = [u.servebook, "gpu-check", "--port", str(u.port)] + (
+    check = [*u.servebook, "gpu-check", "--port", str(u.port)] + (
         ["--gpus", gpus] if gpus and u.device == "cuda" else []
     )
-    wait = [u.servebook, "wait-ready", "--url", u.url, "--timeout", str(u.timeout_start_s)]
+    wait = [*u.servebook, "wait-ready", "--url", u.url, "--timeout", str(u.timeout_start_s)]
     state = u.state_dir or f"/var/lib/servebook/{u.name}"
     env_lines = "\n".join(f"Environment={_quote(f'{k}={v}')}" for k, v in sorted(u.environment.items()))
     return f"""# Rendered by servebook from the configuration its launch stage validated.

@@ -236,6 +236,25 @@ def test_a_stream_of_only_empty_text_tokens_is_a_success_not_a_failure():
     assert r.first_chunk is not None and sum(r.chunk_tokens) == 4 and r.completion_tokens == 4
 
 
+def test_without_usage_on_every_chunk_the_final_count_settles_the_tokens():
+    """vLLM's own benchmark asks for usage once, at the end; a chunk of several tokens (speculative decoding)
+    is then counted when the stream closes, and the chat stream's role chunk counts none."""
+    chat = stream(
+        [
+            (0.05, {"choices": [{"delta": {"role": "assistant", "content": ""}}]}),
+            (0.10, {"choices": [{"delta": {"content": "x"}}]}),
+            (0.20, {"choices": [{"delta": {"content": "yz"}}]}),
+            (0.21, {"choices": [], "usage": usage(4)}),
+        ]
+    )
+    assert chat.chunk_tokens == [0, 1, 1]
+    loadgen.finish_stream(chat)
+    assert chat.ok and chat.chunk_tokens == [0, 1, 3] and metrics.ttft(chat) == pytest.approx(0.05)
+    empty = stream([(0.1, {"choices": [], "usage": usage(0)})])
+    loadgen.finish_stream(empty)
+    assert not empty.ok and empty.error.startswith("empty")
+
+
 def test_usage_only_stream_has_no_token_chunk():
     r = stream([(0.1, {"choices": [], "usage": usage(0)})])
     assert r.first_chunk is None and r.chunk_times == []

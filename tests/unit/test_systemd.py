@@ -96,3 +96,20 @@ def test_without_systemd_analyze_the_unit_is_not_verified_and_the_run_goes_on(tm
     assert "**not verified**: install systemd (apt-get install systemd)" in deploy.summary(record)
     with pytest.raises(DeployFailed, match="cannot be verified before it is installed"):
         deploy.check(record, params.Params(deploy_install=True))
+
+
+def test_a_python_without_the_console_script_runs_the_module(tmp_path, monkeypatch):
+    """On the H200s servebook was a tree on PYTHONPATH: no script beside the Python, so the unit and the
+    pre-start check run ``python -m servebook.cli``, and that command answers."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python3"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert deploy.servebook_command() == [str(tmp_path / "bin" / "python3"), "-m", "servebook.cli"]
+    monkeypatch.undo()
+    out = subprocess.run([sys.executable, "-m", "servebook.cli", "gpu-check", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--port" in out.stdout
+    unit, text, _ = story_unit("minimax-m2.5-8gpu.yaml", "minimax-m2.5.json", "H200")
+    unit.servebook = ["/usr/bin/python3", "-m", "servebook.cli"]
+    assert "ExecStartPre=/usr/bin/python3 -m servebook.cli gpu-check --port" in systemd.render_unit(unit)

@@ -2,8 +2,10 @@
 
     python client_vs_vllm.py URL MODEL TOKENIZER --concurrency 16 64 --rounds 5 --seconds 20 --out DIR
 
-Each round measures the same server at each concurrency with both clients, the order swapped every round
-so that neither always runs on a warmer server (servebook's first, to size vLLM's). Both send random prompts of exactly --input-len tokens and
+Each round measures the same server at each concurrency with every client, the order rotated every round so
+that none always runs on a warmer server (servebook's first, to size vLLM's). A third client is servebook with
+vLLM's request body (token counts in the last chunk only): it tells whether servebook's per-chunk usage costs
+the server time to first token. Both send random prompts of exactly --input-len tokens and
 ask for exactly --output-len tokens (ignore_eos). vLLM's benchmark runs in this process (its own code,
 ``vllm.benchmarks.serve``), sized from servebook's request rate so that its window lasts as long.
 Writes one JSON row per measurement to DIR/rounds.jsonl (with each client's CPU seconds per 1,000 output
@@ -16,23 +18,34 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from servebook import loadgen, metrics
 from servebook.loadgen import Workload
 
+CLIENTS = {
+    "servebook": "servebook",  # token counts once, at the end, as vLLM's benchmark asks for them
+    "servebook-usage-each-chunk": "servebook, usage on every chunk",  # servebook's request body before 2026-12-01
+    "vllm": "vllm bench serve",
+}
 
-def servebook_run(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int, rate: float | None, tag: str) -> dict:
+
+def servebook_prompts(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int, rate: float | None) -> list[str]:
+    count = max(max(4 * c, 32), math.ceil(1.5 * a.seconds * rate)) if rate else max(4 * c, 32) * 20
+    return maker.prompts(count + c, a.input_len)
+
+
+def servebook_run(a: argparse.Namespace, prompts: list[str], c: int, tag: str, each_chunk: bool) -> dict:
     least = max(4 * c, 32)
-    count = max(least, math.ceil(1.5 * a.seconds * rate)) if rate else least * 20
-    prompts = maker.prompts(count + c, a.input_len)
     cpu = time.process_time()
     recs, _, _ = loadgen.run_level(
         a.url,
         a.model,
-        Workload(a.input_len, a.output_len),
+        Workload(a.input_len, a.output_len, usage_each_chunk=each_chunk),
         prompts,
         c,
         f"c{c}",
@@ -41,10 +54,11 @@ def servebook_run(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int, rat
         min_seconds=a.seconds,
     )
     cpu = time.process_time() - cpu
-    loadgen.save_records(recs, a.out / f"servebook-{tag}")  # every request's timeline, to study TTFT
+    name = "servebook-usage-each-chunk" if each_chunk else "servebook"
+    loadgen.save_records(recs, a.out / f"{name}-{tag}")  # every request's timeline, to study TTFT
     s = metrics.summarize(recs)
     return {
-        "client": "servebook",
+        "client": CLIENTS[name],
         "concurrency": c,
         "requests": s.requests,
         "failed": s.failed,
@@ -126,7 +140,7 @@ def vllm_run(a: argparse.Namespace, c: int, rate: float, seed: int, tag: str) ->
         "tpot_p50_ms": r.get("median_tpot_ms"),
         "itl_p50_ms": r.get("median_itl_ms"),
         "e2el_p50_ms": r.get("median_e2el_ms"),
-        # in this process, so it includes vLLM's dataset sampling before the run: an upper bound
+        # includes vLLM's dataset sampling before the run: an upper bound
         "client_cpu_s": cpu,
         "client_cpu_s_per_1k_tokens": 1000 * cpu / max(r.get("total_output_tokens") or 1, 1),
     }
@@ -143,6 +157,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--clients", nargs="+", choices=list(CLIENTS), default=list(CLIENTS))
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(a.tokenizer), seed=1)
@@ -151,28 +166,32 @@ def main() -> None:
     for c in a.concurrency:
         rate: float | None = None
         for rnd in range(a.rounds):
-            order = ("servebook", "vllm") if rnd % 2 == 0 else ("vllm", "servebook")
+            # rotate the order, so that no client always runs first (vLLM's needs a rate: never first in round 1)
+            order = a.clients[rnd % len(a.clients) :] + a.clients[: rnd % len(a.clients)]
             for who in order:
                 t0 = time.monotonic()
                 tag = f"c{c}-r{rnd + 1}"
-                row = (
-                    servebook_run(a, maker, c, rate, tag)
-                    if who == "servebook"
-                    else vllm_run(a, c, rate or 1.0, rnd, tag)
-                )
+                # each measurement in a fresh process: no client's threads or heap outlive its window
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    if who == "vllm":
+                        row = pool.submit(vllm_run, a, c, rate or 1.0, rnd, tag).result()
+                    else:
+                        prompts = servebook_prompts(a, maker, c, rate)
+                        each = who == "servebook-usage-each-chunk"
+                        row = pool.submit(servebook_run, a, prompts, c, tag, each).result()
                 row["round"], row["wall_s"] = rnd + 1, round(time.monotonic() - t0, 1)
-                if who == "servebook":
+                if who != "vllm":
                     rate = row["request_throughput"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 with rows_path.open("a") as fh:
                     fh.write(json.dumps(row) + "\n")
     print(
-        f"\n{'c':>4} {'client':<17} {'n':>3} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6} "
+        f"\n{'c':>4} {'client':<32} {'n':>3} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6} "
         f"{'CPU s/1k tok':>12}"
     )
     for c in a.concurrency:
-        for who in ("servebook", "vllm bench serve"):
+        for who in CLIENTS.values():
             mine = [r for r in rows if r["concurrency"] == c and r["client"] == who]
             if not mine:
                 continue
@@ -181,7 +200,7 @@ def main() -> None:
                 for k in ("output_throughput", "ttft_p50_ms", "tpot_p50_ms", "client_cpu_s_per_1k_tokens")
             }
             print(
-                f"{c:>4} {who:<17} {len(mine):>3} {med['output_throughput']:>10.1f} {med['ttft_p50_ms']:>8.2f}ms "
+                f"{c:>4} {who:<32} {len(mine):>3} {med['output_throughput']:>10.1f} {med['ttft_p50_ms']:>8.2f}ms "
                 f"{med['tpot_p50_ms']:>8.3f}ms {sum(r['failed'] or 0 for r in mine):>6} "
                 f"{med['client_cpu_s_per_1k_tokens']:>12.4f}"
             )

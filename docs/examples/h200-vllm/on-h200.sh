@@ -5,12 +5,13 @@
 #   kit1     unpack the Python tree, build the bf16 and FP8 checkpoints on the GPU (their configs come back)
 #   kit2     stage the second kernel part
 #   pipeline put the kernels in place; stages 00-07 on the FP8 checkpoint at TP=2+EP
-#   compare  the bf16 server at TP=2; servebook's client against `vllm bench serve`, 5 alternating rounds
+#   compare  the bf16 server at TP=2 (kept running for the next compare); servebook's client, the same asking
+#            for usage on every chunk, and `vllm bench serve`, 5 rotating rounds
 #   orphans  SIGKILL that server's API process: status, refusal, cleanup, GPUs back to 0 MiB
 #   layouts  every other layout the plan judges for 2 GPUs, started until vLLM has sized its KV cache
 # Results go to $OUT (tarred); see README.md beside this script.
 set -uo pipefail
-STEP=$1; CONC=${CONC:-16 64}; EX=docs/examples/h200-vllm; R=/tmp/results
+STEP=$1; CONC=${CONC:-16 64}; CLIENTS=${CLIENTS:-servebook servebook-usage-each-chunk vllm}; EX=docs/examples/h200-vllm; R=/tmp/results
 if [ "$STEP" = kit1 ]; then source .gpu/c1/kit/unpack.sh; else source /tmp/kit/unpack.sh; fi
 mkdir -p $R
 pack() { tar czf "$OUT/$1.tgz" -C $R "$1" 2>/dev/null; ls -la "$OUT"; }
@@ -30,9 +31,11 @@ pipeline)
   SERVEBOOK_OUTPUTS=$R/pipeline servebook run $EX/params-fp8-tp2ep.yaml 2>&1 | tee $R/pipeline/console.log | cut -c1-300
   gpu_mem; cp outputs/servers/*.log $R/pipeline/ 2>/dev/null; pack pipeline ;;
 compare)
-  mkdir -p $R/compare; log "launch"
-  servebook launch $EX/params-bf16-tp2.yaml --log-dir $R/compare 2>&1 | tail -5
-  python3 $EX/client_vs_vllm.py http://127.0.0.1:8000 q3moe-bf16 $MODELS/q3moe-bf16 \
+  mkdir -p $R/compare
+  ( sleep 575; tar czf $OUT/compare-partial.tgz -C $R compare ) </dev/null >/dev/null 2>&1 &
+  if curl -sf -o /dev/null http://127.0.0.1:8000/health; then log "reusing the running server"
+  else log "launch"; servebook launch $EX/params-bf16-tp2.yaml --log-dir $R/compare 2>&1 | tail -5; fi
+  python3 $EX/client_vs_vllm.py http://127.0.0.1:8000 q3moe-bf16 $MODELS/q3moe-bf16 --clients $CLIENTS \
     --concurrency $CONC --rounds ${ROUNDS:-5} --seconds ${SECONDS_PER:-20} --out $R/compare 2>&1 \
     | grep -v "^Namespace\|^Starting\|^Traffic\|^Burstiness\|^Maximum request\|^Initial test" | cut -c1-400
   mv $R/compare $R/compare-c${CONC// /-}; pack compare-c${CONC// /-} ;;

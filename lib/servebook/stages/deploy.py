@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,8 +16,14 @@ from servebook.records import Command, DeployRecord, DryRun, LaunchRecord, NcclT
 from servebook.secrets import MASK
 
 
-def servebook_exe() -> str:
-    return str(Path(sys.executable).with_name("servebook"))
+def servebook_command() -> list[str]:
+    """How the unit runs servebook's CLI: the console script beside this Python (a virtual environment), the one
+    on PATH, or this Python running the module (a tree on PYTHONPATH; the H200 run found no script beside it)."""
+    beside = Path(sys.executable).with_name("servebook")
+    if beside.exists():
+        return [str(beside)]
+    on_path = shutil.which("servebook")
+    return [on_path] if on_path else [sys.executable, "-m", "servebook.cli"]
 
 
 def unit_spec(
@@ -44,7 +51,7 @@ def unit_spec(
         device=cfg.device,
         load_seconds=load,
         load_source="measured" if measured else "predicted",
-        servebook=servebook_exe(),
+        servebook=servebook_command(),
         user=user,
     )
     # vLLM's own engine-ready timeout must not cut the load shorter than the unit allows
@@ -64,7 +71,7 @@ def _run(args: list[str], timeout: float) -> Command:
 
 
 def pre_start_check(unit: systemd.UnitSpec) -> Command:
-    args = [unit.servebook, "gpu-check", "--port", str(unit.port)]
+    args = [*unit.servebook, "gpu-check", "--port", str(unit.port)]
     if unit.gpu_ids and unit.device == "cuda":
         args += ["--gpus", ",".join(map(str, unit.gpu_ids))]
     return _run(args, timeout=120)
@@ -88,7 +95,7 @@ def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, model: str) -> DryRun:
             start_new_session=True,
         )
     try:
-        wait = [unit.servebook, "wait-ready", "--url", unit.url, "--timeout", str(unit.timeout_start_s)]
+        wait = [*unit.servebook, "wait-ready", "--url", unit.url, "--timeout", str(unit.timeout_start_s)]
         out.post_start = _run(wait, timeout=unit.timeout_start_s + 60)
         if out.post_start.returncode == 0:
             out.smoke_test = client.smoke_test(unit.url, model, max_tokens=8)
