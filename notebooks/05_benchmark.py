@@ -66,10 +66,16 @@ bench_ttft_slo_ms: float = 0.0  # TTFT objective in ms; 0 means none
 bench_tpot_slo_ms: float = 0.0  # TPOT objective in ms; 0 means none
 bench_e2el_slo_ms: float = 0.0  # end-to-end latency objective in ms; 0 means none
 bench_request_timeout_s: float = 600.0  # a request without a complete answer by then counts as failed
+bench_request_rates: list[float] = []  # requests/s of the open-loop sweep after the concurrency sweep, lowest first; empty means none
+bench_arrival: str = "poisson"  # how open-loop requests arrive: poisson, gamma (with bench_burstiness) or constant
+bench_burstiness: float = 1.0  # gamma arrivals' shape, as vllm bench serve's: under 1 burstier, over 1 more even
+bench_rate_requests: int = 32  # measured requests per rate (and bench_min_level_s)
+bench_goodput_target_pct: float = 90.0  # a rate meets the objectives when this share of its requests meets all
 max_model_len: int = 4096  # longest request (prompt + output) in tokens
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%
+import pandas as pd
 from IPython.display import Markdown, display
 
 from servebook import params, plots
@@ -124,6 +130,29 @@ if result.levels:
     plots.throughput(result).show()
     plots.pareto(result).show()
     plots.latency(result).show()
+
+# %% [markdown]
+# ## Open-loop request rates
+#
+# Users do not wait for each other: with `bench_request_rates` set, requests then arrive on their own schedule
+# (`bench_arrival`: a Poisson process, gamma gaps with `bench_burstiness` as `vllm bench serve` draws them, or
+# evenly spaced), each rate for at least `bench_rate_requests` requests and `bench_min_level_s` seconds. A
+# server keeps up while it completes what is offered; the first rate it cannot keep up with (under 90 %) or that
+# breaks the latency objectives (fewer than `bench_goodput_target_pct` % of requests meeting them) ends the
+# sweep. That is a finding about the server, not a failure of the run.
+
+# %%
+if result.rates:
+    rates = pd.DataFrame([level.model_dump() for level in result.rates.levels])
+    best_rate = f"**{result.rates.best_rate:g} requests/s**" if result.rates.best_rate else "none"
+    display(Markdown(f"- highest rate kept up with{' within the objectives' if result.rates.objectives else ''}: "
+                     f"{best_rate}\n- stopped: {result.rates.stop_reason}"))
+    display(rates[["rate", "offered_rate", "achieved_rate", "output_throughput", "ttft_p50_ms", "ttft_p99_ms",
+                   "tpot_p50_ms", "e2el_p99_ms", "client_lag_p99_ms", "goodput", "running_peak", "waiting_peak",
+                   "verdict"]].round(2))
+    plots.rates(result.rates).show()
+else:
+    display(Markdown("No open-loop sweep: `bench_request_rates` is empty."))
 
 # %%
 stage.check(result, p)

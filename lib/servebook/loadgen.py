@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
+import numpy as np
 
 READ_BUFFER = 16 * 1024 * 1024
 Endpoint = Literal["completions", "chat"]
+Arrival = Literal["poisson", "gamma", "constant"]
 NOT_SENT = "not sent: the measured window already had enough"  # dropped before records are returned
 
 
@@ -310,6 +312,98 @@ def run_level(
         min_seconds,
     )
     # A thread of its own gets a fresh event loop, also inside Jupyter, whose kernel already runs one.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def arrival_offsets(
+    count: int, rate: float, kind: Arrival = "poisson", burstiness: float = 1.0, seed: int = 0
+) -> list[float]:
+    """When each of ``count`` requests offered at ``rate`` per second is due, in seconds from the first.
+
+    As ``vllm bench serve`` draws them: gaps from a gamma distribution of shape ``burstiness`` and mean
+    ``1 / rate`` (shape 1 is a Poisson process; below 1 arrivals come in bursts, above 1 more evenly; the gaps'
+    coefficient of variation is ``1 / sqrt(burstiness)``); ``constant`` spaces them exactly ``1 / rate`` apart.
+    """
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("the request rate and the burstiness must be positive")
+    if kind == "constant":
+        gaps = np.full(count, 1.0 / rate)
+    else:
+        shape = 1.0 if kind == "poisson" else burstiness
+        gaps = np.random.default_rng(seed).gamma(shape, 1.0 / (rate * shape), count)
+    return [0.0, *np.cumsum(gaps[: count - 1]).tolist()][:count]
+
+
+async def _run_open(
+    url: str,
+    model: str,
+    workload: Workload,
+    prompts: list[str],
+    offsets: list[float],
+    level: str,
+    warmup: int,
+    timeout_s: float,
+    headers: dict[str, str],
+    max_concurrency: int,
+) -> tuple[list[RequestRecord], float, float]:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
+        gate = asyncio.Semaphore(max_concurrency or len(prompts))
+        warm = [
+            RequestRecord(
+                i,
+                level,
+                True,
+                time.perf_counter(),
+                expected_input=workload.input_len,
+                expected_output=workload.output_len,
+            )
+            for i in range(warmup)
+        ]
+        await asyncio.gather(
+            *(_one(session, url, workload, model, prompts[i], r, gate, timeout_s, headers) for i, r in enumerate(warm))
+        )
+        start = time.perf_counter() + 0.05  # every task is waiting before the first is due
+        measured = [
+            RequestRecord(
+                warmup + i,
+                level,
+                False,
+                start + offset,
+                expected_input=workload.input_len,
+                expected_output=workload.output_len,
+            )
+            for i, offset in enumerate(offsets)
+        ]
+
+        async def due(rec: RequestRecord) -> None:
+            await asyncio.sleep(max(rec.arrival - time.perf_counter(), 0.0))
+            await _one(session, url, workload, model, prompts[rec.index], rec, gate, timeout_s, headers)
+
+        await asyncio.gather(*(due(r) for r in measured))
+        return warm + measured, start, time.perf_counter()
+
+
+def run_open_level(
+    url: str,
+    model: str,
+    workload: Workload,
+    prompts: list[str],
+    offsets: list[float],
+    level: str,
+    warmup: int = 0,
+    timeout_s: float = 600.0,
+    headers: dict[str, str] | None = None,
+    max_concurrency: int = 0,
+) -> tuple[list[RequestRecord], float, float]:
+    """Open-loop load: after ``warmup`` requests sent together and awaited, request ``i`` leaves at
+    ``offsets[i]`` seconds whether or not earlier ones have finished (``max_concurrency`` > 0 caps how many are
+    in flight; a request held back records the wait as client queue).  ``prompts`` holds the warm-up prompts
+    first, then one per offset."""
+    if len(prompts) != warmup + len(offsets):
+        raise ValueError(f"{len(prompts)} prompts for {warmup} warm-up and {len(offsets)} measured requests")
+    coro = _run_open(url, model, workload, prompts, offsets, level, warmup, timeout_s, headers or {}, max_concurrency)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
         return pool.submit(asyncio.run, coro).result()
 

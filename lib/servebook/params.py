@@ -214,6 +214,20 @@ class Params(BaseModel):
     bench_request_timeout_s: float = Field(
         600.0, gt=0, description="a request without a complete answer by then counts as failed"
     )
+    bench_request_rates: list[float] = Field(
+        default_factory=list,
+        description="requests/s of the open-loop sweep after the concurrency sweep, lowest first; empty means none",
+    )
+    bench_arrival: Literal["poisson", "gamma", "constant"] = Field(
+        "poisson", description="how open-loop requests arrive: poisson, gamma (with bench_burstiness) or constant"
+    )
+    bench_burstiness: float = Field(
+        1.0, gt=0, description="gamma arrivals' shape, as vllm bench serve's: under 1 burstier, over 1 more even"
+    )
+    bench_rate_requests: int = Field(32, ge=2, description="measured requests per rate (and bench_min_level_s)")
+    bench_goodput_target_pct: float = Field(
+        90.0, gt=0, le=100, description="a rate meets the objectives when this share of its requests meets all"
+    )
 
     @field_validator("ab_variants", mode="before")
     @classmethod
@@ -243,6 +257,16 @@ class Params(BaseModel):
             raise ValueError(
                 f"bench_shared_prefix_len ({self.bench_shared_prefix_len}) must be shorter than bench_input_len "
                 f"({self.bench_input_len})"
+            )
+        if any(rate <= 0 for rate in self.bench_request_rates):
+            raise ValueError(
+                f"bench_request_rates {self.bench_request_rates}: every rate is requests per second and must be "
+                "positive; list rates such as [1, 2, 4], or leave it empty for no open-loop sweep"
+            )
+        if self.bench_burstiness != 1.0 and self.bench_arrival != "gamma":
+            raise ValueError(
+                f"bench_burstiness ({self.bench_burstiness:g}) shapes gamma arrivals only; set bench_arrival: gamma, "
+                f"or drop bench_burstiness (bench_arrival is {self.bench_arrival})"
             )
         if self.bench_input_len + self.bench_output_len > self.max_model_len:
             raise ValueError(

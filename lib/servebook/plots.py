@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from servebook.bench import SweepResult
+from servebook.ratesweep import RateSweepResult
 
 LIMIT_LABELS = {
     "client": "client-bound",
@@ -151,3 +152,56 @@ def compare(runs: list[tuple[str, pd.DataFrame]]) -> tuple[go.Figure, list[dict[
                 _mark(fig, c, f"crossover c={c}", row=1, col=1)
     fig.update_layout(title="Runs compared", height=450)
     return fig, crossings
+
+
+def rates(result: RateSweepResult) -> go.Figure:
+    """Open-loop rates: completed against offered requests/s beside the line where they are equal, and TTFT
+    p50/p99 against the offered rate; a rate the server could not keep up with is marked."""
+    lv = pd.DataFrame([level.model_dump() for level in result.levels])
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=("completed against offered", "time to first token"), horizontal_spacing=0.12
+    )
+    top = float(max(lv["offered_rate"].max(), lv["achieved_rate"].max()))
+    fig.add_trace(
+        go.Scatter(x=[0, top], y=[0, top], mode="lines", line=dict(dash="dot", color="grey"), name="keeping up"),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=lv["offered_rate"],
+            y=lv["achieved_rate"],
+            mode="lines+markers+text",
+            name="completed requests/s",
+            text=["" if kept else "falls behind" for kept in lv["kept_up"]],
+            textposition="bottom right",
+            customdata=lv["verdict"],
+            hovertemplate="offered %{x:.2f}/s: completed %{y:.2f}/s<br>%{customdata}<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
+    for stat, dash in (("p50", "solid"), ("p99", "dash")):
+        fig.add_trace(
+            go.Scatter(
+                x=lv["offered_rate"],
+                y=lv[f"ttft_{stat}_ms"],
+                mode="lines+markers",
+                name=f"TTFT {stat}",
+                line=dict(dash=dash),
+            ),
+            row=1,
+            col=2,
+        )
+    if result.objectives.get("ttft_ms"):
+        fig.add_hline(y=result.objectives["ttft_ms"], line_dash="dot", line_color="red", row=1, col=2)
+    fig.update_xaxes(title="offered requests/s", rangemode="tozero")
+    fig.update_yaxes(title="completed requests/s", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title="ms", rangemode="tozero", row=1, col=2)
+    arrival = result.arrival if result.arrival != "gamma" else f"gamma, burstiness {result.burstiness:g}"
+    best = f"highest rate kept up with: {result.best_rate:g}/s" if result.best_rate else "no rate was kept up with"
+    fig.update_layout(
+        title=dict(text=f"Open-loop request rates ({arrival} arrivals)<br><sup>{best}; {result.stop_reason}</sup>"),
+        height=420,
+    )
+    return fig

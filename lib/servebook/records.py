@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, computed_field
 
-from servebook import ab, bench, client, download, environment, hardware, nccl, planner, server, systemd
+from servebook import ab, bench, client, download, environment, hardware, nccl, planner, ratesweep, server, systemd
 from servebook.planner import Parallelism
 from servebook.results import Record
 from servebook.secrets import mask, mask_env
@@ -230,6 +230,8 @@ class SmokeTestRecord(Record, client.SmokeResult):
 
 class BenchmarkRecord(Record, bench.SweepResult):
     FILE = "05_benchmark"
+
+    rates: ratesweep.RateSweepResult | None = None  # the open-loop sweep, where bench_request_rates asked for one
 
 
 # ---------------------------------------------------------------- 06 NCCL tuning

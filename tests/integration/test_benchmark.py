@@ -114,3 +114,31 @@ def test_a_level_past_max_num_seqs_is_labelled_a_batch_limit(tmp_path):
     assert by_c[8].limit_kind == "batch", [(lv.concurrency, lv.limit) for lv in data.levels]
     assert "max_num_seqs=4: 4 running, 4 waiting" in by_c[8].limit and by_c[8].running_peak == 4
     assert by_c[4].limit_kind != "batch" and (by_c[4].client_cpu_pct or 0) > 0
+
+
+def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_reach(shared_server, tmp_path):
+    """Poisson arrivals against real vLLM: a low rate is kept up with; 150 requests/s for 2 s is more than the
+    CPU server completes, which ends the sweep as a finding (no request failed, nothing raised)."""
+    from servebook import ratesweep
+
+    cfg = ratesweep.RateSweepConfig(
+        rates=[150.0, 2.0],  # sorted by the sweep
+        workload=loadgen.Workload(input_len=32, output_len=16),
+        min_requests=8,
+        min_seconds=2.0,
+        objectives=metrics.Objectives(ttft_ms=60_000),
+    )
+    lines: list[str] = []
+    result = ratesweep.sweep_rates(
+        shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path, log=lines.append
+    )
+    low, high = result.levels
+    assert low.rate == 2.0 and low.kept_up and low.failed == 0 and low.requests >= 8
+    assert low.achieved_rate == pytest.approx(low.offered_rate, rel=0.1) and low.goodput_share == 1.0
+    assert high.rate == 150.0 and not high.kept_up and high.failed == 0 and high.requests == 300
+    assert high.achieved_rate < 0.9 * high.offered_rate and "could not keep up" in high.verdict
+    assert result.best_rate == 2.0 and "could not keep up with 150" in result.stop_reason
+    reqs = pd.read_parquet(tmp_path / "rates_requests.parquet")
+    measured = reqs[~reqs.warmup]
+    assert len(measured) == low.requests + high.requests and set(measured.completion_tokens) == {16}
+    assert (tmp_path / "rates_levels.csv").is_file() and len(lines) == 2

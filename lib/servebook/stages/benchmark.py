@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from servebook import bench, client, metrics, planner, results
+from servebook import bench, client, metrics, planner, ratesweep, results
 from servebook.errors import ServebookError, SweepAborted
 from servebook.loadgen import Workload
 from servebook.params import Params
@@ -54,7 +54,32 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     )
     record = BenchmarkRecord(**dict(swept))
     results.write(run_dir, record)
+    if p.bench_request_rates and not record.fault:
+        record.rates = ratesweep.sweep_rates(
+            launch.url,
+            launch.served_model_name,
+            launch.model_path,
+            rate_config(p),
+            run_dir,
+            client.headers(launch.api_key_env),
+            table_prefix=f"{BenchmarkRecord.FILE}_rates",
+        )
+        results.write(run_dir, record)
     return record
+
+
+def rate_config(p: Params) -> ratesweep.RateSweepConfig:
+    return ratesweep.RateSweepConfig(
+        rates=list(p.bench_request_rates),
+        arrival=p.bench_arrival,
+        burstiness=p.bench_burstiness,
+        workload=Workload(p.bench_input_len, p.bench_output_len, p.bench_endpoint, p.bench_shared_prefix_len),
+        min_requests=p.bench_rate_requests,
+        min_seconds=p.bench_min_level_s,
+        objectives=metrics.Objectives(p.bench_ttft_slo_ms, p.bench_tpot_slo_ms, p.bench_e2el_slo_ms),
+        goodput_target=p.bench_goodput_target_pct / 100,
+        request_timeout_s=p.bench_request_timeout_s,
+    )
 
 
 def check(record: BenchmarkRecord, p: Params) -> None:

@@ -1,0 +1,241 @@
+"""Open-loop load at rising request rates: how much of the offered rate the server completes, the latencies on
+the way, goodput, and the highest rate that still meets the latency objectives.
+
+Closed-loop concurrency (:mod:`servebook.bench`) asks how much a server can do; a rate sweep asks what users
+arriving on their own schedule get.  Requests are due at times drawn as ``vllm bench serve`` draws them
+(:func:`servebook.loadgen.arrival_offsets`) and leave then, finished or not the ones before.  A rate the server
+cannot keep up with is a finding, recorded as such, and ends the sweep: higher rates would only lengthen the
+queue.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel
+
+from servebook import bench, loadgen, metrics
+from servebook.loadgen import Arrival, RequestRecord, Workload
+
+KEEP_UP = 0.9  # completions at under 90 % of the offered rate: requests pile up, the server is past its capacity
+
+
+@dataclass
+class RateSweepConfig:
+    rates: list[float]
+    arrival: Arrival = "poisson"
+    burstiness: float = 1.0
+    workload: Workload = field(default_factory=Workload)
+    min_requests: int = 16  # measured requests per rate ...
+    min_seconds: float = 0.0  # ... and at least this many seconds of arrivals
+    max_concurrency: int = 0  # 0: as many in flight as arrive
+    warmup: int = 2
+    objectives: metrics.Objectives = field(default_factory=metrics.Objectives)
+    goodput_target: float = 0.9  # share of requests that must meet every objective
+    request_timeout_s: float = 600.0
+    reset_prefix_cache: bool = True
+    seed: int = 0
+
+    def requests_for(self, rate: float) -> int:
+        return max(self.min_requests, math.ceil(rate * self.min_seconds))
+
+
+class RateLevel(BaseModel):
+    rate: float  # requests/s asked for
+    requests: int
+    failed: int
+    offered_rate: float  # requests/s of this draw's due times
+    achieved_rate: float  # requests/s the server completed, first to last completion
+    kept_up: bool
+    output_throughput: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    tpot_p99_ms: float | None
+    e2el_p50_ms: float | None
+    e2el_p99_ms: float | None
+    client_lag_p99_ms: float | None  # how late the client sent requests against their due time
+    goodput: float | None  # requests/s meeting every objective
+    goodput_share: float | None
+    meets_objectives: bool | None  # None without objectives
+    running_peak: float | None
+    waiting_peak: float | None
+    kv_cache_usage_peak: float | None
+    verdict: str
+
+
+class RateSweepResult(BaseModel):
+    arrival: Arrival
+    burstiness: float
+    objectives: dict[str, float]
+    goodput_target: float
+    levels: list[RateLevel]
+    best_rate: float | None  # the highest rate kept up with (and meeting the objectives, where there are any)
+    stop_reason: str
+    tables: dict[str, str]
+
+
+def achieved_rate(records: list[RequestRecord]) -> float:
+    """Requests/s the server completed: the completions spread over the arrivals' span plus however much the
+    typical latency grew from the first quarter of requests to the last.  While the server keeps up latency
+    does not grow and this is the offered rate; once requests queue it tends to the server's capacity.  Medians
+    of quarters keep one slow straggler from reading as a queue."""
+    measured = sorted((r for r in records if not r.warmup), key=lambda r: r.send)
+    done = [r for r in measured if r.ok and r.end is not None]
+    if len(done) < 2:
+        return 0.0
+    quarter = max(len(done) // 4, 1)
+    latency = [r.end - r.send for r in done if r.end is not None]
+    growth = max(float(np.median(latency[-quarter:]) - np.median(latency[:quarter])), 0.0)
+    window = measured[-1].send - measured[0].send + growth
+    return (len(done) - 1) / window if window > 0 else 0.0
+
+
+def offered_rate(offsets: list[float]) -> float:
+    return (len(offsets) - 1) / offsets[-1] if len(offsets) >= 2 and offsets[-1] > 0 else 0.0
+
+
+CLIENT_LAG_S = 0.05  # requests sent later than this (and than one mean gap) after they were due: the client lags
+
+
+def judge(level: RateLevel, cfg: RateSweepConfig) -> str:
+    """The level's verdict in words; a client that sent requests late says so, since it then offered less."""
+    lag = level.client_lag_p99_ms or 0.0
+    late = (
+        f"; the client sent 1 % of requests over {lag:.0f} ms late (its own limit is near)"
+        if lag / 1000 > max(CLIENT_LAG_S, 1 / level.rate)
+        else ""
+    )
+    if not level.kept_up:
+        return (
+            f"the server could not keep up: it completed {level.achieved_rate:.2f} requests/s of "
+            f"{level.offered_rate:.2f} offered ({level.achieved_rate / level.offered_rate:.0%}); requests queue"
+            + (f" (waiting in vLLM: up to {level.waiting_peak:.0f})" if level.waiting_peak else "")
+            + late
+        )
+    if level.meets_objectives is False:
+        return (
+            f"kept up, but only {level.goodput_share:.0%} of requests met every objective "
+            f"(target {cfg.goodput_target:.0%})"
+        )
+    met = f", {level.goodput_share:.0%} met every objective" if level.goodput_share is not None else ""
+    return f"kept up: {level.achieved_rate:.2f} of {level.offered_rate:.2f} requests/s completed{met}{late}"
+
+
+def _level(
+    rate: float,
+    offsets: list[float],
+    s: metrics.RunSummary,
+    recs: list[RequestRecord],
+    peaks: dict[str, float],
+    cfg: RateSweepConfig,
+) -> RateLevel:
+    offered, achieved = offered_rate(offsets), achieved_rate(recs)
+    measured = [r for r in recs if not r.warmup]
+    lag = metrics.percentiles([max(r.send - r.arrival, 0.0) for r in measured if r.send])
+    meets = None if s.goodput_share is None else s.goodput_share >= cfg.goodput_target
+    level = RateLevel(
+        rate=rate,
+        requests=s.requests,
+        failed=s.failed,
+        offered_rate=offered,
+        achieved_rate=achieved,
+        kept_up=s.failed < s.requests and achieved >= KEEP_UP * offered,
+        output_throughput=s.output_throughput,
+        ttft_p50_ms=s.ttft_ms.p50,
+        ttft_p99_ms=s.ttft_ms.p99,
+        tpot_p50_ms=s.tpot_ms.p50,
+        tpot_p99_ms=s.tpot_ms.p99,
+        e2el_p50_ms=s.e2el_ms.p50,
+        e2el_p99_ms=s.e2el_ms.p99,
+        client_lag_p99_ms=lag.p99,
+        goodput=s.goodput,
+        goodput_share=s.goodput_share,
+        meets_objectives=meets,
+        running_peak=peaks.get("num_requests_running"),
+        waiting_peak=peaks.get("num_requests_waiting"),
+        kv_cache_usage_peak=peaks.get("kv_cache_usage_perc"),
+        verdict="",
+    )
+    level.verdict = judge(level, cfg)
+    return level
+
+
+def sweep_rates(
+    url: str,
+    model: str,
+    model_path: str,
+    cfg: RateSweepConfig,
+    out_dir: Path,
+    headers: dict[str, str] | None = None,
+    log: Callable[[str], None] = print,
+    table_prefix: str = "rates",
+) -> RateSweepResult:
+    """Each rate in turn, lowest first, until one the server cannot keep up with or that breaks the objectives;
+    writes ``<table_prefix>_requests`` and ``<table_prefix>_levels`` tables."""
+    headers = headers or {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    maker = loadgen.PromptMaker(loadgen.load_tokenizer(model_path), cfg.workload.seed)
+    content_len = cfg.workload.input_len
+    if cfg.workload.endpoint == "chat":
+        content_len -= maker.chat_overhead()
+    levels: list[RateLevel] = []
+    records: list[RequestRecord] = []
+    stop_reason = f"every rate up to {max(cfg.rates):g} requests/s measured"
+    for i, rate in enumerate(sorted(cfg.rates)):
+        offsets = loadgen.arrival_offsets(cfg.requests_for(rate), rate, cfg.arrival, cfg.burstiness, cfg.seed + i)
+        prompts = maker.prompts(cfg.warmup + len(offsets), content_len, cfg.workload.shared_prefix_len)
+        if cfg.reset_prefix_cache:
+            bench.reset_prefix_cache(url, headers)
+        started = time.monotonic()
+        with bench.MetricsSampler(url) as sampler:
+            recs, _, _ = loadgen.run_open_level(
+                url,
+                model,
+                cfg.workload,
+                prompts,
+                offsets,
+                f"r{rate:g}",
+                cfg.warmup,
+                cfg.request_timeout_s,
+                headers,
+                cfg.max_concurrency,
+            )
+        summary = metrics.summarize(recs, cfg.objectives)
+        level = _level(rate, offsets, summary, recs, sampler.peaks, cfg)
+        levels.append(level)
+        records += recs
+        log(
+            f"rate {rate:7.2f}/s: achieved {level.achieved_rate:6.2f}/s, {level.output_throughput:8.1f} output tok/s, "
+            f"TTFT p50 {level.ttft_p50_ms or 0:7.1f} ms p99 {level.ttft_p99_ms or 0:7.1f} ms, "
+            f"{level.requests} requests in {time.monotonic() - started:.1f} s; {level.verdict}"
+        )
+        if not level.kept_up:
+            stop_reason = f"the server could not keep up with {rate:g} requests/s"
+            break
+        if level.meets_objectives is False:
+            stop_reason = f"objectives broken at {rate:g} requests/s"
+            break
+    good = [lv for lv in levels if lv.kept_up and lv.meets_objectives is not False]
+    tables = {"requests": f"{table_prefix}_requests.parquet", "levels": f"{table_prefix}_levels.parquet"}
+    loadgen.save_records(records, out_dir / f"{table_prefix}_requests")
+    import pandas as pd
+
+    frame = pd.DataFrame([lv.model_dump() for lv in levels])
+    frame.to_parquet(out_dir / tables["levels"], index=False)
+    frame.to_csv(out_dir / tables["levels"].replace(".parquet", ".csv"), index=False)
+    return RateSweepResult(
+        arrival=cfg.arrival,
+        burstiness=cfg.burstiness if cfg.arrival == "gamma" else 1.0,
+        objectives={k: v for k, v in vars(cfg.objectives).items() if v},
+        goodput_target=cfg.goodput_target,
+        levels=levels,
+        best_rate=max(lv.rate for lv in good) if good else None,
+        stop_reason=stop_reason,
+        tables=tables,
+    )

@@ -1,0 +1,70 @@
+"""Open-loop arrivals and the rate sweep's verdicts, on drawn schedules and hand-built timelines."""
+
+import numpy as np
+import pytest
+
+from servebook import loadgen, metrics, ratesweep
+from servebook.loadgen import RequestRecord
+
+
+@pytest.mark.parametrize(
+    "kind, burstiness, cv",
+    [("poisson", 1.0, 1.0), ("gamma", 0.25, 2.0), ("gamma", 4.0, 0.5), ("constant", 1.0, 0.0)],
+)
+def test_inter_arrival_gaps_have_the_rate_and_the_spread_vllm_defines(kind, burstiness, cv):
+    """Mean gap 1/rate; coefficient of variation 1/sqrt(burstiness) for gamma (1 for Poisson, 0 for constant)."""
+    offsets = np.array(loadgen.arrival_offsets(20_000, 8.0, kind, burstiness, seed=3))
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(1 / 8.0, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, abs=0.05)
+
+
+def test_the_same_seed_draws_the_same_schedule_and_bad_rates_are_refused():
+    assert loadgen.arrival_offsets(50, 2.0, seed=7) == loadgen.arrival_offsets(50, 2.0, seed=7)
+    assert loadgen.arrival_offsets(50, 2.0, seed=7) != loadgen.arrival_offsets(50, 2.0, seed=8)
+    with pytest.raises(ValueError, match="positive"):
+        loadgen.arrival_offsets(10, 0.0)
+
+
+def timeline(sends, ends):
+    out = []
+    for i, (s, e) in enumerate(zip(sends, ends)):
+        r = RequestRecord(index=i, level="r", warmup=False, arrival=s, send=s, expected_output=2)
+        r.first_chunk, r.end, r.chunk_times, r.chunk_tokens, r.completion_tokens = s + 0.05, e, [s + 0.05, e], [1, 1], 2
+        out.append(r)
+    return out
+
+
+def level_for(sends, ends, rate, cfg=None):
+    cfg = cfg or ratesweep.RateSweepConfig(rates=[rate])
+    recs = timeline(sends, ends)
+    offsets = [s - sends[0] for s in sends]
+    return ratesweep._level(rate, offsets, metrics.summarize(recs, cfg.objectives), recs, {}, cfg)
+
+
+def test_a_server_that_keeps_up_completes_at_the_offered_rate():
+    sends = [i * 0.5 for i in range(20)]  # 2 requests/s
+    lv = level_for(sends, [s + 0.3 for s in sends], 2.0)
+    assert lv.offered_rate == pytest.approx(2.0) and lv.achieved_rate == pytest.approx(2.0)
+    assert lv.kept_up and lv.verdict.startswith("kept up")
+    straggler = level_for(sends, [s + (3.0 if i == 19 else 0.3) for i, s in enumerate(sends)], 2.0)
+    assert straggler.kept_up  # one slow last request is not a queue
+
+
+def test_a_server_past_its_capacity_is_recorded_as_falling_behind_not_as_failing():
+    sends = [i * 0.1 for i in range(20)]  # 10 requests/s offered, one served every 0.25 s
+    lv = level_for(sends, [1.0 + i * 0.25 for i in range(20)], 10.0)
+    assert lv.achieved_rate < 5.0 and not lv.kept_up and lv.failed == 0
+    assert "could not keep up" in lv.verdict and "of 10.00 offered" in lv.verdict
+
+
+def test_objectives_judge_the_share_of_requests_that_meet_them():
+    sends = [i * 0.5 for i in range(10)]
+    ends = [s + (2.0 if i in (3, 6) else 0.2) for i, s in enumerate(sends)]  # two slow requests of ten
+    strict = ratesweep.RateSweepConfig(rates=[2.0], objectives=metrics.Objectives(e2el_ms=1000), goodput_target=0.9)
+    lv = level_for(sends, ends, 2.0, strict)
+    assert lv.goodput_share == pytest.approx(0.8) and lv.meets_objectives is False
+    assert "80% of requests met every objective" in lv.verdict
+    lenient = ratesweep.RateSweepConfig(rates=[2.0], objectives=metrics.Objectives(e2el_ms=1000), goodput_target=0.8)
+    assert level_for(sends, ends, 2.0, lenient).meets_objectives is True
