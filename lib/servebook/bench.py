@@ -22,7 +22,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel
 
-from servebook import client, loadgen, metrics
+from servebook import client, loadgen, metrics, vllm_format
 from servebook.loadgen import Workload
 
 StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault"]
@@ -362,6 +362,13 @@ def declined(levels: list[Level], gain: float) -> Level | None:
     return best if newest.output_throughput_max < best.output_throughput * (1 - gain) else None
 
 
+def _by_level(records: list[loadgen.RequestRecord]) -> dict[str, list[loadgen.RequestRecord]]:
+    runs: dict[str, list[loadgen.RequestRecord]] = {}
+    for r in records:
+        runs.setdefault(r.level, []).append(r)
+    return runs
+
+
 def _gain(throughputs: list[float]) -> float | None:
     return throughputs[-1] / throughputs[-2] - 1 if len(throughputs) >= 2 and throughputs[-2] > 0 else None
 
@@ -500,6 +507,18 @@ def sweep(
     per_level = label_limits(aggregate(rows), cfg)
     tables = {name: f"{table_prefix}_{name}.parquet" for name in ("requests", "runs", "levels")}
     loadgen.save_records(records, out_dir / f"{table_prefix}_requests")
+    tables["vllm_format"] = f"{table_prefix}_vllm"
+    for label, run in _by_level(records).items():
+        result = vllm_format.result_json(
+            run,
+            model=model,
+            tokenizer=model_path,
+            endpoint=cfg.workload.endpoint,
+            max_concurrency=int(label[1:].split("r")[0]),
+            label=label,
+            objectives=cfg.objectives,
+        )
+        vllm_format.write(result, out_dir / tables["vllm_format"] / f"{label}.json")
     import pandas as pd
 
     for name, table in (("runs", rows), ("levels", [lv.model_dump() for lv in per_level])):

@@ -240,7 +240,10 @@ def deploy(
 
 @app.command()
 def compare(
-    run_dirs: List[Path] = typer.Argument(..., help="two or more run folders that hold a benchmark"),
+    run_dirs: List[Path] = typer.Argument(
+        ...,
+        help="two or more runs: servebook run folders, `vllm bench serve --save-result` files, or folders of them",
+    ),
     html: Path | None = typer.Option(None, help="also write the figure to this HTML file"),
 ) -> None:
     """Compare benchmark runs on shared axes and report where one overtakes another."""
@@ -250,8 +253,8 @@ def compare(
     if len(run_dirs) < 2:
         _fail(
             ServebookError(
-                f"compare needs two or more run folders, got {len(run_dirs)}; "
-                "e.g. servebook compare outputs/RUN_A outputs/RUN_B"
+                f"compare needs two or more runs, got {len(run_dirs)}; "
+                "e.g. servebook compare outputs/RUN_A outputs/RUN_B vllm-bench-results/"
             )
         )
     try:

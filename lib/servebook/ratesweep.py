@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel
 
-from servebook import bench, loadgen, metrics
+from servebook import bench, loadgen, metrics, vllm_format
 from servebook.loadgen import Arrival, RequestRecord, Workload
 
 KEEP_UP = 0.9  # completions at under 90 % of the offered rate: requests pile up, the server is past its capacity
@@ -222,8 +222,26 @@ def sweep_rates(
             stop_reason = f"objectives broken at {rate:g} requests/s"
             break
     good = [lv for lv in levels if lv.kept_up and lv.meets_objectives is not False]
-    tables = {"requests": f"{table_prefix}_requests.parquet", "levels": f"{table_prefix}_levels.parquet"}
+    tables = {
+        "requests": f"{table_prefix}_requests.parquet",
+        "levels": f"{table_prefix}_levels.parquet",
+        "vllm_format": f"{table_prefix}_vllm",
+    }
     loadgen.save_records(records, out_dir / f"{table_prefix}_requests")
+    for lv in levels:
+        label = f"r{lv.rate:g}"
+        result = vllm_format.result_json(
+            [r for r in records if r.level == label],
+            model=model,
+            tokenizer=model_path,
+            endpoint=cfg.workload.endpoint,
+            max_concurrency=cfg.max_concurrency or None,
+            request_rate=lv.rate,
+            burstiness=cfg.burstiness if cfg.arrival == "gamma" else 1.0,
+            label=label,
+            objectives=cfg.objectives,
+        )
+        vllm_format.write(result, out_dir / tables["vllm_format"] / f"{label}.json")
     import pandas as pd
 
     frame = pd.DataFrame([lv.model_dump() for lv in levels])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from servebook import bench, client, metrics, planner, ratesweep, results
+from servebook import bench, client, metrics, planner, ratesweep, results, vllm_format
 from servebook.errors import ServebookError, SweepAborted
 from servebook.loadgen import Workload
 from servebook.params import Params
@@ -106,15 +106,22 @@ def levels(record: BenchmarkRecord) -> pd.DataFrame:
     return pd.DataFrame([level.model_dump() for level in record.levels])
 
 
-def load_run(run_dir: str | Path) -> tuple[str, pd.DataFrame]:
-    """A run's per-level table, labelled with the layout its launch record names."""
-    run_dir = Path(run_dir)
-    record = results.read(run_dir, BenchmarkRecord)
+def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:
+    """A run's per-level table and its label: a servebook run folder (labelled with the layout its launch record
+    names), a result file of ``vllm bench serve --save-result``, or a folder of such files (one per
+    concurrency)."""
+    path = Path(path)
+    if path.is_file():
+        return f"{path.stem} (vllm bench serve)", vllm_format.levels([vllm_format.read(path)])
+    record = results.read(path, BenchmarkRecord) if path.is_dir() else None
     if record is None:
-        raise ServebookError(
-            f"{run_dir} holds no {BenchmarkRecord.FILE}.json: not a servebook run folder with a "
-            "benchmark; pass folders that `servebook run` or `servebook bench` wrote"
-        )
-    launch = results.read(run_dir, LaunchRecord)
-    label = f"{launch.layout.name} ({run_dir.name})" if launch else run_dir.name
+        found = sorted(path.glob("*.json")) if path.is_dir() else []
+        if not found:
+            raise ServebookError(
+                f"{path} holds no {BenchmarkRecord.FILE}.json and no `vllm bench serve` result: pass folders that "
+                "`servebook run` or `servebook bench` wrote, or files `vllm bench serve --save-result` wrote"
+            )
+        return f"{path.name} (vllm bench serve)", vllm_format.levels([vllm_format.read(f) for f in found])
+    launch = results.read(path, LaunchRecord)
+    label = f"{launch.layout.name} ({path.name})" if launch else path.name
     return label, levels(record)
