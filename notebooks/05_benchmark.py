@@ -66,6 +66,8 @@ bench_ttft_slo_ms: float = 0.0  # TTFT objective in ms; 0 means none
 bench_tpot_slo_ms: float = 0.0  # TPOT objective in ms; 0 means none
 bench_e2el_slo_ms: float = 0.0  # end-to-end latency objective in ms; 0 means none
 bench_request_timeout_s: float = 600.0  # a request without a complete answer by then counts as failed
+bench_dataset: str = ""  # ShareGPT JSON or JSONL file of requests with their own lengths; empty means synthetic
+bench_dataset_format: str = "auto"  # the dataset's layout: auto (a JSON list is ShareGPT), sharegpt or jsonl
 bench_request_rates: list[float] = []  # requests/s of the open-loop sweep after the concurrency sweep, lowest first; empty means none
 bench_arrival: str = "poisson"  # how open-loop requests arrive: poisson, gamma (with bench_burstiness) or constant
 bench_burstiness: float = 1.0  # gamma arrivals' shape, as vllm bench serve's: under 1 burstier, over 1 more even
@@ -89,7 +91,9 @@ result = stage.run(p, run_dir)
 
 # %%
 best, single = result.best, result.single_stream
-lines = [f"- stopped: {result.stop_reason}"]
+lines = [f"- workload: {result.dataset}" if result.dataset else
+         f"- workload: synthetic, {p.bench_input_len} prompt and {p.bench_output_len} output tokens per request",
+         f"- stopped: {result.stop_reason}"]
 if best:
     levels_off = (f"; levels off from concurrency {result.plateau_concurrency}" if result.saturated
                   else "; **not saturated**" if result.stopped_by == "max_concurrency" else "")

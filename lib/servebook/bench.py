@@ -23,6 +23,7 @@ import httpx
 from pydantic import BaseModel
 
 from servebook import client, loadgen, metrics, vllm_format
+from servebook.datasets import Cursor, Prompt
 from servebook.loadgen import Workload
 
 StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault"]
@@ -48,6 +49,7 @@ class SweepConfig:
     request_timeout_s: float = 600.0
     reset_prefix_cache: bool = True
     max_num_seqs: int = 0  # sequences the server runs at once, all engines together; 0: unknown
+    dataset: list[Prompt] | None = None  # requests with their own lengths, instead of the workload's synthetic ones
 
     def levels(self) -> list[int]:
         out, c = [], self.start_concurrency
@@ -399,6 +401,7 @@ def sweep(
     content_len = cfg.workload.input_len
     if cfg.workload.endpoint == "chat":  # the template's tokens count towards the prompt
         content_len -= maker.chat_overhead()
+    dataset = Cursor(cfg.dataset) if cfg.dataset else None
     rate: float | None = None  # requests/s of the last run, to size the next window
     previous_c = 0
     for c in cfg.levels():
@@ -407,7 +410,12 @@ def sweep(
             warm = cfg.warmup or c
             expected = rate * c / previous_c if rate and previous_c else rate
             least = cfg.measured_requests(c)
-            prompts = maker.prompts(cfg.prompts_for(c, expected) + warm, content_len, cfg.workload.shared_prefix_len)
+            count = cfg.prompts_for(c, expected) + warm
+            prompts: list[loadgen.PromptLike] = (
+                list(dataset.take(count))
+                if dataset
+                else list(maker.prompts(count, content_len, cfg.workload.shared_prefix_len))
+            )
             reset = reset_prefix_cache(url, headers) if cfg.reset_prefix_cache else "not requested"
             before = _scrape(url)
             cpu_before, wall_before = time.process_time(), time.monotonic()

@@ -14,7 +14,7 @@ import concurrent.futures
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,9 +22,12 @@ from typing import Any, Literal
 import aiohttp
 import numpy as np
 
+from servebook.datasets import Prompt
+
 READ_BUFFER = 16 * 1024 * 1024
 Endpoint = Literal["completions", "chat"]
 Arrival = Literal["poisson", "gamma", "constant"]
+PromptLike = str | Prompt  # a synthetic prompt of the workload's lengths, or a dataset request with its own
 NOT_SENT = "not sent: the measured window already had enough"  # dropped before records are returned
 
 
@@ -123,19 +126,33 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def _body(workload: Workload, model: str, prompt: str) -> tuple[str, dict[str, Any]]:
+def _record(
+    index: int, level: str, warmup: bool, arrival: float, prompt: PromptLike, workload: Workload
+) -> RequestRecord:
+    """A request's timeline, expecting the lengths its dataset record sets, else the workload's."""
+    if isinstance(prompt, Prompt):
+        return RequestRecord(
+            index, level, warmup, arrival, expected_input=prompt.input_len, expected_output=prompt.output_len
+        )
+    return RequestRecord(
+        index, level, warmup, arrival, expected_input=workload.input_len, expected_output=workload.output_len
+    )
+
+
+def _body(workload: Workload, model: str, prompt: PromptLike) -> tuple[str, dict[str, Any]]:
+    text, output_len = (prompt.text, prompt.output_len) if isinstance(prompt, Prompt) else (prompt, workload.output_len)
     common = {
         "model": model,
-        "max_tokens": workload.output_len,
-        "min_tokens": workload.output_len,
+        "max_tokens": output_len,
+        "min_tokens": output_len,
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": workload.usage_each_chunk},
     }
     if workload.endpoint == "chat":
-        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
-    return "/v1/completions", {**common, "prompt": prompt}
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
+    return "/v1/completions", {**common, "prompt": text}
 
 
 def apply_event(rec: RequestRecord, event: dict[str, Any], now: float) -> None:
@@ -179,7 +196,7 @@ async def _one(
     url: str,
     workload: Workload,
     model: str,
-    prompt: str,
+    prompt: PromptLike,
     rec: RequestRecord,
     gate: asyncio.Semaphore,
     timeout_s: float,
@@ -226,7 +243,7 @@ async def _run(
     url: str,
     model: str,
     workload: Workload,
-    prompts: list[str],
+    prompts: Sequence[PromptLike],
     concurrency: int,
     level: str,
     warmup: int,
@@ -238,17 +255,7 @@ async def _run(
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
         gate = asyncio.Semaphore(concurrency)
-        warm = [
-            RequestRecord(
-                i,
-                level,
-                True,
-                time.perf_counter(),
-                expected_input=workload.input_len,
-                expected_output=workload.output_len,
-            )
-            for i in range(warmup)
-        ]
+        warm = [_record(i, level, True, time.perf_counter(), prompts[i], workload) for i in range(warmup)]
         await asyncio.gather(
             *(_one(session, url, workload, model, prompts[i], r, gate, timeout_s, headers) for i, r in enumerate(warm))
         )
@@ -262,12 +269,7 @@ async def _run(
             sent += 1
             return False
 
-        measured = [
-            RequestRecord(
-                i, level, False, start, expected_input=workload.input_len, expected_output=workload.output_len
-            )
-            for i in range(warmup, len(prompts))
-        ]
+        measured = [_record(i, level, False, start, prompts[i], workload) for i in range(warmup, len(prompts))]
         await asyncio.gather(
             *(
                 _one(session, url, workload, model, prompts[r.index], r, gate, timeout_s, headers, enough)
@@ -281,7 +283,7 @@ def run_level(
     url: str,
     model: str,
     workload: Workload,
-    prompts: list[str],
+    prompts: Sequence[PromptLike],
     concurrency: int,
     level: str = "",
     warmup: int | None = None,
@@ -339,7 +341,7 @@ async def _run_open(
     url: str,
     model: str,
     workload: Workload,
-    prompts: list[str],
+    prompts: Sequence[PromptLike],
     offsets: list[float],
     level: str,
     warmup: int,
@@ -350,30 +352,13 @@ async def _run_open(
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
         gate = asyncio.Semaphore(max_concurrency or len(prompts))
-        warm = [
-            RequestRecord(
-                i,
-                level,
-                True,
-                time.perf_counter(),
-                expected_input=workload.input_len,
-                expected_output=workload.output_len,
-            )
-            for i in range(warmup)
-        ]
+        warm = [_record(i, level, True, time.perf_counter(), prompts[i], workload) for i in range(warmup)]
         await asyncio.gather(
             *(_one(session, url, workload, model, prompts[i], r, gate, timeout_s, headers) for i, r in enumerate(warm))
         )
         start = time.perf_counter() + 0.05  # every task is waiting before the first is due
         measured = [
-            RequestRecord(
-                warmup + i,
-                level,
-                False,
-                start + offset,
-                expected_input=workload.input_len,
-                expected_output=workload.output_len,
-            )
+            _record(warmup + i, level, False, start + offset, prompts[warmup + i], workload)
             for i, offset in enumerate(offsets)
         ]
 
@@ -389,7 +374,7 @@ def run_open_level(
     url: str,
     model: str,
     workload: Workload,
-    prompts: list[str],
+    prompts: Sequence[PromptLike],
     offsets: list[float],
     level: str,
     warmup: int = 0,

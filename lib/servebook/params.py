@@ -214,6 +214,12 @@ class Params(BaseModel):
     bench_request_timeout_s: float = Field(
         600.0, gt=0, description="a request without a complete answer by then counts as failed"
     )
+    bench_dataset: str = Field(
+        "", description="ShareGPT JSON or JSONL file of requests with their own lengths; empty means synthetic"
+    )
+    bench_dataset_format: Literal["auto", "sharegpt", "jsonl"] = Field(
+        "auto", description="the dataset's layout: auto (a JSON list is ShareGPT), sharegpt or jsonl"
+    )
     bench_request_rates: list[float] = Field(
         default_factory=list,
         description="requests/s of the open-loop sweep after the concurrency sweep, lowest first; empty means none",
@@ -263,6 +269,13 @@ class Params(BaseModel):
                 f"bench_request_rates {self.bench_request_rates}: every rate is requests per second and must be "
                 "positive; list rates such as [1, 2, 4], or leave it empty for no open-loop sweep"
             )
+        if self.bench_dataset:
+            from servebook import datasets
+
+            try:
+                datasets.check(self.bench_dataset, self.bench_dataset_format)
+            except datasets.DatasetError as exc:
+                raise ValueError(str(exc)) from None
         if self.bench_burstiness != 1.0 and self.bench_arrival != "gamma":
             raise ValueError(
                 f"bench_burstiness ({self.bench_burstiness:g}) shapes gamma arrivals only; set bench_arrival: gamma, "

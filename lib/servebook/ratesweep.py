@@ -20,6 +20,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from servebook import bench, loadgen, metrics, vllm_format
+from servebook.datasets import Cursor, Prompt
 from servebook.loadgen import Arrival, RequestRecord, Workload
 
 KEEP_UP = 0.9  # completions at under 90 % of the offered rate: requests pile up, the server is past its capacity
@@ -40,6 +41,7 @@ class RateSweepConfig:
     request_timeout_s: float = 600.0
     reset_prefix_cache: bool = True
     seed: int = 0
+    dataset: list[Prompt] | None = None  # requests with their own lengths, instead of the workload's synthetic ones
 
     def requests_for(self, rate: float) -> int:
         return max(self.min_requests, math.ceil(rate * self.min_seconds))
@@ -186,10 +188,16 @@ def sweep_rates(
         content_len -= maker.chat_overhead()
     levels: list[RateLevel] = []
     records: list[RequestRecord] = []
+    dataset = Cursor(cfg.dataset) if cfg.dataset else None
     stop_reason = f"every rate up to {max(cfg.rates):g} requests/s measured"
     for i, rate in enumerate(sorted(cfg.rates)):
         offsets = loadgen.arrival_offsets(cfg.requests_for(rate), rate, cfg.arrival, cfg.burstiness, cfg.seed + i)
-        prompts = maker.prompts(cfg.warmup + len(offsets), content_len, cfg.workload.shared_prefix_len)
+        count = cfg.warmup + len(offsets)
+        prompts: list[loadgen.PromptLike] = (
+            list(dataset.take(count))
+            if dataset
+            else list(maker.prompts(count, content_len, cfg.workload.shared_prefix_len))
+        )
         if cfg.reset_prefix_cache:
             bench.reset_prefix_cache(url, headers)
         started = time.monotonic()

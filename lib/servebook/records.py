@@ -232,6 +232,7 @@ class BenchmarkRecord(Record, bench.SweepResult):
     FILE = "05_benchmark"
 
     rates: ratesweep.RateSweepResult | None = None  # the open-loop sweep, where bench_request_rates asked for one
+    dataset: str = ""  # what the dataset's requests were, where bench_dataset named one; empty: synthetic
 
 
 # ---------------------------------------------------------------- 06 NCCL tuning

@@ -142,3 +142,26 @@ def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_
     measured = reqs[~reqs.warmup]
     assert len(measured) == low.requests + high.requests and set(measured.completion_tokens) == {16}
     assert (tmp_path / "rates_levels.csv").is_file() and len(lines) == 2
+
+
+def test_a_dataset_sweep_sends_each_request_with_its_own_lengths(shared_server, tmp_path):
+    """Requests from the repository's JSONL dataset against real vLLM: every answer has the length its line asked
+    for, and the server counts every prompt as the tokenizer did."""
+    from pathlib import Path
+
+    from servebook import datasets
+
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "datasets" / "custom-small.jsonl"
+    tok = loadgen.load_tokenizer(shared_server.config.model_path)
+    ds = datasets.load(path, tok, max_model_len=shared_server.config.max_model_len, output_len=32)
+    cfg = bench.SweepConfig(max_concurrency=2, repeats=1, max_repeats=1, prompts_per_level=8, dataset=ds.prompts)
+    data = bench.sweep(shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path)
+    assert data.fault == "" and data.length_mismatches.checked > 0
+    assert data.length_mismatches.input == data.length_mismatches.output == 0
+    reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
+    assert len(set(reqs.expected_output)) > 3 and (reqs.completion_tokens == reqs.expected_output).all()
+    assert (reqs.prompt_tokens == reqs.expected_input).all()
+    sent = list(reqs.expected_output)
+    assert sent == [p.output_len for p in ds.prompts[: len(sent)]]  # in the file's order, without repeats yet
+    vllm_json = json.loads((tmp_path / "sweep_vllm" / "c2r0.json").read_text())
+    assert vllm_json["max_concurrency"] == 2 and vllm_json["completed"] == 8 and vllm_json["backend"] == "servebook"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from servebook import bench, client, metrics, planner, ratesweep, results, vllm_format
+from servebook import bench, client, datasets, metrics, planner, ratesweep, results, vllm_format
 from servebook.errors import ServebookError, SweepAborted
 from servebook.loadgen import Workload
 from servebook.params import Params
@@ -43,29 +43,48 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     """Sweep the server the launch stage recorded; always write the record, the gate raises on a fault."""
     run_dir = results.run_folder(run_dir)
     launch = results.require(run_dir, LaunchRecord, "benchmark")
+    dataset = load_dataset(p, launch)
+    cfg = sweep_config(p, admitted_sequences(launch, results.read(run_dir, PlanRecord)))
+    cfg.dataset = dataset.prompts if dataset else None
     swept = bench.sweep(
         launch.url,
         launch.served_model_name,
         launch.model_path,
-        sweep_config(p, admitted_sequences(launch, results.read(run_dir, PlanRecord))),
+        cfg,
         run_dir,
         client.headers(launch.api_key_env),
         table_prefix=BenchmarkRecord.FILE,
     )
-    record = BenchmarkRecord(**dict(swept))
+    record = BenchmarkRecord(**dict(swept), dataset=dataset.summary() if dataset else "")
     results.write(run_dir, record)
     if p.bench_request_rates and not record.fault:
+        rates_cfg = rate_config(p)
+        rates_cfg.dataset = cfg.dataset
         record.rates = ratesweep.sweep_rates(
             launch.url,
             launch.served_model_name,
             launch.model_path,
-            rate_config(p),
+            rates_cfg,
             run_dir,
             client.headers(launch.api_key_env),
             table_prefix=f"{BenchmarkRecord.FILE}_rates",
         )
         results.write(run_dir, record)
     return record
+
+
+def load_dataset(p: Params, launch: LaunchRecord) -> datasets.Dataset | None:
+    """The dataset's requests, every one checked against the served tokenizer and max_model_len before any
+    request is sent."""
+    if not p.bench_dataset:
+        return None
+    from servebook import loadgen
+
+    tokenizer = loadgen.load_tokenizer(launch.model_path)
+    overhead = loadgen.PromptMaker(tokenizer).chat_overhead() if p.bench_endpoint == "chat" else 0
+    return datasets.load(
+        p.bench_dataset, tokenizer, launch.config.max_model_len, p.bench_output_len, p.bench_dataset_format, overhead
+    )
 
 
 def rate_config(p: Params) -> ratesweep.RateSweepConfig:
