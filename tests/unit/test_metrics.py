@@ -188,7 +188,7 @@ def test_compare_labels_layouts_and_finds_the_crossover(tmp_path):
 
 
 def test_compare_refuses_a_folder_that_is_not_a_run(tmp_path):
-    with pytest.raises(ServebookError, match="not a servebook run folder"):
+    with pytest.raises(ServebookError, match="holds no 05_benchmark.json and no `vllm bench serve` result"):
         benchmark.load_run(tmp_path)
 
 

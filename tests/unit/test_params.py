@@ -106,7 +106,7 @@ def cli(*args):
 def test_cli_answers_wrong_or_simple_input_in_one_line(tmp_path):
     assert cli("--version").stdout.startswith("servebook ")
     one = cli("compare", str(tmp_path))
-    assert one.returncode == 1 and "compare needs two or more run folders, got 1" in one.stderr
+    assert one.returncode == 1 and "compare needs two or more runs, got 1" in one.stderr
     not_runs = cli("compare", str(tmp_path), str(tmp_path))
     assert not_runs.returncode == 1 and "not a servebook run folder" in not_runs.stderr
     assert "Traceback" not in one.stderr + not_runs.stderr
