@@ -108,7 +108,7 @@ def test_cli_answers_wrong_or_simple_input_in_one_line(tmp_path):
     one = cli("compare", str(tmp_path))
     assert one.returncode == 1 and "compare needs two or more runs, got 1" in one.stderr
     not_runs = cli("compare", str(tmp_path), str(tmp_path))
-    assert not_runs.returncode == 1 and "not a servebook run folder" in not_runs.stderr
+    assert not_runs.returncode == 1 and "holds no 05_benchmark.json and no `vllm bench serve` result" in not_runs.stderr
     assert "Traceback" not in one.stderr + not_runs.stderr
     stop = cli("stop", str(REPO / "params" / "ci.yaml"))  # symmetric with `launch PARAMS`: that params file's port
     assert stop.returncode == 0 and "no servebook server on port 8123" in stop.stdout
