@@ -66,6 +66,7 @@ bench_ttft_slo_ms: float = 0.0  # TTFT objective in ms; 0 means none
 bench_tpot_slo_ms: float = 0.0  # TPOT objective in ms; 0 means none
 bench_e2el_slo_ms: float = 0.0  # end-to-end latency objective in ms; 0 means none
 bench_request_timeout_s: float = 600.0  # a request without a complete answer by then counts as failed
+bench_turns: int = 1  # over 1: multi-turn chat, each conversation sending its history back (chat only)
 bench_dataset: str = ""  # ShareGPT JSON or JSONL file of requests with their own lengths; empty means synthetic
 bench_dataset_format: str = "auto"  # the dataset's layout: auto (a JSON list is ShareGPT), sharegpt or jsonl
 bench_request_rates: list[float] = []  # requests/s of the open-loop sweep after the concurrency sweep, lowest first; empty means none
@@ -113,7 +114,7 @@ display(Markdown("\n".join(lines)))
 # %%
 levels = stage.levels(result)
 cols = ["concurrency", "output_throughput", "spread_pct", "per_user_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-        "tpot_p99_ms", "e2el_p50_ms", "client_queue_p50_ms", "kv_cache_usage_peak", "waiting_peak", "preemptions", "failed"]
+        "tpot_p99_ms", "e2el_p50_ms", "client_queue_p50_ms", "kv_cache_usage_peak", "waiting_peak", "preemptions", "prefix_cache_hit_rate", "failed"]
 display(levels[[c for c in cols if c in levels]].round(2))
 
 # %% [markdown]

@@ -159,6 +159,7 @@ class Level(BaseModel):
     running_peak: float | None = None
     waiting_peak: float | None = None
     client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core
+    prefix_cache_hit_rate: float | None = None  # 0-1: prompt tokens vLLM found in its prefix cache
     failed: int = 0
     preemptions: float = 0.0
     limit: str = ""  # what limits this level, from the evidence above (limit_of)
@@ -307,7 +308,9 @@ def _level_row(
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     row["preemptions"] = delta("vllm:num_preemptions_total")
-    row["prefix_cache_hits"] = delta("vllm:prefix_cache_hits_total")
+    hits, queries = delta("vllm:prefix_cache_hits_total"), delta("vllm:prefix_cache_queries_total")
+    row["prefix_cache_hits"] = hits
+    row["prefix_cache_hit_rate"] = hits / queries if queries > 0 else None
     row["kv_cache_usage_peak"] = peaks.get("kv_cache_usage_perc")
     row["running_peak"] = peaks.get("num_requests_running")
     row["waiting_peak"] = peaks.get("num_requests_waiting")
@@ -411,6 +414,8 @@ def sweep(
             expected = rate * c / previous_c if rate and previous_c else rate
             least = cfg.measured_requests(c)
             count = cfg.prompts_for(c, expected) + warm
+            if cfg.workload.turns > 1:  # whole conversations, at least one per stream, no warm-up requests
+                count = max(math.ceil(cfg.prompts_for(c, expected) / cfg.workload.turns), c) * cfg.workload.turns
             prompts: list[loadgen.PromptLike] = (
                 list(dataset.take(count))
                 if dataset
@@ -420,19 +425,27 @@ def sweep(
             before = _scrape(url)
             cpu_before, wall_before = time.process_time(), time.monotonic()
             with MetricsSampler(url) as sampler:
-                recs, _, _ = loadgen.run_level(
-                    url,
-                    model,
-                    cfg.workload,
-                    prompts,
-                    c,
-                    f"c{c}r{rep}",
-                    warm,
-                    cfg.request_timeout_s,
-                    headers,
-                    min_requests=least,
-                    min_seconds=cfg.min_level_s,
-                )
+                if cfg.workload.turns > 1:
+                    turns = cfg.workload.turns
+                    texts = [str(t) for t in prompts]
+                    chats = [texts[i : i + turns] for i in range(0, len(texts) - turns + 1, turns)]
+                    recs, _, _ = loadgen.run_conversations(
+                        url, model, cfg.workload, chats, c, f"c{c}r{rep}", cfg.request_timeout_s, headers
+                    )
+                else:
+                    recs, _, _ = loadgen.run_level(
+                        url,
+                        model,
+                        cfg.workload,
+                        prompts,
+                        c,
+                        f"c{c}r{rep}",
+                        warm,
+                        cfg.request_timeout_s,
+                        headers,
+                        min_requests=least,
+                        min_seconds=cfg.min_level_s,
+                    )
             client_cpu_pct = 100 * (time.process_time() - cpu_before) / max(time.monotonic() - wall_before, 1e-9)
             after = _scrape(url)
             summary = metrics.summarize(recs, cfg.objectives)

@@ -42,6 +42,7 @@ class Workload:
     # time: on two H200s at 16 streams they raised TTFT p50 from 28.0 to 32.0 ms (vllm bench serve: 22.6).
     # Off by default, as `vllm bench serve` asks: one count at the end (docs/examples/h200-vllm/README.md).
     usage_each_chunk: bool = False
+    turns: int = 1  # over 1: chat conversations of this many turns, each sending the history back (chat only)
 
 
 @dataclass
@@ -191,6 +192,51 @@ def finish_stream(rec: RequestRecord) -> None:
         rec.chunk_tokens[-1] += rec.completion_tokens - sum(rec.chunk_tokens)
 
 
+async def _send(
+    session: aiohttp.ClientSession,
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    rec: RequestRecord,
+    timeout_s: float,
+    headers: dict[str, str],
+) -> str:
+    """Send one streaming request, fold its events into ``rec``, and return the answer's text."""
+    parts: list[str] = []
+    rec.send = time.perf_counter()
+    try:
+        async with session.post(
+            url + path, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:300]
+                rec.error = f"http {resp.status}: {text}"
+                return ""
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                now = time.perf_counter()
+                event = json.loads(data)
+                if "error" in event:
+                    rec.error = f"stream error: {str(event['error'])[:300]}"
+                    return ""
+                apply_event(rec, event, now)
+                for choice in event.get("choices") or []:
+                    parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            finish_stream(rec)
+    except asyncio.TimeoutError:
+        rec.error = f"timeout: no complete answer within {timeout_s:.0f} s"
+    except aiohttp.ClientConnectorError as exc:
+        rec.error = f"connection refused: {exc}"
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        rec.error = f"connection lost: {type(exc).__name__}: {exc}"
+    return "".join(parts)
+
+
 async def _one(
     session: aiohttp.ClientSession,
     url: str,
@@ -208,35 +254,85 @@ async def _one(
         if enough():
             rec.error = NOT_SENT
             return
-        rec.send = time.perf_counter()
-        try:
-            async with session.post(
-                url + path, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as resp:
-                if resp.status != 200:
-                    text = (await resp.text())[:300]
-                    rec.error = f"http {resp.status}: {text}"
-                    return
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    now = time.perf_counter()
-                    event = json.loads(data)
-                    if "error" in event:
-                        rec.error = f"stream error: {str(event['error'])[:300]}"
-                        return
-                    apply_event(rec, event, now)
-                finish_stream(rec)
-        except asyncio.TimeoutError:
-            rec.error = f"timeout: no complete answer within {timeout_s:.0f} s"
-        except aiohttp.ClientConnectorError as exc:
-            rec.error = f"connection refused: {exc}"
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            rec.error = f"connection lost: {type(exc).__name__}: {exc}"
+        await _send(session, url, path, body, rec, timeout_s, headers)
+
+
+async def _conversation(
+    session: aiohttp.ClientSession,
+    url: str,
+    workload: Workload,
+    model: str,
+    turns: list[str],
+    recs: list[RequestRecord],
+    gate: asyncio.Semaphore,
+    timeout_s: float,
+    headers: dict[str, str],
+) -> None:
+    """One chat session holding one slot: each turn sends the whole conversation so far, answers included,
+    as a chat client does; a failed turn ends the session (the turns after it are not sent)."""
+    messages: list[dict[str, str]] = []
+    common = {k: v for k, v in _body(workload, model, "")[1].items() if k not in ("prompt", "messages")}
+    async with gate:
+        for text, rec in zip(turns, recs):
+            messages.append({"role": "user", "content": text})
+            body = {**common, "messages": list(messages)}
+            answer = await _send(session, url, "/v1/chat/completions", body, rec, timeout_s, headers)
+            if not rec.ok:
+                for later in recs[recs.index(rec) + 1 :]:
+                    later.error = f"not sent: turn {rec.index} of this conversation failed"
+                return
+            messages.append({"role": "assistant", "content": answer})
+
+
+async def _run_conversations(
+    url: str,
+    model: str,
+    workload: Workload,
+    conversations: list[list[str]],
+    concurrency: int,
+    level: str,
+    timeout_s: float,
+    headers: dict[str, str],
+) -> tuple[list[RequestRecord], float, float]:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
+        gate = asyncio.Semaphore(concurrency)
+        start = time.perf_counter()
+        per_session = [
+            [
+                RequestRecord(k * 1000 + t, level, False, start, expected_input=0, expected_output=workload.output_len)
+                for t in range(len(turns))
+            ]
+            for k, turns in enumerate(conversations)
+        ]
+        await asyncio.gather(
+            *(
+                _conversation(session, url, workload, model, turns, recs, gate, timeout_s, headers)
+                for turns, recs in zip(conversations, per_session)
+            )
+        )
+        return [r for recs in per_session for r in recs], start, time.perf_counter()
+
+
+def run_conversations(
+    url: str,
+    model: str,
+    workload: Workload,
+    conversations: list[list[str]],
+    concurrency: int,
+    level: str = "",
+    timeout_s: float = 600.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[list[RequestRecord], float, float]:
+    """Multi-turn chat: ``conversations`` are each a list of user turns; ``concurrency`` conversations run at
+    once, each sending its turns one after another with the growing history (so every turn after the first can
+    reuse the prefix cache).  A record's index is conversation x 1000 + turn; its expected input is 0 (the
+    history's length is the server's to count)."""
+    coro = _run_conversations(
+        url, model, workload, conversations, concurrency, level or f"c{concurrency}", timeout_s, headers or {}
+    )
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 async def _run(

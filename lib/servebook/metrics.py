@@ -177,7 +177,9 @@ def length_mismatches(records: list[RequestRecord]) -> LengthMismatches:
     """Successful requests whose server-counted lengths differ from what was asked."""
     ok = [r for r in records if r.ok]
     return LengthMismatches(
-        input=sum(1 for r in ok if r.prompt_tokens is not None and r.prompt_tokens != r.expected_input),
+        input=sum(
+            1 for r in ok if r.prompt_tokens is not None and r.expected_input and r.prompt_tokens != r.expected_input
+        ),
         output=sum(1 for r in ok if output_tokens(r) != r.expected_output),
         checked=len(ok),
     )

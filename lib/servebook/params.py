@@ -214,6 +214,9 @@ class Params(BaseModel):
     bench_request_timeout_s: float = Field(
         600.0, gt=0, description="a request without a complete answer by then counts as failed"
     )
+    bench_turns: int = Field(
+        1, ge=1, le=64, description="over 1: multi-turn chat, each conversation sending its history back (chat only)"
+    )
     bench_dataset: str = Field(
         "", description="ShareGPT JSON or JSONL file of requests with their own lengths; empty means synthetic"
     )
@@ -269,6 +272,13 @@ class Params(BaseModel):
                 f"bench_request_rates {self.bench_request_rates}: every rate is requests per second and must be "
                 "positive; list rates such as [1, 2, 4], or leave it empty for no open-loop sweep"
             )
+        if self.bench_turns > 1 and self.bench_endpoint != "chat":
+            raise ValueError(
+                f"bench_turns {self.bench_turns} sends conversations, which only the chat endpoint takes; set "
+                "bench_endpoint: chat, or bench_turns: 1"
+            )
+        if self.bench_turns > 1 and self.bench_dataset:
+            raise ValueError("bench_turns > 1 builds its own conversations; leave bench_dataset empty for it")
         if self.bench_dataset:
             from servebook import datasets
 

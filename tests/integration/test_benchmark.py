@@ -165,3 +165,23 @@ def test_a_dataset_sweep_sends_each_request_with_its_own_lengths(shared_server, 
     assert sent == [p.output_len for p in ds.prompts[: len(sent)]]  # in the file's order, without repeats yet
     vllm_json = json.loads((tmp_path / "sweep_vllm" / "c2r0.json").read_text())
     assert vllm_json["max_concurrency"] == 2 and vllm_json["completed"] == 8 and vllm_json["backend"] == "servebook"
+
+
+def test_multi_turn_conversations_send_their_history_and_hit_the_prefix_cache(shared_server, tmp_path):
+    """Three-turn chats against real vLLM: each turn's prompt holds the turns and answers before it, so vLLM finds
+    part of it in its prefix cache (reset before every level), and the level records that hit rate."""
+    cfg = bench.SweepConfig(
+        workload=loadgen.Workload(input_len=48, output_len=8, endpoint="chat", turns=3),
+        max_concurrency=2,
+        repeats=1,
+        max_repeats=1,
+        prompts_per_level=6,
+    )
+    data = bench.sweep(shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path)
+    assert data.fault == "" and [lv.concurrency for lv in data.levels] == [1, 2]
+    assert all(lv.failed == 0 and (lv.prefix_cache_hit_rate or 0) > 0.2 for lv in data.levels)
+    reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
+    assert len(reqs) % 3 == 0 and set(reqs.completion_tokens) == {8}
+    for _, chat in reqs.groupby([reqs.level, reqs["index"] // 1000]):
+        grown = list(chat.sort_values("index").prompt_tokens)
+        assert len(grown) == 3 and grown[0] < grown[1] < grown[2]  # the history comes back every turn

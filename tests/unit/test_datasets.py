@@ -77,3 +77,16 @@ def test_a_prompt_longer_than_max_model_len_is_refused_by_name(tokenizer, tmp_pa
     long.write_text(json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt": "word " * 400}) + "\n")
     with pytest.raises(datasets.DatasetError, match=r"long.jsonl, line 2: its prompt \(\d+ tokens\) and output"):
         datasets.load(long, tokenizer, max_model_len=256, output_len=16)
+
+
+def test_multi_turn_needs_the_chat_endpoint_and_no_dataset():
+    with pytest.raises(ParamsError, match="bench_turns 3 sends conversations, which only the chat endpoint takes"):
+        params.validate({"model": "builtin:tiny-qwen3-moe", "bench_turns": 3})
+    with pytest.raises(ParamsError, match="leave bench_dataset empty"):
+        params.validate(
+            {"model": "builtin:tiny-qwen3-moe", "bench_turns": 3, "bench_endpoint": "chat", "bench_dataset": str(JSONL)}
+        )
+    assert (
+        params.validate({"model": "builtin:tiny-qwen3-moe", "bench_turns": 3, "bench_endpoint": "chat"}).bench_turns
+        == 3
+    )

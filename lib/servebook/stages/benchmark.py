@@ -16,7 +16,9 @@ from servebook.records import BenchmarkRecord, LaunchRecord, PlanRecord
 def sweep_config(p: Params, max_num_seqs: int = 0) -> bench.SweepConfig:
     return bench.SweepConfig(
         max_num_seqs=max_num_seqs,
-        workload=Workload(p.bench_input_len, p.bench_output_len, p.bench_endpoint, p.bench_shared_prefix_len),
+        workload=Workload(
+            p.bench_input_len, p.bench_output_len, p.bench_endpoint, p.bench_shared_prefix_len, turns=p.bench_turns
+        ),
         max_concurrency=p.bench_max_concurrency,
         repeats=p.bench_repeats,
         prompts_per_level=p.bench_prompts_per_level,
