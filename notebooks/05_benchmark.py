@@ -121,11 +121,14 @@ display(levels[[c for c in cols if c in levels]].round(2))
 # ## What limits each level
 #
 # From what was gathered during the level: the load generator's own CPU time (it must never silently be the
-# limit), vLLM's running and waiting requests against `max_num_seqs`, KV-cache usage and preemptions, and the
-# gain over the level before.
+# limit), vLLM's running and waiting requests against `max_num_seqs`, KV-cache usage and preemptions, on GPUs
+# what NVML saw (SM utilisation, power against its limit, clock slowdowns, PCIe traffic against the link), and
+# the gain over the level before. A CPU server has no GPU evidence, and the `gpu_note` column says so.
 
 # %%
-display(levels[["concurrency", "limit", "client_cpu_pct", "running_peak", "waiting_peak", "kv_cache_usage_peak"]])
+display(levels[[c for c in ["concurrency", "limit", "client_cpu_pct", "running_peak", "waiting_peak",
+                            "kv_cache_usage_peak", "gpu_sm_util_pct", "gpu_power_pct", "gpu_pcie_pct", "gpu_note"]
+                 if c in levels]])
 
 # %% [markdown]
 # ## Plots

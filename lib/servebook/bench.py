@@ -22,12 +22,12 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel
 
-from servebook import client, loadgen, metrics, vllm_format
+from servebook import client, gpu_evidence, loadgen, metrics, vllm_format
 from servebook.datasets import Cursor, Prompt
 from servebook.loadgen import Workload
 
 StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault"]
-LimitKind = Literal["client", "batch", "kv_cache", "server", "decline", "rising"]
+LimitKind = Literal["client", "batch", "kv_cache", "pcie", "power", "thermal", "server", "decline", "rising"]
 CLIENT_BOUND_PCT = 90.0  # one asyncio process near a full core paces the server instead of measuring it
 KV_FULL = 0.95
 TableRow = dict[str, float | int | str | None]  # one row of a parquet/CSV table
@@ -49,6 +49,7 @@ class SweepConfig:
     request_timeout_s: float = 600.0
     reset_prefix_cache: bool = True
     max_num_seqs: int = 0  # sequences the server runs at once, all engines together; 0: unknown
+    gpu_ids: list[int] = field(default_factory=list)  # GPUs serving the model, sampled through NVML; empty: none
     dataset: list[Prompt] | None = None  # requests with their own lengths, instead of the workload's synthetic ones
 
     def levels(self) -> list[int]:
@@ -160,12 +161,23 @@ class Level(BaseModel):
     waiting_peak: float | None = None
     client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core
     prefix_cache_hit_rate: float | None = None  # 0-1: prompt tokens vLLM found in its prefix cache
+    # what NVML saw on the serving GPUs during the level (gpu_evidence); gpu_note says why there is none
+    gpu_sm_util_pct: float | None = None
+    gpu_power_pct: float | None = None  # peak, of the enforced limit
+    gpu_power_w: float | None = None
+    gpu_sm_clock_min_pct: float | None = None
+    gpu_pcie_pct: float | None = None  # peak, of the link's one-way bandwidth
+    gpu_pcie_link: str = ""
+    gpu_pcie_direction: str = ""
+    gpu_slowdowns: str = ""
+    gpu_note: str = ""
     failed: int = 0
     preemptions: float = 0.0
     limit: str = ""  # what limits this level, from the evidence above (limit_of)
     limit_kind: LimitKind | None = None
 
 
+TEXT_FIELDS = ("gpu_pcie_link", "gpu_pcie_direction", "gpu_slowdowns", "gpu_note")  # joined over repeats
 MEDIAN_FIELDS = [
     name
     for name in Level.model_fields
@@ -181,6 +193,7 @@ MEDIAN_FIELDS = [
         "preemptions",
         "limit",
         "limit_kind",
+        *TEXT_FIELDS,
     }
 ]
 
@@ -260,6 +273,21 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
         return "kv_cache", (
             f"KV cache full: {usage:.0%} used, {waiting:.0f} waiting, {level.preemptions:.0f} preemptions"
         )
+    wall = gpu_evidence.verdict(
+        gpu_evidence.GpuEvidence(
+            samples=1,
+            power_peak_pct=level.gpu_power_pct,
+            power_peak_w=level.gpu_power_w,
+            sm_clock_min_pct=level.gpu_sm_clock_min_pct,
+            slowdowns=[x for x in level.gpu_slowdowns.split("; ") if x],
+            pcie_peak_pct=level.gpu_pcie_pct,
+            pcie_peak_direction=level.gpu_pcie_direction,
+            pcie_link=level.gpu_pcie_link,
+        )
+    )
+    if wall and (gain is None or gain < cfg.plateau_gain):  # a wall binds once throughput stops rising
+        kind, words = wall
+        return kind, words + (f"; throughput {gain:+.0%} over the level before" if gain is not None else "")  # type: ignore[return-value]
     if gain is None:
         return "rising", "the first level: nothing limits it yet"
     if gain >= cfg.plateau_gain:
@@ -274,9 +302,10 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
             f"declined {gain:+.0%} with {running:.0f} of {level.concurrency} streams running and nothing waiting in "
             f"vLLM; {client}"
         )
+    sm = f"SM busy {level.gpu_sm_util_pct:.0f} %, " if level.gpu_sm_util_pct is not None else ""
     return "server", (
         f"server-bound: {running:.0f} of {level.concurrency} streams run together, nothing waits, and doubling "
-        f"the streams gained {gain:+.0%}; the batch's compute or memory bandwidth is the wall ({client})"
+        f"the streams gained {gain:+.0%}; the batch's compute or memory bandwidth is the wall ({sm}{client})"
     )
 
 
@@ -344,6 +373,7 @@ def aggregate(rows: list[TableRow]) -> list[Level]:
                 failed=int(sum(_number(r["failed"]) for r in reps)),
                 preemptions=sum(_number(r["preemptions"]) for r in reps),
                 **medians,
+                **{k: "; ".join(dict.fromkeys(str(r[k]) for r in reps if r.get(k))) for k in TEXT_FIELDS},
             )
         )
     return out
@@ -365,6 +395,23 @@ def declined(levels: list[Level], gain: float) -> Level | None:
     best = max(levels[:-1], key=lambda lv: lv.output_throughput)
     newest = levels[-1]
     return best if newest.output_throughput_max < best.output_throughput * (1 - gain) else None
+
+
+def _gpu_columns(sampler: gpu_evidence.GpuSampler) -> TableRow:
+    e = sampler.evidence
+    if e is None:
+        return {"gpu_note": f"no GPU evidence: {sampler.absent or 'no sample within the window'}"}
+    return {
+        "gpu_sm_util_pct": e.sm_util_mean_pct,
+        "gpu_power_pct": e.power_peak_pct,
+        "gpu_power_w": e.power_peak_w,
+        "gpu_sm_clock_min_pct": e.sm_clock_min_pct,
+        "gpu_pcie_pct": e.pcie_peak_pct,
+        "gpu_pcie_link": e.pcie_link,
+        "gpu_pcie_direction": e.pcie_peak_direction,
+        "gpu_slowdowns": "; ".join(e.slowdowns),
+        "gpu_note": f"{e.samples} NVML samples",
+    }
 
 
 def _by_level(records: list[loadgen.RequestRecord]) -> dict[str, list[loadgen.RequestRecord]]:
@@ -424,7 +471,7 @@ def sweep(
             reset = reset_prefix_cache(url, headers) if cfg.reset_prefix_cache else "not requested"
             before = _scrape(url)
             cpu_before, wall_before = time.process_time(), time.monotonic()
-            with MetricsSampler(url) as sampler:
+            with MetricsSampler(url) as sampler, gpu_evidence.GpuSampler(cfg.gpu_ids) as gpus:
                 if cfg.workload.turns > 1:
                     turns = cfg.workload.turns
                     texts = [str(t) for t in prompts]
@@ -462,6 +509,7 @@ def sweep(
             records += recs
             rows.append(_level_row(c, rep, summary, before, after, sampler.peaks, reset))
             rows[-1]["client_cpu_pct"] = round(client_cpu_pct, 1)
+            rows[-1].update(_gpu_columns(gpus))
             log(
                 f"concurrency {c:4d} repeat {rep + 1}: {summary.output_throughput:8.1f} output tok/s, "
                 f"TTFT p50 {summary.ttft_ms.p50 or 0:7.1f} ms, TPOT p50 {summary.tpot_ms.p50 or 0:6.1f} ms, "

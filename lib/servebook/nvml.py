@@ -127,6 +127,34 @@ class FakeNvml:
             raise _nvml_error("NOT_SUPPORTED")
         return h.spec[key]
 
+    def _load(self, h: _FakeHandle, key: str) -> Any:
+        """What a GPU reports under load, from the scenario's ``load`` values; unsupported when absent."""
+        value = (h.spec.get("load") or {}).get(key)
+        if value is None:
+            raise _nvml_error("NOT_SUPPORTED")
+        return value
+
+    def nvmlDeviceGetUtilizationRates(self, h: _FakeHandle) -> SimpleNamespace:
+        return SimpleNamespace(gpu=self._load(h, "sm_util_pct"), memory=self._load(h, "memory_util_pct"))
+
+    def nvmlDeviceGetPowerUsage(self, h: _FakeHandle) -> int:
+        return int(self._load(h, "power_w") * 1000)
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h: _FakeHandle) -> int:
+        return int(self._load(h, "power_limit_w") * 1000)
+
+    def nvmlDeviceGetClockInfo(self, h: _FakeHandle, clock: int) -> int:
+        return self._load(h, "sm_clock_mhz")
+
+    def nvmlDeviceGetMaxClockInfo(self, h: _FakeHandle, clock: int) -> int:
+        return self._load(h, "sm_clock_max_mhz")
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h: _FakeHandle) -> int:
+        return self._load(h, "clock_event_reasons")
+
+    def nvmlDeviceGetPcieThroughput(self, h: _FakeHandle, counter: int) -> int:
+        return self._load(h, "pcie_tx_kbs" if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES else "pcie_rx_kbs")
+
     def nvmlDeviceGetCurrPcieLinkGeneration(self, h: _FakeHandle) -> int:
         return self._pcie(h, "pcie_gen_current")
 

@@ -20,6 +20,9 @@ LIMIT_LABELS = {
     "client": "client-bound",
     "batch": "batch limit",
     "kv_cache": "KV cache full",
+    "pcie": "PCIe-bound",
+    "power": "power-capped",
+    "thermal": "thermal slowdown",
     "server": "server-bound",
     "decline": "declined",
 }

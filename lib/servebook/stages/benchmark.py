@@ -48,6 +48,7 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     dataset = load_dataset(p, launch)
     cfg = sweep_config(p, admitted_sequences(launch, results.read(run_dir, PlanRecord)))
     cfg.dataset = dataset.prompts if dataset else None
+    cfg.gpu_ids = list(launch.config.target_gpus) if launch.config.device == "cuda" else []
     swept = bench.sweep(
         launch.url,
         launch.served_model_name,
