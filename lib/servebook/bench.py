@@ -50,6 +50,7 @@ class SweepConfig:
     reset_prefix_cache: bool = True
     max_num_seqs: int = 0  # sequences the server runs at once, all engines together; 0: unknown
     gpu_ids: list[int] = field(default_factory=list)  # GPUs serving the model, sampled through NVML; empty: none
+    decode_ceiling: dict[int, float] = field(default_factory=dict)  # the plan's bandwidth ceiling by batch size
     dataset: list[Prompt] | None = None  # requests with their own lengths, instead of the workload's synthetic ones
 
     def levels(self) -> list[int]:
@@ -171,6 +172,8 @@ class Level(BaseModel):
     gpu_pcie_direction: str = ""
     gpu_slowdowns: str = ""
     gpu_note: str = ""
+    plan_ceiling_tok_s: float | None = None  # the plan's decode bandwidth ceiling at this many streams
+    plan_ceiling_pct: float | None = None  # measured output tok/s as a share of it
     failed: int = 0
     preemptions: float = 0.0
     limit: str = ""  # what limits this level, from the evidence above (limit_of)
@@ -193,6 +196,8 @@ MEDIAN_FIELDS = [
         "preemptions",
         "limit",
         "limit_kind",
+        "plan_ceiling_tok_s",
+        "plan_ceiling_pct",
         *TEXT_FIELDS,
     }
 ]
@@ -385,6 +390,9 @@ def label_limits(levels: list[Level], cfg: SweepConfig) -> list[Level]:
         previous = levels[i - 1].output_throughput if i else 0.0
         gain = level.output_throughput / previous - 1 if previous > 0 else None
         level.limit_kind, level.limit = limit_of(level, gain, cfg)
+        ceiling = cfg.decode_ceiling.get(level.concurrency)
+        if ceiling:
+            level.plan_ceiling_tok_s, level.plan_ceiling_pct = ceiling, 100 * level.output_throughput / ceiling
     return levels
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from servebook.gpus import GpuModel
@@ -253,6 +253,8 @@ class Layout:
     all2all_per_token: int = 0
     decode_tok_s_single: float = 0.0
     decode_tok_s_batch: float = 0.0
+    # the bandwidth ceiling on decode tok/s with this many sequences in the batch (powers of two)
+    decode_ceiling: dict[int, float] = Field(default_factory=dict)
     batch: int = 0
     score: float = 0.0
 
@@ -547,6 +549,7 @@ def size(
         layout.decode_tok_s_single = 1 / (pp * step_seconds(1))
         per_micro = max(batch / (dp * pp), 1)
         layout.decode_tok_s_batch = min(batch, dp * pp * per_micro) / (pp * step_seconds(per_micro))
+        layout.decode_ceiling = {b: b / (pp * step_seconds(max(b / (dp * pp), 1))) for b in (2**k for k in range(15))}
 
 
 def enumerate_layouts(count: int) -> list[tuple[int, int, int]]:

@@ -46,7 +46,10 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     run_dir = results.run_folder(run_dir)
     launch = results.require(run_dir, LaunchRecord, "benchmark")
     dataset = load_dataset(p, launch)
-    cfg = sweep_config(p, admitted_sequences(launch, results.read(run_dir, PlanRecord)))
+    plan = results.read(run_dir, PlanRecord)
+    cfg = sweep_config(p, admitted_sequences(launch, plan))
+    planned = plan.find(launch.config.parallelism) if plan else None
+    cfg.decode_ceiling = dict(planned.decode_ceiling) if planned else {}
     cfg.dataset = dataset.prompts if dataset else None
     cfg.gpu_ids = list(launch.config.target_gpus) if launch.config.device == "cuda" else []
     swept = bench.sweep(
