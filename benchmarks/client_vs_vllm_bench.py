@@ -1,12 +1,12 @@
 """servebook's load generator against vLLM's own serving benchmark, on one server and one workload.
 
-    .venv/bin/python benchmarks/client_vs_vllm_bench.py [--rounds 3] [--port 8162]
+    .venv/bin/python benchmarks/client_vs_vllm_bench.py [--rounds 5] [--port 8162]
 
 Starts the embedded server once (or reuses it), then alternates the two clients on the
-same workload (random 128 in / 128 out, 256 prompts, concurrency 16, ignore_eos), each in
-its own process so its CPU time can be read. Prints, for both: output tok/s, median TTFT,
-median TPOT and client CPU seconds per 1,000 output tokens. Then runs servebook's client
-alone at 512 concurrent streams and prints its errors and CPU share.
+same workload (random 128 in / 128 out, 64 prompts, concurrency 16, ignore_eos, temperature 0), each in
+its own process so its CPU time can be read, the order swapped every round. Prints, for both, the median
+over the rounds of output tok/s, TTFT, TPOT and client CPU seconds per 1,000 output tokens. With
+--stress-concurrency N it then runs servebook's client alone at N streams and prints its CPU share.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from servebook import server
+from servebook import params, server
 
 SERVEBOOK_CLIENT = r"""
 import json, sys
@@ -106,6 +106,8 @@ def run_vllm(url, model, path, n, c, inp, out, seed) -> dict:
         "--max-concurrency",
         str(c),
         "--ignore-eos",
+        "--temperature",
+        "0",
         "--seed",
         str(seed),
         "--num-warmups",
@@ -129,29 +131,21 @@ def run_vllm(url, model, path, n, c, inp, out, seed) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--port", type=int, default=8162)
-    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--stress-concurrency", type=int, default=512)
+    ap.add_argument("--stress-concurrency", type=int, default=0, help="then servebook alone at this many; 0: skip")
     args = ap.parse_args()
-    cfg = server.ServerConfig.from_params(
-        dict(
-            model="builtin:tiny-qwen3-moe",
-            served_model_name="",
-            port=args.port,
-            max_model_len=2048,
-            enforce_eager=True,
-            cpu_kv_cache_gib=1,
-        ),
-        "cpu",
-    )
+    values = dict(model="builtin:tiny-qwen3-moe", port=args.port, max_model_len=2048, enforce_eager=True)
+    cfg = server.ServerConfig.from_params(params.Params(**values), "cpu")
     launched = server.launch(cfg, Path(tempfile.mkdtemp(prefix="servebook-cmp-")), log=lambda _: None)
     url, model, path = launched.url, cfg.served_model_name, cfg.model_path
     results = {"servebook": [], "vllm bench serve": []}
     try:
         for rnd in range(args.rounds):
-            for name, fn in (("vllm bench serve", run_vllm), ("servebook", run_servebook)):
+            pair = (("vllm bench serve", run_vllm), ("servebook", run_servebook))
+            for name, fn in pair if rnd % 2 else pair[::-1]:  # the order alternates: neither always runs first
                 r = fn(url, model, path, args.prompts, args.concurrency, 128, 128, 1000 + rnd)
                 results[name].append(r)
                 print(
@@ -161,7 +155,11 @@ def main() -> None:
                 )
         stress_n = max(args.prompts, 2 * args.stress_concurrency)
         t0 = time.monotonic()
-        stress = run_servebook(url, model, path, stress_n, args.stress_concurrency, 128, 128, 99)
+        stress = (
+            run_servebook(url, model, path, stress_n, args.stress_concurrency, 128, 128, 99)
+            if args.stress_concurrency
+            else None
+        )
         wall = time.monotonic() - t0
     finally:
         server.stop(port=args.port)
@@ -179,6 +177,9 @@ def main() -> None:
     a, b = med["servebook"], med["vllm bench serve"]
     for k in ("output_tok_s", "ttft_ms", "tpot_ms"):
         print(f"difference in {k}: {100 * (a[k] - b[k]) / b[k]:+.1f}%")
+    print(f"client CPU per 1,000 output tokens: servebook {a['cpu_per_1k'] / b['cpu_per_1k']:.2f} x vLLM's")
+    if stress is None:
+        return
     print(
         f"\nservebook client alone at {args.stress_concurrency} streams: {stress_n} requests, {stress['failed']} failed "
         f"{stress['errors'] or ''}, {stress['output_tok_s']:.0f} output tok/s, client CPU {stress['cpu_s']:.1f} s "

@@ -1,5 +1,7 @@
 """Metric definitions on hand-built timelines."""
 
+import json
+
 import pandas as pd
 import pytest
 
@@ -346,3 +348,40 @@ def test_levels_are_labelled_against_the_level_before():
     ]
     bench.label_limits(levels, bench.SweepConfig(plateau_gain=0.05))
     assert [lv.limit_kind for lv in levels] == ["rising", "rising", "server"]
+
+
+def vllm_events(chat: bool):
+    """A stream as vLLM 0.32 sends it (compact JSON; usage once, at the end), as raw server-sent events."""
+
+    def chunk(piece, usage=None, finish=None):
+        choice = ({"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}) | {
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        return {"id": "x", "object": "chunk", "created": 1, "model": "m", "choices": [choice], "usage": usage}
+
+    events = [chunk("é"[:0]), chunk("ab"), chunk("c", finish="length")]
+    if chat:
+        role = chunk("")
+        role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        events.insert(0, role)
+    events.append({"id": "x", "object": "chunk", "created": 1, "model": "m", "choices": [], "usage": usage(3)})
+    return [b"data: " + json.dumps(e, separators=(",", ":")).encode() for e in events] + [b"data: [DONE]"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_fast_path_times_a_stream_exactly_as_parsing_every_event_does(chat):
+    """Token chunks are timed unparsed; usage, role and error events still parsed: the same timeline either way."""
+    fast, full = (RequestRecord(index=0, level="", warmup=False, arrival=0.0) for _ in range(2))
+    done = []
+    for i, raw in enumerate(vllm_events(chat)):
+        done.append(loadgen.fold_event(fast, raw, 0.1 * (i + 1), [], parse_all=False))
+        loadgen.fold_event(full, raw, 0.1 * (i + 1), [], parse_all=True)
+    loadgen.finish_stream(fast), loadgen.finish_stream(full)
+    assert done[-1] and not any(done[:-1])
+    assert fast.chunk_times == full.chunk_times and fast.chunk_tokens == full.chunk_tokens
+    assert (fast.first_chunk, fast.end, fast.completion_tokens) == (full.first_chunk, full.end, 3)
+    assert sum(fast.chunk_tokens) == 3 and fast.chunk_tokens[0] == (0 if chat else 1)
+    error = RequestRecord(index=0, level="", warmup=False, arrival=0.0)
+    loadgen.fold_event(error, b'data: {"error":{"message":"boom"}}', 0.1, [], parse_all=False)
+    assert error.error == "stream error: {'message': 'boom'}"
