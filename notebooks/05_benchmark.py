@@ -44,8 +44,10 @@
 #   runs, and the tables show the spread that remains (a few seconds of a fast GPU server are not a
 #   measurement: two 5-second repeats at 16 streams once differed by 72 %);
 # - a level that falls below the best in every repeat ends the sweep as a decline: past saturation;
-# - the client is one asyncio process with an unthrottled connection pool and a 16 MB read buffer; time a
-#   request waits for a free slot is reported as *client queue*, not hidden in TTFT.
+# - the client is an asyncio process with an unthrottled connection pool and a 16 MB read buffer that times
+#   token chunks without parsing them; once one passes half a core the next levels share the streams among
+#   twice as many processes (`bench_client_processes` fixes the number), and its CPU is in every level's row;
+#   time a request waits for a free slot is reported as *client queue*, not hidden in TTFT.
 #
 # Metric definitions (vLLM's names) are in `servebook.metrics`: TTFT, TPOT = (E2EL − TTFT)/(output − 1),
 # ITL per chunk and per token, E2EL, output/total/request throughput, goodput.
@@ -66,6 +68,7 @@ bench_ttft_slo_ms: float = 0.0  # TTFT objective in ms; 0 means none
 bench_tpot_slo_ms: float = 0.0  # TPOT objective in ms; 0 means none
 bench_e2el_slo_ms: float = 0.0  # end-to-end latency objective in ms; 0 means none
 bench_request_timeout_s: float = 600.0  # a request without a complete answer by then counts as failed
+bench_client_processes: int = 0  # client processes sharing the streams; 0 doubles them past half a core each
 bench_turns: int = 1  # over 1: multi-turn chat, each conversation sending its history back (chat only)
 bench_dataset: str = ""  # ShareGPT JSON or JSONL file of requests with their own lengths; empty means synthetic
 bench_dataset_format: str = "auto"  # the dataset's layout: auto (a JSON list is ShareGPT), sharegpt or jsonl

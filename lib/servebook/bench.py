@@ -11,6 +11,7 @@ measured is saved either way.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import threading
 import time
@@ -29,6 +30,8 @@ from servebook.loadgen import Workload
 StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault"]
 LimitKind = Literal["client", "batch", "kv_cache", "pcie", "power", "thermal", "server", "decline", "rising"]
 CLIENT_BOUND_PCT = 90.0  # one asyncio process near a full core paces the server instead of measuring it
+CLIENT_SPLIT_PCT = 50.0  # a client process past half a core: the next levels share the streams among twice as many
+MAX_CLIENT_PROCESSES = max((os.cpu_count() or 2) // 2, 1)  # the other half of the cores stay the server's
 KV_FULL = 0.95
 TableRow = dict[str, float | int | str | None]  # one row of a parquet/CSV table
 
@@ -51,6 +54,7 @@ class SweepConfig:
     max_num_seqs: int = 0  # sequences the server runs at once, all engines together; 0: unknown
     gpu_ids: list[int] = field(default_factory=list)  # GPUs serving the model, sampled through NVML; empty: none
     decode_ceiling: dict[int, float] = field(default_factory=dict)  # the plan's bandwidth ceiling by batch size
+    client_processes: int = 0  # 0: start with one, double past CLIENT_SPLIT_PCT of a core; else exactly this many
     dataset: list[Prompt] | None = None  # requests with their own lengths, instead of the workload's synthetic ones
 
     def levels(self) -> list[int]:
@@ -160,7 +164,8 @@ class Level(BaseModel):
     kv_cache_usage_peak: float | None = None  # 0-1
     running_peak: float | None = None
     waiting_peak: float | None = None
-    client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core
+    client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core per process
+    client_processes: float | None = None  # client processes that shared the streams
     prefix_cache_hit_rate: float | None = None  # 0-1: prompt tokens vLLM found in its prefix cache
     # what NVML saw on the serving GPUs during the level (gpu_evidence); gpu_note says why there is none
     gpu_sm_util_pct: float | None = None
@@ -265,9 +270,11 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
     waiting = level.waiting_peak or 0.0
     running = level.running_peak or 0.0
     if level.client_cpu_pct is not None and level.client_cpu_pct >= CLIENT_BOUND_PCT:
+        n = int(level.client_processes or 1)
         return "client", (
-            f"client-bound: the load generator used {level.client_cpu_pct:.0f} % of a core, so the server may "
-            "have had more to give"
+            f"client-bound: {'each of ' + str(n) + ' client processes' if n > 1 else 'the load generator'} used "
+            f"{level.client_cpu_pct:.0f} % of a core, so the server may have had more to give (raise "
+            "bench_client_processes, on a machine with cores to spare)"
         )
     # vLLM's waiting gauge can read 0 between samples; streams in flight beyond those running wait all the same
     if cfg.max_num_seqs and running >= cfg.max_num_seqs and (waiting > 0 or level.concurrency > cfg.max_num_seqs):
@@ -405,6 +412,14 @@ def declined(levels: list[Level], gain: float) -> Level | None:
     return best if newest.output_throughput_max < best.output_throughput * (1 - gain) else None
 
 
+def _client_cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (the client processes of a level)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def _gpu_columns(sampler: gpu_evidence.GpuSampler) -> TableRow:
     e = sampler.evidence
     if e is None:
@@ -462,6 +477,7 @@ def sweep(
     dataset = Cursor(cfg.dataset) if cfg.dataset else None
     rate: float | None = None  # requests/s of the last run, to size the next window
     previous_c = 0
+    processes = cfg.client_processes or 1
     for c in cfg.levels():
         rep = 0
         while True:
@@ -478,7 +494,7 @@ def sweep(
             )
             reset = reset_prefix_cache(url, headers) if cfg.reset_prefix_cache else "not requested"
             before = _scrape(url)
-            cpu_before, wall_before = time.process_time(), time.monotonic()
+            cpu_before, wall_before = _client_cpu_s(), time.monotonic()
             with MetricsSampler(url) as sampler, gpu_evidence.GpuSampler(cfg.gpu_ids) as gpus:
                 if cfg.workload.turns > 1:
                     turns = cfg.workload.turns
@@ -500,8 +516,11 @@ def sweep(
                         headers,
                         min_requests=least,
                         min_seconds=cfg.min_level_s,
+                        processes=processes,
                     )
-            client_cpu_pct = 100 * (time.process_time() - cpu_before) / max(time.monotonic() - wall_before, 1e-9)
+            # per client process: one near a full core paces the server instead of measuring it
+            wall = max(time.monotonic() - wall_before, 1e-9)
+            client_cpu_pct = 100 * (_client_cpu_s() - cpu_before) / wall / processes
             after = _scrape(url)
             summary = metrics.summarize(recs, cfg.objectives)
             if summary.request_throughput:
@@ -517,6 +536,7 @@ def sweep(
             records += recs
             rows.append(_level_row(c, rep, summary, before, after, sampler.peaks, reset))
             rows[-1]["client_cpu_pct"] = round(client_cpu_pct, 1)
+            rows[-1]["client_processes"] = processes
             rows[-1].update(_gpu_columns(gpus))
             log(
                 f"concurrency {c:4d} repeat {rep + 1}: {summary.output_throughput:8.1f} output tok/s, "
@@ -548,6 +568,8 @@ def sweep(
         log(f"concurrency {c:4d}: {level.limit}")
         done_levels.append(c)
         measured.append(level)
+        if not cfg.client_processes and (level.client_cpu_pct or 0) >= CLIENT_SPLIT_PCT:
+            processes = min(2 * processes, MAX_CLIENT_PROCESSES)
         throughputs.append(level.output_throughput)
         broken = objective_broken(level, cfg.objectives)
         if broken:

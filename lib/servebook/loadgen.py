@@ -370,8 +370,7 @@ def run_conversations(
     coro = _run_conversations(
         url, model, workload, conversations, concurrency, level or f"c{concurrency}", timeout_s, headers or {}
     )
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
-        return pool.submit(asyncio.run, coro).result()
+    return _in_own_loop(coro)
 
 
 async def _run(
@@ -386,6 +385,7 @@ async def _run(
     headers: dict[str, str],
     min_requests: int,
     min_seconds: float,
+    after_warmup: Callable[[], None] = lambda: None,
 ) -> tuple[list[RequestRecord], float, float]:
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
@@ -394,6 +394,7 @@ async def _run(
         await asyncio.gather(
             *(_one(session, url, workload, model, prompts[i], r, gate, timeout_s, headers) for i, r in enumerate(warm))
         )
+        after_warmup()
         start = time.perf_counter()
         sent = 0
 
@@ -414,6 +415,13 @@ async def _run(
         return warm + [r for r in measured if r.error != NOT_SENT], start, time.perf_counter()
 
 
+def _in_own_loop(coro: Any) -> tuple[list[RequestRecord], float, float]:
+    """Run a load generator's coroutine in a thread of its own, which gets a fresh event loop also inside
+    Jupyter, whose kernel already runs one."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def run_level(
     url: str,
     model: str,
@@ -426,15 +434,23 @@ def run_level(
     headers: dict[str, str] | None = None,
     min_requests: int | None = None,
     min_seconds: float = 0.0,
+    processes: int = 1,
 ) -> tuple[list[RequestRecord], float, float]:
     """Send ``prompts`` keeping ``concurrency`` requests in flight; the first ``warmup`` (default: the
     concurrency) are sent and awaited first and excluded from measurement.  The measured window sends the rest,
     or, with ``min_requests``, stops sending once it has sent that many and ``min_seconds`` have passed (the
-    prompts beyond are spare, for a server faster than expected).  Returns records and the measured window's
-    start and end on the client clock."""
+    prompts beyond are spare, for a server faster than expected).  With ``processes`` > 1 the streams, prompts
+    and minimums are shared among that many client processes whose windows open together (one process parses at
+    most so many chunks a second).  Returns records and the measured window's start and end on the client clock
+    (monotonic, so the same in every process)."""
     warmup = concurrency if warmup is None else warmup
     if warmup >= len(prompts):
         raise ValueError(f"{len(prompts)} prompts leave nothing to measure after {warmup} warm-up requests")
+    if processes > 1:
+        return _run_processes(
+            url, model, workload, prompts, concurrency, level, warmup, timeout_s, headers, min_requests, min_seconds,
+            min(processes, concurrency),
+        )  # fmt: skip
     coro = _run(
         url,
         model,
@@ -448,9 +464,61 @@ def run_level(
         len(prompts) - warmup if min_requests is None else min_requests,
         min_seconds,
     )
-    # A thread of its own gets a fresh event loop, also inside Jupyter, whose kernel already runs one.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
-        return pool.submit(asyncio.run, coro).result()
+    return _in_own_loop(coro)
+
+
+def _share(items: Sequence[Any], parts: int, k: int) -> list[Any]:
+    return list(items[k::parts])
+
+
+def _client_process(args: tuple[Any, ...]) -> tuple[list[RequestRecord], float, float]:
+    (url, model, workload, prompts, indices, concurrency, level, warmup, timeout_s, headers, min_requests,
+     min_seconds, barrier) = args  # fmt: skip
+    coro = _run(
+        url, model, workload, prompts, concurrency, level, warmup, timeout_s, headers, min_requests, min_seconds,
+        after_warmup=barrier.wait,
+    )  # fmt: skip
+    recs, start, end = asyncio.run(coro)
+    for r in recs:
+        r.index = indices[r.index]
+    return recs, start, end
+
+
+def _run_processes(
+    url: str,
+    model: str,
+    workload: Workload,
+    prompts: Sequence[PromptLike],
+    concurrency: int,
+    level: str,
+    warmup: int,
+    timeout_s: float,
+    headers: dict[str, str] | None,
+    min_requests: int | None,
+    min_seconds: float,
+    processes: int,
+) -> tuple[list[RequestRecord], float, float]:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or event loop of the parent's
+    measured = len(prompts) - warmup if min_requests is None else min_requests
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(processes)
+        jobs = []
+        for k in range(processes):
+            warm_k, measured_k = _share(range(warmup), processes, k), _share(range(warmup, len(prompts)), processes, k)
+            indices = warm_k + measured_k
+            jobs.append(
+                (
+                    url, model, workload, [prompts[i] for i in indices], indices, len(_share(range(concurrency), processes, k)),
+                    level or f"c{concurrency}", len(warm_k), timeout_s, headers or {},
+                    len(_share(range(measured), processes, k)), min_seconds, barrier,
+                )
+            )  # fmt: skip
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+            parts = list(pool.map(_client_process, jobs))
+    records = sorted((r for recs, _, _ in parts for r in recs), key=lambda r: r.index)
+    return records, min(start for _, start, _ in parts), max(end for _, _, end in parts)
 
 
 def arrival_offsets(
@@ -524,8 +592,7 @@ def run_open_level(
     if len(prompts) != warmup + len(offsets):
         raise ValueError(f"{len(prompts)} prompts for {warmup} warm-up and {len(offsets)} measured requests")
     coro = _run_open(url, model, workload, prompts, offsets, level, warmup, timeout_s, headers or {}, max_concurrency)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
-        return pool.submit(asyncio.run, coro).result()
+    return _in_own_loop(coro)
 
 
 def records_frame(records: list[RequestRecord]):

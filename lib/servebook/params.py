@@ -214,6 +214,9 @@ class Params(BaseModel):
     bench_request_timeout_s: float = Field(
         600.0, gt=0, description="a request without a complete answer by then counts as failed"
     )
+    bench_client_processes: int = Field(
+        0, ge=0, le=64, description="client processes sharing the streams; 0 doubles them past half a core each"
+    )
     bench_turns: int = Field(
         1, ge=1, le=64, description="over 1: multi-turn chat, each conversation sending its history back (chat only)"
     )

@@ -185,3 +185,25 @@ def test_multi_turn_conversations_send_their_history_and_hit_the_prefix_cache(sh
     for _, chat in reqs.groupby([reqs.level, reqs["index"] // 1000]):
         grown = list(chat.sort_values("index").prompt_tokens)
         assert len(grown) == 3 and grown[0] < grown[1] < grown[2]  # the history comes back every turn
+
+
+def test_two_client_processes_share_the_streams_and_open_their_windows_together(shared_server, tmp_path):
+    """The streams, prompts and minimums split between two spawned processes; every request comes back once,
+    under its own index, and both windows start within a moment of each other."""
+    maker = loadgen.PromptMaker(loadgen.load_tokenizer(shared_server.config.model_path), seed=5)
+    prompts = maker.prompts(4 + 12, 32)
+    recs, start, end = loadgen.run_level(
+        shared_server.url,
+        "tiny-qwen3-moe",
+        loadgen.Workload(input_len=32, output_len=8),
+        prompts,
+        concurrency=4,
+        warmup=4,
+        processes=2,
+    )
+    assert sorted(r.index for r in recs) == list(range(16)) and all(r.ok for r in recs)
+    assert sum(r.warmup for r in recs) == 4 and {r.completion_tokens for r in recs} == {8}
+    measured = [r for r in recs if not r.warmup]
+    assert min(r.send for r in measured) >= start and max(r.end for r in measured) <= end
+    firsts = sorted(min(r.send for r in measured if r.index % 2 == k) for k in (0, 1))
+    assert firsts[1] - firsts[0] < 0.5  # the barrier opened both windows together

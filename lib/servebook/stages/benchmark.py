@@ -28,6 +28,7 @@ def sweep_config(p: Params, max_num_seqs: int = 0) -> bench.SweepConfig:
         plateau_gain=p.bench_plateau_gain,
         objectives=metrics.Objectives(p.bench_ttft_slo_ms, p.bench_tpot_slo_ms, p.bench_e2el_slo_ms),
         request_timeout_s=p.bench_request_timeout_s,
+        client_processes=p.bench_client_processes,
     )
 
 
