@@ -251,62 +251,65 @@ class Params(BaseModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Params:
+        problems: list[str] = []  # every one of them, each on its own line of the message
         world = self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
         if self.gpu_ids and len(self.gpu_ids) != world:
-            raise ValueError(
+            problems.append(
                 f"gpu_ids lists {len(self.gpu_ids)} GPUs but tensor_parallel_size*pipeline_parallel_size*"
                 f"data_parallel_size = {world}; list exactly {world} or leave gpu_ids empty"
             )
         for key in self.extra_env:
             if is_secret_name(key):
-                raise ValueError(
+                problems.append(
                     f"extra_env.{key} looks like a secret; secrets come from the environment only "
                     f"(set api_key_env to the variable's name, or export it before running)"
                 )
         if self.nccl_min_bytes > self.nccl_max_bytes:
-            raise ValueError(f"nccl_min_bytes ({self.nccl_min_bytes}) exceeds nccl_max_bytes ({self.nccl_max_bytes})")
+            problems.append(f"nccl_min_bytes ({self.nccl_min_bytes}) exceeds nccl_max_bytes ({self.nccl_max_bytes})")
         if self.bench_shared_prefix_len >= self.bench_input_len:
-            raise ValueError(
+            problems.append(
                 f"bench_shared_prefix_len ({self.bench_shared_prefix_len}) must be shorter than bench_input_len "
                 f"({self.bench_input_len})"
             )
         if any(rate <= 0 for rate in self.bench_request_rates):
-            raise ValueError(
+            problems.append(
                 f"bench_request_rates {self.bench_request_rates}: every rate is requests per second and must be "
                 "positive; list rates such as [1, 2, 4], or leave it empty for no open-loop sweep"
             )
         if self.bench_turns > 1 and self.bench_endpoint != "chat":
-            raise ValueError(
+            problems.append(
                 f"bench_turns {self.bench_turns} sends conversations, which only the chat endpoint takes; set "
                 "bench_endpoint: chat, or bench_turns: 1"
             )
         if self.bench_turns > 1 and self.bench_dataset:
-            raise ValueError("bench_turns > 1 builds its own conversations; leave bench_dataset empty for it")
+            problems.append("bench_turns > 1 builds its own conversations; leave bench_dataset empty for it")
         if self.bench_dataset:
             from servebook import datasets
 
             try:
                 datasets.check(self.bench_dataset, self.bench_dataset_format)
             except datasets.DatasetError as exc:
-                raise ValueError(str(exc)) from None
+                problems.append(str(exc))
         if self.bench_burstiness != 1.0 and self.bench_arrival != "gamma":
-            raise ValueError(
+            problems.append(
                 f"bench_burstiness ({self.bench_burstiness:g}) shapes gamma arrivals only; set bench_arrival: gamma, "
                 f"or drop bench_burstiness (bench_arrival is {self.bench_arrival})"
             )
         if self.bench_input_len + self.bench_output_len > self.max_model_len:
-            raise ValueError(
+            problems.append(
                 f"bench_input_len + bench_output_len = {self.bench_input_len + self.bench_output_len} exceeds "
                 f"max_model_len {self.max_model_len}; shorten the requests or raise max_model_len"
             )
         if self.model.startswith(("/", "./", "../", "~")) and not Path(self.model).expanduser().exists():
-            raise ValueError(
+            problems.append(
                 f"model: no folder {self.model} on this machine; point model at a checkpoint folder that exists, "
                 "or give a hub repo id such as MiniMaxAI/MiniMax-M2.5"
             )
         for flag in self.extra_args:
             if re.search(r"--api-key\b", flag):
-                raise ValueError("extra_args must not carry --api-key; set api_key_env to the variable that holds it")
+                problems.append("extra_args must not carry --api-key; set api_key_env to the variable that holds it")
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     @property
@@ -369,7 +372,7 @@ def validate(values: dict[str, Any], source: str = "params") -> Params:
     try:
         return Params(**values)
     except ValidationError as exc:
-        problems = [_describe(e) for e in exc.errors()]
+        problems = [line for e in exc.errors() for line in _describe(e).split("\n")]
         raise ParamsError(source, problems) from None
 
 

@@ -41,6 +41,15 @@ def test_every_problem_is_reported_at_once_by_name(tmp_path):
     assert any("'kv_cache_dtype'" in p for p in problems)
 
 
+def test_every_broken_combination_is_reported_too(tmp_path):
+    text = "tensor_parallel_size: 8\ngpu_ids: [0, 1]\nbench_turns: 2\nbench_burstiness: 0.5\n"
+    with pytest.raises(ParamsError) as exc:
+        params.load(write(tmp_path, text))
+    problems = exc.value.problems
+    assert len(problems) == 3 and problems[0].startswith("gpu_ids lists 2 GPUs")
+    assert problems[1].startswith("bench_turns 2 sends conversations") and problems[2].startswith("bench_burstiness")
+
+
 def test_impossible_combination_is_named(tmp_path):
     with pytest.raises(ParamsError, match="gpu_ids lists 2 GPUs but .* = 8"):
         params.load(write(tmp_path, "tensor_parallel_size: 8\ngpu_ids: [0, 1]\n"))
