@@ -13,12 +13,16 @@ from servebook.params import Params
 from servebook.records import BenchmarkRecord, LaunchRecord, PlanRecord
 
 
+def workload(p: Params) -> Workload:
+    return Workload(
+        p.bench_input_len, p.bench_output_len, p.bench_endpoint, p.bench_shared_prefix_len, turns=p.bench_turns
+    )
+
+
 def sweep_config(p: Params, max_num_seqs: int = 0) -> bench.SweepConfig:
     return bench.SweepConfig(
         max_num_seqs=max_num_seqs,
-        workload=Workload(
-            p.bench_input_len, p.bench_output_len, p.bench_endpoint, p.bench_shared_prefix_len, turns=p.bench_turns
-        ),
+        workload=workload(p),
         max_concurrency=p.bench_max_concurrency,
         repeats=p.bench_repeats,
         prompts_per_level=p.bench_prompts_per_level,
@@ -99,7 +103,7 @@ def rate_config(p: Params) -> ratesweep.RateSweepConfig:
         rates=list(p.bench_request_rates),
         arrival=p.bench_arrival,
         burstiness=p.bench_burstiness,
-        workload=Workload(p.bench_input_len, p.bench_output_len, p.bench_endpoint, p.bench_shared_prefix_len),
+        workload=workload(p),  # open-loop requests are single turns: the sweep ignores turns
         min_requests=p.bench_rate_requests,
         min_seconds=p.bench_min_level_s,
         objectives=metrics.Objectives(p.bench_ttft_slo_ms, p.bench_tpot_slo_ms, p.bench_e2el_slo_ms),
