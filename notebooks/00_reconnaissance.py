@@ -49,13 +49,20 @@ tensor_parallel_size: int = 1  # GPUs per tensor-parallel group
 pipeline_parallel_size: int = 1  # pipeline stages
 data_parallel_size: int = 1  # data-parallel replicas
 gpu_ids: list[int] = []  # physical GPU indices to use; empty means the first TP*PP*DP
+nodes: int = 1  # machines one server spans; 1 means this machine alone
+gpus_per_node: int = 0  # GPUs each node gives the server; 0 means world size / nodes
+node_hosts: list[str] = []  # SSH destination of each node, head first ('local' for this machine); your own SSH config
+node_addresses: list[str] = []  # each node's IP on the network the nodes share; empty means node_hosts
+node_python: str = ""  # Python with vLLM on the other nodes; empty means this one's path
+node_ssh_config: str = ""  # an SSH config file to use instead of ~/.ssh/config (no keys here)
+node_master_port: int = 29500  # the head's port for torch.distributed (or the DP RPC port)
 require_ready: bool = True  # stop the pipeline at reconnaissance when the verdict is not ready
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%
 from IPython.display import Markdown, display
 
-from servebook import params
+from servebook import multinode, params
 from servebook.stages import reconnaissance as stage
 from servebook.units import GiB
 
@@ -89,6 +96,18 @@ if inventory.pairs:
     display(Markdown("**P2P read (PCIe or NVLink)**"), stage.pair_matrix(inventory, "p2p_read"))
 else:
     print("fewer than two GPUs: no pairs to show")
+
+# %% [markdown]
+# ## Other nodes
+# With `nodes` above 1, the same questions of every other node over your own SSH (one round trip each): its GPUs
+# and what holds them, vLLM, torch and NCCL against this machine's, its address on one of its interfaces, its
+# InfiniBand devices, and its clock. The checkpoints are compared at launch, once downloaded.
+
+# %%
+if found.nodes:
+    display(multinode.probe_table(found.nodes))
+else:
+    print("one node: this machine alone")
 
 # %% [markdown]
 # ## Host and software

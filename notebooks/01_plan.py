@@ -59,10 +59,16 @@ pipeline_parallel_size: int = 1  # pipeline stages
 data_parallel_size: int = 1  # data-parallel replicas
 enable_expert_parallel: bool = False  # experts spread whole over TP*DP GPUs instead of sliced
 gpu_ids: list[int] = []  # physical GPU indices to use; empty means the first TP*PP*DP
+nodes: int = 1  # machines one server spans; 1 means this machine alone
+gpus_per_node: int = 0  # GPUs each node gives the server; 0 means world size / nodes
+node_interconnect: str = ""  # the network between nodes, e.g. '8x400Gb/s InfiniBand' or '100GbE' (plan's ranking)
+node_addresses: list[str] = []  # each node's IP on the network the nodes share; empty means node_hosts
+node_master_port: int = 29500  # the head's port for torch.distributed (or the DP RPC port)
 max_model_len: int = 4096  # longest request (prompt + output) in tokens
 gpu_memory_utilization: float = 0.9  # share of each GPU's memory vLLM may use
 kv_cache_dtype: str = "auto"  # auto, fp8, ... (fp8 halves KV memory)
 cpu_kv_cache_gib: float = 1.0  # KV cache for the CPU backend, GiB (VLLM_CPU_KVCACHE_SPACE)
+extra_args: list[str] = []  # more vLLM serving flags, e.g. ['--enable-prefix-caching']
 plan_gpu: str = ""  # GPU model to plan for (H200, RTX-PRO-6000...); empty means what NVML found
 plan_gpu_count: int = 0  # GPUs to plan for; 0 means all GPUs reconnaissance found
 plan_rank_by: str = "throughput"  # throughput, latency (one stream) or concurrency (KV capacity)
@@ -111,6 +117,21 @@ display(Markdown(
 
 # %%
 display(stage.table(planned))
+
+# %% [markdown]
+# ## Across nodes
+# With `nodes` above 1 the plan places each layout on the nodes in vLLM's rank order (TP innermost, then PP,
+# then DP) and says what crosses the network: TP across nodes sends every layer's all-reduces over it, PP one
+# activation per stage boundary, DP+EP the MoE layers' all-to-all. The ranking charges each crossing
+# collective the link's latency and its bytes at `node_interconnect`'s bandwidth. Where every replica fits in a
+# node, vLLM runs one data-parallel group per node (`--data-parallel-start-rank`); otherwise one engine spans
+# the nodes (`--nnodes`, `--node-rank`, `--master-addr`). Below: the command each node runs, head first.
+
+# %%
+if planned.device.nodes > 1 and planned.node_commands:
+    print(stage.node_commands_text(planned))
+else:
+    print("one node: nothing crosses a network")
 
 # %% [markdown]
 # ## Memory per GPU

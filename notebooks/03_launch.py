@@ -45,6 +45,13 @@
 # `VLLM_ENGINE_READY_TIMEOUT_S`, so a 36-minute load is not cut at vLLM's 10-minute default. If the process
 # exits or `/health` answers 503, the wait stops and the root cause is read from the log.
 #
+# With `nodes` above 1 this machine is the head and the other nodes are reached over your own SSH
+# configuration. Each node is probed first (the same vLLM, torch and NCCL; the same checkpoint by file sizes and
+# the index file's hash; its address on one of its interfaces; the head's ports free; clocks within 5 s), then
+# the head starts and each other node runs `vllm serve --headless` in a session of its own. The server is ready
+# when `/health` answers, which vLLM allows only once every rank has joined; a node whose vLLM exits meanwhile
+# fails the launch with that node's log.
+#
 # When the plan stage ran in this run with `layout_from_plan: true`, its recommended layout replaces the layout
 # parameters below; when the download stage ran, its verified local folder replaces `model`.
 
@@ -57,6 +64,13 @@ pipeline_parallel_size: int = 1  # pipeline stages
 data_parallel_size: int = 1  # data-parallel replicas
 enable_expert_parallel: bool = False  # experts spread whole over TP*DP GPUs instead of sliced
 gpu_ids: list[int] = []  # physical GPU indices to use; empty means the first TP*PP*DP
+nodes: int = 1  # machines one server spans; 1 means this machine alone
+gpus_per_node: int = 0  # GPUs each node gives the server; 0 means world size / nodes
+node_hosts: list[str] = []  # SSH destination of each node, head first ('local' for this machine); your own SSH config
+node_addresses: list[str] = []  # each node's IP on the network the nodes share; empty means node_hosts
+node_python: str = ""  # Python with vLLM on the other nodes; empty means this one's path
+node_ssh_config: str = ""  # an SSH config file to use instead of ~/.ssh/config (no keys here)
+node_master_port: int = 29500  # the head's port for torch.distributed (or the DP RPC port)
 max_model_len: int = 4096  # longest request (prompt + output) in tokens
 gpu_memory_utilization: float = 0.9  # share of each GPU's memory vLLM may use
 kv_cache_dtype: str = "auto"  # auto, fp8, ... (fp8 halves KV memory)
@@ -76,7 +90,7 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 # %%
 from IPython.display import Markdown, display
 
-from servebook import params
+from servebook import multinode, params
 from servebook.stages import launch as stage
 from servebook.units import GiB
 
@@ -94,6 +108,16 @@ display(Markdown(f"`{launched.url}` serving `{launched.served_model_name}` at **
                  f"{launched.pgid}; log `{launched.log_path}`"))
 print(launched.command_line)
 print("\n".join(f"{k}={v}" for k, v in launched.environment.items() if k.startswith(("VLLM_", "CUDA_", "NCCL_"))))
+
+# %% [markdown]
+# ## The nodes
+# Each node as the probe found it before the launch (one node: nothing to show).
+
+# %%
+if launched.nodes:
+    display(multinode.probe_table(launched.nodes))
+    for worker in launched.workers:
+        print(f"{worker.node}: pid {worker.pid}, log {worker.log_path}\n  {' '.join(worker.command)}")
 
 # %% [markdown]
 # ## Load phases and what vLLM reported

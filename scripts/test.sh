@@ -13,8 +13,12 @@ cleanup() { .venv/bin/servebook stop --port "$nbval_port" >/dev/null 2>&1 || tru
 trap cleanup EXIT
 
 # the deploy stage checks its units with systemd-analyze (works without a running systemd)
-if ! command -v systemd-analyze >/dev/null; then
-  apt-get update -qq && apt-get install -y -qq systemd >/dev/null
+# the multi-node tests reach a second "node" (127.0.0.3) through a real OpenSSH server they start themselves
+missing=()
+command -v systemd-analyze >/dev/null || missing+=(systemd)
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # guardrails: format, lint, types (strict for the records and stages), notebooks committed without outputs

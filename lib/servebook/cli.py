@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import List, NoReturn
@@ -184,6 +185,10 @@ def plan(
     gpu_memory_utilization: float = typer.Option(0.90, help="share of GPU memory vLLM may use (vLLM's default)"),
     kv_cache_dtype: str = typer.Option("auto", help="auto or fp8"),
     batch: int = typer.Option(64, help="concurrent sequences for the throughput ranking"),
+    nodes: int = typer.Option(1, help="machines the server spans (then --gpus counts GPUs per node)"),
+    interconnect: str = typer.Option(
+        "", help="network between the nodes, e.g. '8x400Gb/s InfiniBand' or '100GbE' (needed with --nodes)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON"),
 ) -> None:
     """Which TP/PP/DP/EP layouts vLLM accepts for a model on N GPUs, memory per GPU, KV tokens, a recommendation.
@@ -191,15 +196,20 @@ def plan(
     A terminal answer; `servebook run PARAMS --stages reconnaissance,plan` writes it as a run folder with a report.
     """
     from servebook import gpus as gpu_specs
-    from servebook import modelspec, planner
+    from servebook import modelspec, multinode, planner
     from servebook.stages.plan import table
 
     try:
+        if nodes > 1 and not interconnect:
+            raise ValueError(
+                f"--nodes {nodes} needs --interconnect, the network between the nodes "
+                "(e.g. --interconnect '8x400Gb/s InfiniBand'): the ranking charges what crosses it"
+            )
+        link = planner.parse_interconnect(interconnect) if nodes > 1 else None
         spec = modelspec.load(model)
         g = gpu_specs.lookup(gpu)
-        result = planner.plan(
-            spec, planner.Device.for_gpu(g, gpus_), max_model_len, gpu_memory_utilization, kv_cache_dtype, batch=batch
-        )
+        device = planner.Device.for_gpu(g, gpus_ * nodes, nodes=nodes, link=link)
+        result = planner.plan(spec, device, max_model_len, gpu_memory_utilization, kv_cache_dtype, batch=batch)
     except KeyError as exc:
         typer.echo(f"servebook: {exc.args[0]}", err=True)
         raise typer.Exit(2) from None
@@ -209,14 +219,23 @@ def plan(
     if as_json:
         typer.echo(result.model_dump_json(indent=2))
         return
-    typer.echo(f"{spec.architecture} on {gpus_} x {g.name}; weights {result.weights_total_bytes / 1e9:,.1f} GB")
+    where = f"{nodes} nodes of {gpus_} x {g.name} ({interconnect})" if nodes > 1 else f"{gpus_} x {g.name}"
+    typer.echo(f"{spec.architecture} on {where}; weights {result.weights_total_bytes / 1e9:,.1f} GB")
     typer.echo(table(result).drop(columns=["why not"]).to_string(index=False))
     for layout in result.layouts:
         if layout.reasons:
             typer.echo(f"{layout.name}: {layout.reasons[0]}")
     typer.echo(f"recommended: {result.why}")
-    if result.recommended:
-        typer.echo("  " + " ".join(result.recommended.flags))
+    best = result.recommended
+    if best and nodes > 1:
+        typer.echo(f"  {planner.MULTINODE_STRATEGIES[best.strategy]}")
+        for warning in best.warnings:
+            typer.echo(f"  note: {warning}")
+        flags = ["--max-model-len", str(max_model_len)]
+        for rank, argv in enumerate(multinode.commands(best.parallelism, nodes, gpus_, flags, model)):
+            typer.echo(f"  node {rank}: {shlex.join(argv)}")
+    elif best:
+        typer.echo("  " + " ".join(best.flags))
 
 
 @app.command()

@@ -397,10 +397,15 @@ async def _run(
         after_warmup()
         start = time.perf_counter()
         sent = 0
+        # The window's seconds run from its first send, as the duration metric does: scheduling thousands of
+        # request tasks on a busy machine can take tens of milliseconds before the first one goes out.
+        first_send: float | None = None
 
         def enough() -> bool:
-            nonlocal sent
-            if sent >= min_requests and time.perf_counter() - start >= min_seconds:
+            nonlocal sent, first_send
+            now = time.perf_counter()
+            first_send = now if first_send is None else first_send
+            if sent >= min_requests and now - first_send >= min_seconds:
                 return True
             sent += 1
             return False
@@ -412,7 +417,7 @@ async def _run(
                 for r in measured
             )
         )
-        return warm + [r for r in measured if r.error != NOT_SENT], start, time.perf_counter()
+        return warm + [r for r in measured if r.error != NOT_SENT], first_send or start, time.perf_counter()
 
 
 def _in_own_loop(coro: Any) -> tuple[list[RequestRecord], float, float]:

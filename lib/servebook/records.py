@@ -12,7 +12,21 @@ from typing import Literal
 
 from pydantic import BaseModel, computed_field
 
-from servebook import ab, bench, client, download, environment, hardware, nccl, planner, ratesweep, server, systemd
+from servebook import (
+    ab,
+    bench,
+    client,
+    download,
+    environment,
+    hardware,
+    multinode,
+    nccl,
+    planner,
+    ratesweep,
+    remote,
+    server,
+    systemd,
+)
 from servebook.planner import Parallelism
 from servebook.results import Record
 from servebook.secrets import mask, mask_env
@@ -44,6 +58,7 @@ class ReconRecord(Record):
     versions: dict[str, str | None]
     checkpoint: CheckpointSize
     verdict: Verdict
+    nodes: list[multinode.NodeProbe] = []  # several nodes: each as its probe found it, head first
 
 
 # ---------------------------------------------------------------- 01 plan
@@ -54,6 +69,7 @@ class PlanRecord(Record, planner.Plan):
 
     requested: planner.Layout | None  # the params' own layout as the plan judged it
     launch_layout: Literal["recommended", "params"]  # which one the launch stage uses
+    node_commands: list[list[str]] = []  # several nodes: each node's vllm serve command, head first
 
     @property
     def layout_for_launch(self) -> Parallelism | None:
@@ -153,6 +169,8 @@ class LaunchRecord(Record):
     preflight: server.Preflight | None = None
     memory_after_load: MemoryAfterLoad = MemoryAfterLoad()
     plan_check: PlanCheck | None = None
+    nodes: list[multinode.NodeProbe] = []  # what each node had before a multi-node launch, head first
+    workers: list[remote.WorkerRecord] = []  # the other nodes' vLLM processes
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -271,6 +289,15 @@ class DryRun(BaseModel):
     log: str = ""
 
 
+class NodeUnitRecord(BaseModel):
+    """A worker node's unit of a multi-node server, for ``systemctl`` on that node."""
+
+    node: str
+    unit_name: str
+    unit_file: str
+    verify: systemd.Verified
+
+
 class DeployRecord(Record):
     FILE = "07_deploy"
 
@@ -289,3 +316,5 @@ class DeployRecord(Record):
     service_ready: str = ""
     smoke_test: client.SmokeResult | None = None
     dry_run: DryRun | None = None
+    dry_run_skipped: str = ""
+    node_units: list[NodeUnitRecord] = []  # a multi-node server's other nodes, started by the head's unit

@@ -105,9 +105,14 @@ def _axis_problems(axes: dict[str, dict[str, float | str | list[float]]]) -> lis
         data_lo, data_hi = float(e["lo"]), float(e["hi"])  # type: ignore[arg-type]
         span = hi - lo
         slack = 1e-6 * max(abs(span), 1.0)
+        # A linear axis drawn from zero (plotly's rangemode "tozero") shows sizes against nothing, which a
+        # reader expects of throughput and latency: zero counts as data, so only space beyond it is stretch.
+        shown_lo, shown_hi = data_lo, data_hi
+        if e.get("type") != "log" and lo <= slack and hi > 0 and lo >= -0.1 * hi and data_lo >= 0:
+            shown_lo = 0.0
         if data_lo < lo - slack or data_hi > hi + slack:
             problems.append(f"{name} range {lo:.4g}..{hi:.4g} cuts off data {data_lo:.4g}..{data_hi:.4g}")
-        elif data_hi > data_lo and span > STRETCH_LIMIT * (data_hi - data_lo):
+        elif shown_hi > shown_lo and span > STRETCH_LIMIT * (shown_hi - shown_lo):
             problems.append(
                 f"{name} range {lo:.4g}..{hi:.4g} is stretched: the data ({data_lo:.4g}..{data_hi:.4g}) fills "
                 f"{(data_hi - data_lo) / span:.0%} of it"

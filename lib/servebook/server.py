@@ -25,14 +25,14 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from servebook import hardware, models, vllm_compat
+from servebook import hardware, models, remote, vllm_compat
 from servebook.client import health
 from servebook.errors import CleanupError, LaunchError, PreflightError
 from servebook.params import Params
 from servebook.planner import Parallelism
 from servebook.secrets import mask, mask_env
 from servebook.units import gib
-from servebook.vllm_log import ANSI_ESCAPE, LoadProgress, LogValues, root_cause, tail
+from servebook.vllm_log import ANSI_ESCAPE, UNRECOGNISED, LoadProgress, LogValues, root_cause, tail
 
 STOP_GRACE_S = 20.0  # vLLM's worker shutdown timeout is 5 s; leave room for the engine and API server
 SECONDS_PER_GB = 6.0  # load-budget slope: 547 GB took 36 minutes in the story
@@ -74,6 +74,8 @@ class ServerConfig:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     load_timeout_s: float = 0.0
+    node_flags: list[str] = field(default_factory=list)  # the head's part of a multi-node server (multinode.py)
+    nodes: int = 1  # machines the server spans; this one holds world_size / nodes of its GPUs
 
     @classmethod
     def from_params(
@@ -103,7 +105,7 @@ class ServerConfig:
 
     @property
     def target_gpus(self) -> list[int]:
-        return hardware.target_gpus(self.gpu_ids, self.world_size) if self.device == "cuda" else []
+        return hardware.target_gpus(self.gpu_ids, self.world_size // self.nodes) if self.device == "cuda" else []
 
     @property
     def url(self) -> str:
@@ -131,7 +133,7 @@ class ServerConfig:
             args.append("--enforce-eager")
         if self.max_num_seqs:
             args += ["--max-num-seqs", str(self.max_num_seqs)]
-        return args + list(self.extra_args)
+        return args + list(self.node_flags) + list(self.extra_args)
 
     def command(self) -> list[str]:
         return vllm_compat.serve_prefix(self.model_path) + self.serve_args()
@@ -205,6 +207,7 @@ class Registration(BaseModel):
     gpu_ids: list[int]
     started_at: str
     values: LogValues = LogValues()
+    workers: list[remote.WorkerRecord] = []  # the other nodes' processes of a multi-node server
 
 
 def registered(port: int) -> Registration | None:
@@ -480,8 +483,12 @@ def launch(
     stop_leftovers: bool = False,
     on_progress: Callable[[str, float], None] | None = None,
     log: Callable[[str], None] = print,
+    workers: Sequence[remote.WorkerRecord] = (),
 ) -> Launch:
-    """Preflight, start, and wait for ``/health``; raise :class:`LaunchError` with the root cause on failure."""
+    """Preflight, start, and wait for ``/health``; raise :class:`LaunchError` with the root cause on failure.
+
+    ``workers`` are the other nodes of a multi-node server (``multinode.workers``): started once the head is,
+    watched while it loads (one that exits fails the launch with its own log's root cause), stopped with it."""
     pre = preflight(cfg, stop_leftovers=stop_leftovers, log=log)
     env = cfg.environment()
     if pre.reuse:
@@ -538,7 +545,14 @@ def launch(
     )
     register(record)
     try:
-        phases, values, seconds = _wait_ready(proc, cfg, log_path, budget, on_progress)
+        node_env = cfg.environment(base={}, with_secrets=False)  # the API key stays on the head, which serves
+        for worker in workers:
+            own = {"VLLM_HOST_IP": worker.address} if worker.address else {}
+            pid = remote.start(worker.ssh, worker.command, node_env | own, worker.log_path, worker.ssh_config)
+            record.workers.append(worker.model_copy(update={"pid": pid}))
+            register(record)
+            log(f"started vLLM on {worker.node} (pid {pid} there), log {worker.log_path} there")
+        phases, values, seconds = _wait_ready(proc, cfg, log_path, budget, on_progress, record.workers)
     except BaseException:
         stop(port=cfg.port)
         raise
@@ -567,13 +581,18 @@ def _wait_ready(
     log_path: Path,
     budget: float,
     on_progress: Callable[[str, float], None] | None,
+    workers: Sequence[remote.WorkerRecord] = (),
 ) -> tuple[dict[str, float], LogValues, float]:
     start = time.monotonic()
     progress = LoadProgress()
     offset = 0
     pending = ""
+    checked_workers = start
     while True:
         elapsed = time.monotonic() - start
+        if workers and time.monotonic() - checked_workers > WORKER_CHECK_S:
+            checked_workers = time.monotonic()
+            _check_workers(workers, elapsed)
         with open(log_path, errors="replace") as fh:
             fh.seek(offset)
             chunk = fh.read()
@@ -618,6 +637,38 @@ def _wait_ready(
         time.sleep(0.5)
 
 
+WORKER_CHECK_S = 3.0
+
+
+def _check_workers(workers: Sequence[remote.WorkerRecord], elapsed: float) -> None:
+    """A worker node whose vLLM has exited fails the launch with that node's log."""
+    for worker in workers:
+        if not remote.alive(worker):
+            text = remote.log_text(worker)
+            raise LaunchError(
+                f"vLLM on {worker.node} exited after {elapsed:.1f} s, before the server was ready",
+                cause=mask(root_cause(text)),
+                log_tail="\n".join(text.splitlines()[-40:]),
+                log_path=f"{worker.node}:{worker.log_path}",
+            )
+
+
+def workers_gone(workers: Sequence[remote.WorkerRecord]) -> list[str]:
+    """The worker nodes whose vLLM is no longer running (what a failing multi-node server is asked first)."""
+    gone = []
+    for worker in workers:
+        if remote.alive(worker):
+            continue
+        cause = root_cause(remote.log_text(worker))
+        if cause == UNRECOGNISED:
+            cause = (
+                f"its log ({worker.log_path} there) ends without an error: it was killed from outside (SIGKILL, the "
+                "kernel's OOM killer: see dmesg there) or the node went down"
+            )
+        gone.append(f"{worker.node} (pid {worker.pid}): {mask(cause)}")
+    return gone
+
+
 @contextlib.contextmanager
 def running(
     cfg: ServerConfig, log_dir: str | Path, stop_leftovers: bool = False, log: Callable[[str], None] = print
@@ -657,6 +708,11 @@ def stop(
     for rec in records:
         result = terminate(rec.pgid, grace_s=grace_s)
         result.port = rec.port
+        for worker in rec.workers:  # after the head, which would otherwise wait on them
+            try:
+                result.remaining += remote.stop(worker, grace_s=grace_s)
+            except remote.RemoteError as exc:
+                result.remaining.append(f"{worker.node}: not stopped ({exc})")
         outcome.servers.append(result)
         outcome.remaining += result.remaining
         if not result.remaining:

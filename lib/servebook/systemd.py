@@ -19,7 +19,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -30,6 +30,15 @@ STOP_TIMEOUT_S = 120  # SIGTERM grace before SIGKILL; vLLM's worker shutdown tak
 RESTART_SEC = 30
 START_BURST = 3
 SECRET_VARS = ("VLLM_API_KEY", "HF_TOKEN")
+
+
+@dataclass
+class NodeUnit:
+    """A worker node's unit, which the head's unit starts and stops over SSH."""
+
+    node: str
+    ssh: str  # destination from the service user's SSH configuration; empty: this machine
+    unit_name: str
 
 
 @dataclass
@@ -48,6 +57,9 @@ class UnitSpec:
     servebook: list[str]  # the command that runs servebook's CLI on the target host
     user: str = "vllm"
     state_dir: str = ""
+    role: str = "server"  # "server" (serves the API), or "worker" (a headless node of a multi-node server)
+    worker_units: list[NodeUnit] = field(default_factory=list)  # the head's: the other nodes' units
+    ssh_config: str = ""
 
     @property
     def unit_name(self) -> str:
@@ -79,12 +91,56 @@ def exec_line(args: list[str]) -> str:
     return " ".join(_quote(a) for a in args)
 
 
-def render_unit(u: UnitSpec) -> str:
+def _on_node(unit: NodeUnit, ssh_config: str, *args: str) -> list[str]:
+    if not unit.ssh:
+        return ["/usr/bin/systemctl", *args]
+    ssh = ["/usr/bin/ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"] + (
+        ["-F", ssh_config] if ssh_config else []
+    )
+    return [*ssh, unit.ssh, "systemctl", *args]
+
+
+def _start_lines(u: UnitSpec) -> tuple[str, str]:
+    """What runs before and after ExecStart: the checks and waits of a server, or nothing on a worker node."""
+    if u.role == "worker":
+        return (
+            "# a worker node of a multi-node server: the head's unit starts and stops this one over SSH; it serves\n"
+            "# no API, and the head's /health answers only once this node's ranks have joined",
+            "",
+        )
     gpus = ",".join(str(i) for i in u.gpu_ids)
     check = [*u.servebook, "gpu-check", "--port", str(u.port)] + (
         ["--gpus", gpus] if gpus and u.device == "cuda" else []
     )
     wait = [*u.servebook, "wait-ready", "--url", u.url, "--timeout", str(u.timeout_start_s)]
+    pre = (
+        "# refuse to start while anything holds the GPUs or the port (leftovers from a killed server)\n"
+        f"ExecStartPre={exec_line(check)}"
+    )
+    if u.worker_units:
+        pre += (
+            "\n# the other nodes first, without waiting (their vLLM waits for this one); the service user reaches each\n"
+            "# over SSH as a user allowed to start that unit"
+        )
+        pre += "".join(
+            f"\nExecStartPre={exec_line(_on_node(w, u.ssh_config, 'start', '--no-block', w.unit_name))}"
+            for w in u.worker_units
+        )
+    post = (
+        "# systemctl start returns only when /health answers 200"
+        + (", which vLLM allows once every node's ranks have joined" if u.worker_units else "")
+        + f"\nExecStartPost={exec_line(wait)}"
+    )
+    if u.worker_units:
+        post += "\n# a stop (or a failure) of this unit reaches every node"
+        post += "".join(
+            f"\nExecStopPost=-{exec_line(_on_node(w, u.ssh_config, 'stop', w.unit_name))}" for w in u.worker_units
+        )
+    return pre, post
+
+
+def render_unit(u: UnitSpec) -> str:
+    pre, post = _start_lines(u)
     state = u.state_dir or f"/var/lib/servebook/{u.name}"
     env_lines = "\n".join(f"Environment={_quote(f'{k}={v}')}" for k, v in sorted(u.environment.items()))
     return f"""# Rendered by servebook from the configuration its launch stage validated.
@@ -99,7 +155,7 @@ StartLimitIntervalSec={u.start_limit_interval_s}
 StartLimitBurst={START_BURST}
 
 [Service]
-# exec: systemd reports a failure to start the binary at once; readiness comes from ExecStartPost.
+# exec: systemd reports a failure to start the binary at once{"" if u.role == "worker" else "; readiness comes from ExecStartPost"}.
 Type=exec
 User={u.user}
 Group={u.user}
@@ -111,11 +167,9 @@ Environment=HF_HOME={state}/hf
 Environment=VLLM_CACHE_ROOT={state}/vllm
 # secrets (the API key) live here, root-only, never in this unit
 EnvironmentFile=-{u.env_file}
-# refuse to start while anything holds the GPUs or the port (leftovers from a killed server)
-ExecStartPre={exec_line(check)}
+{pre}
 ExecStart={exec_line(u.command)}
-# systemctl start returns only when /health answers 200
-ExecStartPost={exec_line(wait)}
+{post}
 TimeoutStartSec={u.timeout_start_s}
 # stop: SIGTERM to every process of the unit (API server, EngineCore, workers), SIGKILL after the grace
 KillMode=control-group

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from servebook.secrets import mask
 
+UNRECOGNISED = "the server exited without a recognised error; read the log tail"
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 PHASES: list[tuple[str, re.Pattern[str]]] = [
@@ -185,7 +186,7 @@ def root_cause(log_text: str) -> str:
                     ]
                     text = " ".join([text, *detail[:2]]).replace("Value error, ", "")
                 return f"{meaning}: {text[:600]}"
-    return "the server exited without a recognised error; read the log tail"
+    return UNRECOGNISED
 
 
 def tail(path: Path, lines: int = 40) -> str:

@@ -84,25 +84,32 @@ def _figure_notebook(path, fig):
 @pytest.mark.skipif(report_check.find_browser() is None, reason="no Chromium on this machine")
 def test_the_browser_check_finds_requests_and_stretched_axes(tmp_path):
     """The checker itself: a request to the network, and an annotation at x=64 in data units on a log axis
-    (plotly reads it as 10^64), are found; a readable log-axis plot and bars from zero pass."""
+    (plotly reads it as 10^64), are found; a readable log-axis plot, bars from zero and points drawn on axes from
+    zero pass, but not an axis that runs far past its points."""
     readable = go.Figure(go.Scatter(x=[1, 2, 4, 8], y=[10, 20, 25, 26]), layout={"title": "readable"})
     readable.update_xaxes(type="log")
     stretched = go.Figure(go.Scatter(x=[1, 2, 4, 8], y=[10, 20, 25, 26]), layout={"title": "stretched"})
     stretched.update_xaxes(type="log")
     stretched.add_annotation(x=64, y=20, text="plateau")
     bars = go.Figure(go.Bar(x=["baseline", "variant"], y=[500, 520]), layout={"title": "bars"})
-    for i, fig in enumerate((readable, stretched, bars)):
+    from_zero = go.Figure(go.Scatter(x=[141.2, 182.5], y=[179.5, 153.6]), layout={"title": "from zero"})
+    from_zero.update_xaxes(rangemode="tozero").update_yaxes(rangemode="tozero")
+    past_points = go.Figure(go.Scatter(x=[141.2, 182.5], y=[179.5, 153.6]), layout={"title": "past its points"})
+    past_points.update_yaxes(range=[0, 2000])
+    figures = (readable, stretched, bars, from_zero, past_points)
+    for i, fig in enumerate(figures):
         _figure_notebook(tmp_path / f"0{i}_s.ipynb", fig)
     manifest = Manifest(
         run_name="t", run_dir=str(tmp_path), params_file="p.yaml", overrides=[], params={}, command="",
         started_at="", host=environment.host(), versions={}, git_commit=None, status="ok",
-        stages=[StageRun(name=f"0{i}_s", status="ok", seconds=1.0, summary="s") for i in range(3)],
+        stages=[StageRun(name=f"0{i}_s", status="ok", seconds=1.0, summary="s") for i in range(len(figures))],
     )  # fmt: skip
     page = report.build(tmp_path, manifest)
     page.write_text(page.read_text().replace("</body>", '<img src="http://example.com/pixel.png"></body>'))
     found = report_check.check(page)
-    assert [f.title for f in found.figures] == ["readable", "stretched", "bars"]
+    assert [f.title for f in found.figures] == ["readable", "stretched", "bars", "from zero", "past its points"]
     assert all(f.drawn for f in found.figures)
-    assert found.figures[0].problems == [] and found.figures[2].problems == []
+    assert [f.problems for f in found.figures if f.index in (0, 2, 3)] == [[], [], []]
     assert "stretched" in found.figures[1].problems[0] and "xaxis" in found.figures[1].problems[0]
+    assert len(found.figures[4].problems) == 1 and "yaxis range 0..2000 is stretched" in found.figures[4].problems[0]
     assert found.requests == ["http://example.com/pixel.png"] and not found.ok

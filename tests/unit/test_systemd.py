@@ -113,3 +113,38 @@ def test_a_python_without_the_console_script_runs_the_module(tmp_path, monkeypat
     unit, text, _ = story_unit("minimax-m2.5-8gpu.yaml", "minimax-m2.5.json", "H200")
     unit.servebook = ["/usr/bin/python3", "-m", "servebook.cli"]
     assert "ExecStartPre=/usr/bin/python3 -m servebook.cli gpu-check --port" in systemd.render_unit(unit)
+
+
+def test_a_two_node_server_gets_a_unit_per_node_and_the_heads_starts_and_stops_the_others(tmp_path):
+    """Kimi-K2.5 on 2 x 8 H100: the head's unit starts the worker node's unit over SSH before its own vLLM, returns
+    from `systemctl start` only once /health answers (every rank joined), and stops the worker's unit after."""
+    from servebook import multinode
+
+    p = params.load(REPO / "params" / "kimi-k2.5-2x8-h100.yaml")
+    cfg = server.ServerConfig.from_params(p, "cuda")
+    head_cfg, workers = multinode.prepare(cfg, multinode.NodeSet.from_params(p), tmp_path)
+    launch = LaunchRecord.planned(head_cfg).model_copy(update={"workers": workers})
+    unit = deploy.unit_spec(p.run_name, launch, predicted_load_s=2400)
+    node_units = deploy._node_units(unit, launch, tmp_path)
+    head = systemd.render_unit(unit)
+    worker = (tmp_path / node_units[0].unit_name).read_text()
+    worker_unit = "servebook-kimi-k2.5-2x8-h100-node1.service"
+    assert [u.unit_name for u in node_units] == [worker_unit]
+    starts = re.findall(r"^ExecStartPre=(.*)$", head, re.M)
+    assert starts[0].endswith("gpu-check --port 8000 --gpus 0,1,2,3,4,5,6,7")
+    assert (
+        starts[1]
+        == f"/usr/bin/ssh -o BatchMode=yes -o ConnectTimeout=10 gpu-node-2 systemctl start --no-block {worker_unit}"
+    )
+    assert re.search(rf"^ExecStopPost=-/usr/bin/ssh .* gpu-node-2 systemctl stop {worker_unit}$", head, re.M)
+    assert "--nnodes 2 --node-rank 0 --master-addr 10.0.0.1" in re.search(r"^ExecStart=(.*)$", head, re.M).group(1)
+    assert "wait-ready" in re.search(r"^ExecStartPost=(.*)$", head, re.M).group(1)
+    # the worker: headless, its own address for vLLM, nothing that waits on an API it does not serve
+    exec_start = re.search(r"^ExecStart=(.*)$", worker, re.M).group(1)
+    assert "--node-rank 1" in exec_start and exec_start.endswith("--headless") and "VLLM_HOST_IP=10.0.0.2" in worker
+    assert not re.search(r"^ExecStart(Pre|Post)=", worker, re.M) and "KillMode=control-group" in worker
+    for node_unit in node_units:
+        assert not node_unit.verify.ran or node_unit.verify.ok, node_unit.verify.output
+    path = tmp_path / unit.unit_name
+    path.write_text(head)
+    assert not systemd.verify(path).ran or systemd.verify(path).ok

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from servebook import bench, client, datasets, metrics, planner, ratesweep, results, vllm_format
+from servebook import bench, client, datasets, metrics, planner, ratesweep, results, server, vllm_format
 from servebook.errors import ServebookError, SweepAborted
 from servebook.loadgen import Workload
 from servebook.params import Params
@@ -67,6 +67,9 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
         table_prefix=BenchmarkRecord.FILE,
     )
     record = BenchmarkRecord(**dict(swept), dataset=dataset.summary() if dataset else "")
+    if record.fault and launch.workers:  # a multi-node server: which node took it down, in that node's words
+        gone = server.workers_gone(launch.workers)
+        record.fault += ("; vLLM is gone on " + "; ".join(gone)) if gone else "; every worker node still runs"
     results.write(run_dir, record)
     if p.bench_request_rates and not record.fault:
         rates_cfg = rate_config(p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -9,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from servebook import client, models, results, server, systemd
+from servebook import client, models, remote, results, server, systemd
 from servebook.errors import DeployFailed
 from servebook.params import Params
-from servebook.records import Command, DeployRecord, DryRun, LaunchRecord, NcclTuningRecord
+from servebook.records import Command, DeployRecord, DryRun, LaunchRecord, NcclTuningRecord, NodeUnitRecord
 from servebook.secrets import MASK
 
 
@@ -106,6 +107,31 @@ def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, model: str) -> DryRun:
     return out
 
 
+def _node_units(unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> list[NodeUnitRecord]:
+    """A multi-node server's worker units, one per other node, written and verified beside the head's; the head's
+    unit learns to start and stop them."""
+    records = []
+    for rank, worker in enumerate(launch.workers, start=1):
+        spec = dataclasses.replace(
+            unit,
+            name=f"{unit.name}-node{rank}",
+            description=f"{unit.description}, node {rank} of {len(launch.workers) + 1}",
+            command=list(worker.command),
+            environment={**unit.environment, "VLLM_HOST_IP": worker.address} if worker.address else unit.environment,
+            secret_vars=[],
+            role="worker",
+            worker_units=[],
+        )
+        path = run_dir / spec.unit_name
+        path.write_text(systemd.render_unit(spec))
+        unit.worker_units.append(systemd.NodeUnit(node=worker.node, ssh=worker.ssh, unit_name=spec.unit_name))
+        unit.ssh_config = worker.ssh_config
+        records.append(
+            NodeUnitRecord(node=worker.node, unit_name=spec.unit_name, unit_file=str(path), verify=systemd.verify(path))
+        )
+    return records
+
+
 def run(p: Params, run_dir: str | Path) -> DeployRecord:
     run_dir = results.run_folder(run_dir)
     launch = results.require(run_dir, LaunchRecord, "deploy")
@@ -113,6 +139,7 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     name = p.deploy_name or launch.served_model_name.replace("/", "-")
     size, _ = models.checkpoint_bytes(launch.model_path)
     unit = unit_spec(name, launch, tuned.recommended_env if tuned else None, server.load_budget_s(size), p.deploy_user)
+    node_units = _node_units(unit, launch, run_dir)
     unit_text = systemd.render_unit(unit)
     unit_path = run_dir / unit.unit_name
     unit_path.write_text(unit_text)
@@ -130,15 +157,29 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
         systemd_running=systemd.systemd_running(),
         # the ad hoc server this run started holds the port: the check must say so
         pre_start_with_ad_hoc_server=pre_start_check(unit),
+        node_units=node_units,
     )
     if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
         record.ad_hoc_server_stopped = server.stop(port=unit.port).summary  # the service replaces it
     if p.deploy_install:
+        for worker, node_unit in zip(launch.workers, node_units, strict=True):  # the other nodes' units first
+            text = Path(node_unit.unit_file).read_text()
+            target = f"/etc/systemd/system/{node_unit.unit_name}"
+            done = remote.run(
+                worker.ssh, f"cat > {target} && systemctl daemon-reload", worker.ssh_config, input_text=text
+            )
+            if done.returncode:
+                raise DeployFailed(f"{worker.node}: could not install {target}: {done.stderr.strip()[-300:]}")
         record.installed = systemd.install(unit, unit_text)
         ok, message, _ = server.wait_ready(unit.url, unit.timeout_start_s)
         record.service_ready = message
         if ok:
             record.smoke_test = client.smoke_test(unit.url, launch.served_model_name, 8, launch.api_key_env)
+    elif node_units:
+        record.dry_run_skipped = (
+            "the dry run starts one process as systemd would; a multi-node server's units start each other over "
+            "SSH, so they are rendered and verified here and proven by installing them (deploy_install: true)"
+        )
     else:
         record.dry_run = dry_run_start(unit, run_dir, launch.served_model_name)
     results.write(run_dir, record)
@@ -151,6 +192,10 @@ def check(record: DeployRecord, p: Params) -> None:
         problems.append(f"{record.verify.output}: the unit cannot be verified before it is installed")
     elif record.verify.ran and not record.verify.ok:
         problems.append("systemd-analyze verify: " + "; ".join(record.verify.blocking or [record.verify.output]))
+    for node_unit in record.node_units:
+        if node_unit.verify.ran and not node_unit.verify.ok:
+            blocking = node_unit.verify.blocking or [node_unit.verify.output]
+            problems.append(f"{node_unit.node}'s unit, systemd-analyze verify: " + "; ".join(blocking))
     dry = record.dry_run
     if dry and dry.post_start and dry.post_start.returncode:
         problems.append("the post-start wait failed: " + dry.post_start.output)

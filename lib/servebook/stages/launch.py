@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 
-from servebook import client, hardware, results, server, ui
+from servebook import client, hardware, multinode, remote, results, server, ui
 from servebook.errors import LaunchError
 from servebook.params import Params
 from servebook.records import (
@@ -57,14 +57,25 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     """Launch (or reuse) the server the parameters describe; write and return the record."""
     run_dir = results.run_folder(run_dir)
     cfg = config_for(p, run_dir)
-    launch = server.launch(cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive))
+    probes: list[multinode.NodeProbe] = []
+    workers: list[remote.WorkerRecord] = []
+    if p.nodes > 1:
+        nodes = multinode.NodeSet.from_params(p)
+        probes = multinode.preflight(nodes, cfg.model_path, [nodes.master_port])  # server.launch checks the API port
+        cfg, workers = multinode.prepare(cfg, nodes, run_dir)
+    launch = server.launch(
+        cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive), workers=workers
+    )
     plan = results.read(run_dir, PlanRecord)
     predicted = plan.find(cfg.parallelism) if plan else None
+    registered = server.registered(cfg.port)
     record = LaunchRecord.of(
         launch,
         layout_source="plan" if plan and plan.layout_for_launch else "params",
         memory_after_load=memory_after_load(launch),
         plan_check=PlanCheck.of(predicted, launch.values) if predicted else None,
+        nodes=probes,
+        workers=registered.workers if registered else [],
     )
     results.write(run_dir, record)
     return record
@@ -84,7 +95,10 @@ def summary(record: LaunchRecord) -> str:
     kv = record.vllm_reported.kv_cache_tokens
     predicted = f" (plan: {record.plan_check.predicted_kv_tokens:,})" if record.plan_check else ""
     kv_text = f"; KV cache {kv:,} tokens{predicted}" if kv else ""
-    return f"`{record.config.served_model_name}` at {record.layout.name} on {record.config.device}, {how}{kv_text}"
+    across = f" across {len(record.workers) + 1} nodes" if record.workers else ""
+    return (
+        f"`{record.config.served_model_name}` at {record.layout.name} on {record.config.device}{across}, {how}{kv_text}"
+    )
 
 
 def phase_table(record: LaunchRecord) -> pd.DataFrame:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from servebook import gpus, hardware, modelspec, planner, results
+from servebook import gpus, hardware, modelspec, multinode, planner, results
 from servebook.errors import LayoutRejected, ServebookError
 from servebook.params import Params
 from servebook.records import PlanRecord, ReconRecord
@@ -21,16 +22,33 @@ def device_for(p: Params, run_dir: Path) -> planner.Device:
     inv = found.inventory if found else hardware.inventory()
     device = found.device if found and p.device == "auto" else hardware.resolve_device(p.device, inv)
     if device == "cpu" and not p.plan_gpu:
-        return planner.Device.for_cpu(int(p.cpu_kv_cache_gib * GiB))
+        kv = int(p.cpu_kv_cache_gib * GiB)
+        return planner.Device.for_cpu(kv, p.nodes * p.per_node, p.nodes) if p.nodes > 1 else planner.Device.for_cpu(kv)
     name = p.plan_gpu or (inv.gpus[0].name if inv.gpus else "")
     if not name:
         raise ServebookError("plan_gpu is empty and NVML found no GPU; name the GPU to plan for (e.g. plan_gpu: H200)")
-    count = p.plan_gpu_count or len(p.gpu_ids) or len(inv.gpus) or p.world_size
+    link = None
+    if p.nodes > 1:
+        if not p.node_interconnect:
+            raise ServebookError(
+                f"nodes is {p.nodes} but node_interconnect is empty; name the network between the nodes, e.g. "
+                "node_interconnect: 8x400Gb/s InfiniBand (the plan charges every collective that crosses it)"
+            )
+        link = planner.parse_interconnect(p.node_interconnect)
+        per_node = p.gpus_per_node or len(inv.gpus) or p.per_node
+        count = p.plan_gpu_count or p.nodes * per_node
+    else:
+        count = p.plan_gpu_count or len(p.gpu_ids) or len(inv.gpus) or p.world_size
     if p.plan_gpu:
-        return planner.Device.for_gpu(gpus.lookup(name), count)
+        return planner.Device.for_gpu(gpus.lookup(name), count, nodes=p.nodes, link=link)
     # the real GPUs' readings beat the datasheet
     return planner.Device.for_gpu(
-        gpus.lookup(name), count, nvlink=inv.nvlink_everywhere, memory_bytes=inv.gpus[0].memory_total
+        gpus.lookup(name),
+        count,
+        nvlink=inv.nvlink_everywhere,
+        memory_bytes=inv.gpus[0].memory_total,
+        nodes=p.nodes,
+        link=link,
     )
 
 
@@ -49,13 +67,37 @@ def run(p: Params, run_dir: str | Path) -> PlanRecord:
     own = planner.Parallelism(
         tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size, dp=p.data_parallel_size, ep=p.enable_expert_parallel
     )
-    record = PlanRecord(
-        **dict(planned),
-        requested=planned.find(own),
-        launch_layout="recommended" if p.layout_from_plan and planned.recommended else "params",
-    )
+    launch_layout = "recommended" if p.layout_from_plan and planned.recommended else "params"
+    record = PlanRecord(**dict(planned), requested=planned.find(own), launch_layout=launch_layout)
+    chosen = record.recommended if launch_layout == "recommended" else record.requested
+    if planned.device.nodes > 1 and chosen and chosen.accepted:
+        head = p.node_addresses[0] if p.node_addresses else multinode.HEAD_ADDRESS
+        record.node_commands = multinode.commands(
+            chosen.parallelism, planned.device.nodes, planned.device.per_node, serve_flags(p), p.model, head,
+            p.node_master_port,
+        )  # fmt: skip
     results.write(run_dir, record)
     return record
+
+
+def serve_flags(p: Params) -> list[str]:
+    """The serving flags beside the layout's, as a person would type them on each node."""
+    flags = ["--max-model-len", str(p.max_model_len)]
+    if p.device != "cpu":
+        flags += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
+    if p.kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", p.kv_cache_dtype]
+    return flags + list(p.extra_args)
+
+
+def node_commands_text(record: PlanRecord) -> str:
+    """Each node's command line, head first, for a reader to compare with what the launch stage runs."""
+    chosen = record.recommended if record.launch_layout == "recommended" else record.requested
+    lines = [f"# {chosen.name}: {planner.MULTINODE_STRATEGIES[chosen.strategy]}"] if chosen and chosen.strategy else []
+    for rank, argv in enumerate(record.node_commands):
+        lines.append(f"# node {rank}{' (head: serves the API)' if rank == 0 else ''}")
+        lines.append(shlex.join(argv))
+    return "\n".join(lines)
 
 
 def check(record: PlanRecord, p: Params) -> None:
@@ -120,6 +162,10 @@ def table(record: planner.Plan) -> pd.DataFrame:
                 "why not": "; ".join(layout.reasons),
             }
         )
+        if record.device.nodes > 1:
+            rows[-1]["crosses nodes"] = "+".join(layout.crosses) or "none"
+            rows[-1]["launch"] = layout.strategy
+            rows[-1]["collectives/token on the network"] = layout.network_collectives_per_token
     return pd.DataFrame(rows).dropna(axis=1, how="all")  # e.g. no reserve or ceilings on the CPU
 
 

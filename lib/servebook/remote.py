@@ -1,0 +1,140 @@
+"""Commands on the other nodes of a multi-node server, over the user's own SSH (no password, key or host in
+params: ``BatchMode`` refuses to ask for one), or on this machine when a node's SSH destination is empty.
+
+A worker is started in a session of its own (``setsid``), so its session id is its pid: stopping it signals that
+session, and what is left of it, or any orphaned ``VLLM::`` process, is listed by node.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+SSH_TIMEOUT_S = 20.0
+
+
+class RemoteError(RuntimeError):
+    """A command that could not run on a node (unreachable, refused, timed out)."""
+
+
+class WorkerRecord(BaseModel):
+    """One worker node's vLLM process, as ``servebook stop`` finds it from the head's registry."""
+
+    node: str
+    ssh: str = ""  # SSH destination; empty: this machine
+    ssh_config: str = ""
+    address: str = ""
+    pid: int
+    log_path: str
+    command: list[str]
+
+
+def ssh_prefix(ssh: str, ssh_config: str = "") -> list[str]:
+    if not ssh:
+        return []
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ServerAliveInterval=5"]
+    if ssh_config:
+        argv += ["-F", ssh_config]
+    return [*argv, ssh, "--"]
+
+
+def run(
+    ssh: str, script: str, ssh_config: str = "", timeout_s: float = SSH_TIMEOUT_S, input_text: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``bash -c SCRIPT`` on a node (``input_text`` on its stdin); RemoteError when SSH itself fails (exit 255)
+    or the time runs out."""
+    argv = [*ssh_prefix(ssh, ssh_config), "bash", "-c", shlex.quote(script) if ssh else script]
+    where = f"over SSH to {ssh}" if ssh else "on this machine"
+    try:
+        proc = subprocess.run(
+            argv,
+            input=input_text,
+            stdin=None if input_text is not None else subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        raise RemoteError(f"no answer {where} within {timeout_s:.0f} s") from None
+    if ssh and proc.returncode == 255:
+        said = proc.stderr.strip().splitlines()[-1:] or ["no message"]
+        raise RemoteError(f"cannot reach {ssh} over SSH: {said[0]}")
+    return proc
+
+
+def start(ssh: str, argv: Sequence[str], env: dict[str, str], log_path: str, ssh_config: str = "") -> int:
+    """Start ``argv`` detached on a node, in a session of its own, writing ``log_path`` there; its pid."""
+    assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
+    folder = shlex.quote(log_path.rsplit("/", 1)[0] or "/")
+    script = (
+        f"mkdir -p {folder} || exit 1; cd /; "  # statements, not an && list: that would background a subshell
+        f"setsid env {assignments} {shlex.join(argv)} > {shlex.quote(log_path)} 2>&1 < /dev/null & echo $!"
+    )
+    proc = run(ssh, script, ssh_config)
+    try:
+        return int(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise RemoteError(f"could not start the worker: {proc.stderr.strip() or proc.stdout.strip()}") from None
+
+
+def alive(worker: WorkerRecord) -> bool:
+    """The worker's process runs (a zombie that its new parent has not reaped yet does not count)."""
+    script = f"test -d /proc/{worker.pid} && ! grep -q '^State:[[:space:]]*Z' /proc/{worker.pid}/status"
+    return run(worker.ssh, script, worker.ssh_config).returncode == 0
+
+
+def log_text(worker: WorkerRecord, lines: int = 400) -> str:
+    """The end of the worker's log on its node."""
+    proc = run(worker.ssh, f"tail -n {lines} {shlex.quote(worker.log_path)}", worker.ssh_config)
+    return proc.stdout
+
+
+# What is left on a node: the session's processes, orphaned VLLM:: processes, GPU holders. One JSON line.
+_LEFT = r"""
+import json, os, subprocess, sys
+sid = int(sys.argv[1])
+left = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ppid, session = int(fields[1]), int(fields[3])
+    except (OSError, ValueError, IndexError):
+        continue
+    if session == sid or (comm.startswith("VLLM::") and ppid == 1):
+        left.append(f"pid {pid} {comm}")
+try:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=20).stdout
+    left += [f"GPU holder {line.strip()}" for line in out.splitlines() if "VLLM" in line or "python" in line]
+except (OSError, subprocess.SubprocessError):
+    pass
+print(json.dumps(left))
+"""
+
+
+def leftovers(worker: WorkerRecord, python: str = "python3") -> list[str]:
+    """What of this worker (and any orphaned vLLM process) is still running on its node."""
+    proc = run(worker.ssh, f"{shlex.quote(python)} -c {shlex.quote(_LEFT)} {worker.pid}", worker.ssh_config)
+    try:
+        return [f"{worker.node}: {item}" for item in json.loads(proc.stdout.strip().splitlines()[-1])]
+    except (ValueError, IndexError):
+        return [f"{worker.node}: could not list processes ({proc.stderr.strip()[-200:]})"]
+
+
+def stop(worker: WorkerRecord, grace_s: float = 15.0) -> list[str]:
+    """TERM the worker's session, KILL what outlives ``grace_s``, then list what is left on its node."""
+    pid = worker.pid
+    rounds = max(1, int(grace_s / 0.5))
+    script = (
+        f"kill -TERM -- -{pid} 2>/dev/null; "
+        f"for i in $(seq {rounds}); do pgrep -s {pid} >/dev/null || break; sleep 0.5; done; "
+        f"pkill -KILL -s {pid} 2>/dev/null; sleep 0.5; true"
+    )
+    run(worker.ssh, script, worker.ssh_config, timeout_s=grace_s + SSH_TIMEOUT_S)
+    return leftovers(worker)

@@ -1,0 +1,196 @@
+"""Several nodes without starting any: the plan across nodes, each node's vLLM command (parsed by vLLM's own
+parser), the checks between nodes, and the params that describe them."""
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from servebook import gpus, modelspec, multinode, params, planner, remote
+from servebook.errors import ParamsError
+from servebook.planner import Parallelism
+
+CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+IB = planner.parse_interconnect("8x400Gb/s InfiniBand")
+
+
+def two_by_eight(model: str, link: planner.NodeLink = IB, gpu: str = "H100") -> planner.Plan:
+    device = planner.Device.for_gpu(gpus.lookup(gpu), 16, nodes=2, link=link)
+    return planner.plan(modelspec.load(str(CONFIGS / f"{model}.json")), device, 8192)
+
+
+def test_interconnects_are_read_as_bandwidth_per_node_and_latency():
+    assert planner.parse_interconnect("400Gb/s InfiniBand").bandwidth_bytes_s == 50e9
+    eight = planner.parse_interconnect("8x400G IB")
+    assert eight.bandwidth_bytes_s == 400e9 and eight.rdma and eight.latency_s == planner.RDMA_COLLECTIVE_S
+    ethernet = planner.parse_interconnect("100GbE")
+    assert ethernet.bandwidth_bytes_s == 12.5e9 and not ethernet.rdma and ethernet.latency_s == planner.TCP_COLLECTIVE_S
+    assert planner.parse_interconnect("200G RoCE 18us").latency_s == pytest.approx(18e-6)
+    with pytest.raises(ValueError, match="node_interconnect 'fast' is not a link speed; write it as"):
+        planner.parse_interconnect("fast")
+
+
+def test_kimi_k25_needs_two_nodes_and_the_plan_says_how_to_launch_them():
+    """547 GB of INT4 weights leave 8 x 80 GB no KV cache; on 2 x 8 every layout with fewer than 16 ways of
+    expert sharding is checked, where its groups fall, how vLLM is launched, what crosses the network."""
+    one = planner.plan(
+        modelspec.load(str(CONFIGS / "kimi-k2.5.json")), planner.Device.for_gpu(gpus.lookup("H100"), 8), 8192
+    )
+    assert one.recommended is None
+    two = two_by_eight("kimi-k2.5")
+    by_name = {layout.name: layout for layout in two.layouts}
+    assert two.recommended is not None and two.recommended.usable
+    tp16 = by_name["TP=16"]
+    assert tp16.crosses == ["TP"] and tp16.strategy == "mp" and tp16.network_collectives_per_token == 2 * 61
+    assert any("TP=16 spans 2 nodes" in w and "8x400Gb/s InfiniBand" in w for w in tp16.warnings)
+    tp8pp2 = by_name["TP=8+PP=2"]
+    assert tp8pp2.crosses == ["PP"] and tp8pp2.strategy == "mp" and tp8pp2.network_collectives_per_token == 1
+    dp = by_name["TP=8+DP=2+EP"]
+    assert dp.crosses == ["DP"] and dp.strategy == "dp"
+    # the network is charged: over 100 GbE, TP across the nodes loses more than PP does
+    slow = {layout.name: layout for layout in two_by_eight("kimi-k2.5", planner.parse_interconnect("100GbE")).layouts}
+    tp_loss = 1 - slow["TP=16"].decode_tok_s_single / tp16.decode_tok_s_single
+    pp_loss = 1 - slow["TP=8+PP=2"].decode_tok_s_single / tp8pp2.decode_tok_s_single
+    assert tp_loss > 0.05 and tp_loss > 10 * pp_loss
+
+
+def test_one_node_plans_are_unchanged_by_the_multinode_fields():
+    """The single-node behaviour stays exactly as it was: no crossings, no strategy, the same ranking."""
+    device = planner.Device.for_gpu(gpus.lookup("H200"), 8)
+    result = planner.plan(modelspec.load(str(CONFIGS / "minimax-m2.5.json")), device, 8192)
+    assert all(not layout.crosses and not layout.strategy for layout in result.layouts)
+    assert result.recommended is not None and result.recommended.network_collectives_per_token == 0
+
+
+def test_a_node_count_that_does_not_divide_the_world_is_vllms_refusal():
+    message = planner.nodes_rule(8, 3)
+    assert message is not None and "`--nnodes 3` must evenly divide the total world size (8)" in message
+    assert planner.nodes_rule(16, 2) is None
+    # the same words as vLLM's own check
+    from vllm.engine import arg_utils
+
+    source = inspect.getsource(arg_utils)
+    assert "must evenly divide the total " in source and "world size ({world_size}). Adjust `--nnodes`" in source
+    with pytest.raises(ValueError, match="--nnodes 3"):
+        multinode.node_flags(Parallelism(tp=8), 3, 3, 0, "10.0.0.1", 29500)
+
+
+def test_each_nodes_command_is_accepted_by_vllms_parser(tmp_path):
+    """TP across nodes (mp: --nnodes, --node-rank, --master-addr; the worker --headless) and DP replicas per
+    node (the head --data-parallel-address, the worker --headless --data-parallel-start-rank), parsed and turned
+    into vLLM's engine arguments by the installed vLLM."""
+    model = str(tmp_path)  # a local folder: vLLM's engine arguments look a hub name up
+    cases = {
+        "mp": multinode.commands(Parallelism(tp=16, ep=True), 2, 8, ["--max-model-len", "8192"], model, "10.0.0.1"),
+        "pp": multinode.commands(Parallelism(tp=8, pp=2), 2, 8, [], model, "10.0.0.1"),
+        "dp": multinode.commands(Parallelism(tp=8, dp=2, ep=True), 2, 8, [], model, "10.0.0.1", 29600),
+    }
+    assert cases["mp"][1][-1] == "--headless" and cases["mp"][0].count("--node-rank") == 1
+    assert "--data-parallel-start-rank" in cases["dp"][1] and "--headless" not in cases["dp"][0]
+    script = r"""
+import json, sys
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+out = []
+for argv in json.loads(sys.argv[1]):
+    ns = parser.parse_args(["--model", argv[2], *argv[3:]])
+    args = AsyncEngineArgs.from_cli_args(ns)
+    out.append({"tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size, "dp": args.data_parallel_size,
+                "nnodes": args.nnodes, "rank": args.node_rank, "master": args.master_addr, "headless": ns.headless,
+                "dp_local": args.data_parallel_size_local, "dp_start": args.data_parallel_start_rank,
+                "dp_address": args.data_parallel_address, "dp_port": args.data_parallel_rpc_port})
+print(json.dumps(out))
+"""
+    flat = [argv for lines in cases.values() for argv in lines]
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(flat)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    mp_head, mp_worker, pp_head, pp_worker, dp_head, dp_worker = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (mp_head["tp"], mp_head["nnodes"], mp_head["rank"], mp_head["master"]) == (16, 2, 0, "10.0.0.1")
+    assert (mp_worker["rank"], mp_worker["headless"]) == (1, True) and not mp_head["headless"]
+    assert (pp_worker["tp"], pp_worker["pp"], pp_worker["nnodes"]) == (8, 2, 2)
+    assert (dp_head["dp"], dp_head["dp_local"], dp_head["dp_address"], dp_head["dp_port"]) == (2, 1, "10.0.0.1", 29600)
+    assert (dp_worker["dp_start"], dp_worker["headless"]) == (1, True)
+
+
+def probe(node, **kw):
+    found = dict(
+        node=node,
+        reachable=True,
+        versions={"vllm": "0.25.0", "torch": "2.9.0", "nccl": "2.27.5"},
+        checkpoint={"exists": True, "files": 64, "bytes": 547_000_000_000, "hashed": "model.safetensors.index.json",
+                    "sha256": "ab" * 32},
+        interface="ib0",
+        interfaces=["ib0", "lo"],
+    )  # fmt: skip
+    found.update(kw)
+    return multinode.NodeProbe(**found)
+
+
+NODES = multinode.NodeSet(
+    nodes=[multinode.Node(name="node0 (this machine)", address="10.0.0.1"),
+           multinode.Node(name="node1 (gpu-b)", ssh="gpu-b", address="10.0.0.2")],
+    gpus_per_node=8,
+)  # fmt: skip
+
+
+def test_nodes_that_differ_are_refused_each_by_name_with_the_fix():
+    head = probe("node0 (this machine)", ports_in_use=["29500 (Address already in use)"])
+    other = probe(
+        "node1 (gpu-b)",
+        versions={"vllm": "0.24.1", "torch": "2.9.0", "nccl": "2.27.5"},
+        checkpoint={"exists": True, "files": 63, "bytes": 540_000_000_000, "sha256": "cd" * 32},
+        clock_skew_s=42.0,
+        env={"NCCL_SOCKET_IFNAME": "eth9"},
+    )
+    found = multinode.problems([head, other], NODES)
+    assert "node0 (this machine): port 29500 (Address already in use) is in use; stop what holds it" in found[0]
+    text = "\n".join(found)
+    assert "node1 (gpu-b): vllm 0.24.1, but node0 (this machine) has 0.25.0; install the same versions" in text
+    assert "node1 (gpu-b): its checkpoint differs" in text and "copy the head's checkpoint again" in text
+    assert "node1 (gpu-b): its clock is +42.0 s off the head's" in text
+    assert "node1 (gpu-b): NCCL_SOCKET_IFNAME=eth9 names no interface there" in text
+    assert multinode.problems([probe("node0 (this machine)"), probe("node1 (gpu-b)")], NODES) == []
+
+
+def test_an_unreachable_node_is_refused_before_anything_starts(tmp_path):
+    """A real SSH client against an address where nothing listens: refused, named, with the fix."""
+    config = tmp_path / "ssh_config"
+    config.write_text("Host gone\n  HostName 127.0.0.1\n  Port 1\n  ConnectTimeout 3\n")
+    nodes = NODES.model_copy(update={"ssh_config": str(config)})
+    nodes.nodes[1] = multinode.Node(name="node1 (gone)", ssh="gone", address="127.0.0.1")
+    found = multinode.probe(nodes.nodes[1], nodes, "/nonexistent", [])
+    assert not found.reachable and "cannot reach gone over SSH" in found.error
+    with pytest.raises(Exception, match=r"node1 \(gone\): cannot reach gone over SSH.*`ssh gone true`"):
+        multinode.preflight(nodes, "/nonexistent", [])
+    with pytest.raises(remote.RemoteError, match="cannot reach gone"):
+        remote.run("gone", "true", str(config))
+
+
+def test_params_describe_the_nodes_and_refuse_what_vllm_would(tmp_path):
+    ok = params.Params(
+        nodes=2, gpus_per_node=8, tensor_parallel_size=16, node_interconnect="8x400Gb/s InfiniBand",
+        node_hosts=["local", "gpu-b"], node_addresses=["10.0.0.1", "10.0.0.2"], device="cuda",
+    )  # fmt: skip
+    assert ok.per_node == 8 and multinode.NodeSet.from_params(ok).nodes[1].ssh == "gpu-b"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "nodes: 3\ntensor_parallel_size: 8\nnode_interconnect: fast\nnode_hosts: [gpu-a, gpu-b]\ndevice: cuda\n"
+    )
+    with pytest.raises(ParamsError) as refused:
+        params.load(bad)
+    text = str(refused.value)
+    assert "nodes 3 does not divide the layout's 8 GPUs" in text
+    assert "node_interconnect 'fast' is not a link speed" in text
+    assert "node_hosts lists 2 nodes but nodes is 3" in text
+    assert "node_hosts[0] is 'gpu-a', but the head is the machine servebook runs on" in text
+
+
+def test_the_two_node_example_params_plan_kimi_on_h100s():
+    example = params.load(Path(__file__).resolve().parents[2] / "params" / "kimi-k2.5-2x8-h100.yaml")
+    assert example.nodes == 2 and example.gpus_per_node == 8 and example.plan_gpu == "H100"
+    assert example.node_hosts[0] == "local" and example.layout_from_plan
