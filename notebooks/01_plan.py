@@ -107,7 +107,7 @@ display(Markdown(
     f"**{m.architecture}** ({m.family}): hidden {m.hidden}, {attn}, {moe}, vocabulary {m.vocab}, "
     f"quantization {quant}; weights {planned.weights_total_bytes / 1e9:,.1f} GB"
     + (f" (scaled ×{scaled:.3f} to the checkpoint's exact bytes)" if scaled != 1 else "")
-    + f"\n\n**{dev.count} × {dev.name}**, {dev.memory_bytes / GiB:.1f} GiB each"
+    + f"\n\n{stage.device_text(planned)}, {dev.memory_bytes / GiB:.1f} GiB each"
     + (f", {dev.bandwidth_bytes_s / 1e12:.2f} TB/s" if dev.bandwidth_bytes_s else "")
     + f"; {stage.reserve_text(planned)}. {dev.source}"
     + "".join(f"\n\n⚠️ {n}" for n in m.notes)))

@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from servebook import loadgen, metrics, server
+from servebook import loadgen, metrics, remote, server
 from servebook.errors import AbFailed, LaunchError, ServebookError
 from servebook.params import AbVariant
 
@@ -110,8 +110,13 @@ def run(
     requests: int = 32,
     repeats: int = 2,
     log: Callable[[str], None] = print,
+    across_nodes: Callable[[server.ServerConfig, Path], tuple[server.ServerConfig, list[remote.WorkerRecord]]]
+    | None = None,
 ) -> AbResult:
-    """Baseline, each variant, baseline again; return samples, noise bands and verdicts. Leaves the baseline running."""
+    """Baseline, each variant, baseline again; return samples, noise bands and verdicts. Leaves the baseline running.
+
+    ``across_nodes`` (``multinode.prepare`` for the run's nodes) turns each configuration into the head's and the
+    other nodes' commands, so a variant's flags and environment reach every node, as NCCL settings must."""
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(base.model_path), seed=7)
     samples: dict[str, dict[int, list[float]]] = {}
     failures: dict[str, str] = {}
@@ -121,8 +126,10 @@ def run(
         try:
             if i:  # one server at a time on the port: stop whatever holds it first
                 server.stop(port=base.port)
-            server.launch(cfg, log_dir / f"ab-{i:02d}-{name}", log=lambda _m: None)
-            got = measure(cfg, maker, workload, concurrencies, requests, repeats)
+            folder = log_dir / f"ab-{i:02d}-{name}"
+            head, workers = across_nodes(cfg, folder) if across_nodes else (cfg, [])
+            server.launch(head, folder, log=lambda _m: None, workers=workers)
+            got = measure(head, maker, workload, concurrencies, requests, repeats)
         except ServebookError as exc:
             cause = exc.cause if isinstance(exc, LaunchError) else ""
             failures[name] = cause or " ".join(str(exc).split())[:600]

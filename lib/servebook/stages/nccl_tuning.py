@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from servebook import ab, loadgen, nccl, results, server
+from servebook import ab, loadgen, multinode, nccl, results, server
 from servebook.params import Params
 from servebook.records import LaunchRecord, NcclTuningRecord
 
@@ -57,8 +57,17 @@ def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> N
         launch = results.require(run_dir, LaunchRecord, "nccl_tuning")
         base: server.ServerConfig = launch.config
         workload = loadgen.Workload(p.bench_input_len, p.bench_output_len)
+        nodes = multinode.NodeSet.from_params(p) if p.nodes > 1 else None
         compared = ab.run(
-            base, p.ab_variants, run_dir, workload, sorted({1, p.ab_concurrency}), p.ab_requests, p.ab_repeats, log=log
+            base,
+            p.ab_variants,
+            run_dir,
+            workload,
+            sorted({1, p.ab_concurrency}),
+            p.ab_requests,
+            p.ab_repeats,
+            log=log,
+            across_nodes=(lambda cfg, folder: multinode.prepare(cfg, nodes, folder)) if nodes else None,
         )
     env, why, notes = recommend(compared)
     record = NcclTuningRecord(micro=measured, ab=compared, recommended_env=env, recommendation=why, notes=notes)

@@ -123,7 +123,9 @@ def summary(record: PlanRecord) -> str:
     rec = f"recommends **{record.recommended.name}**" if record.recommended else "**no layout fits**"
     launch = record.recommended if record.launch_layout == "recommended" else record.requested
     used = f"; launch uses {launch.name}" if launch else ""
-    return f"{usable} of {len(record.layouts)} layouts accepted and fit on {record.device.count} × {record.device.name}; {rec}{used}"
+    dev = record.device
+    where = f"{dev.nodes} nodes of {dev.per_node} × {dev.name}" if dev.nodes > 1 else f"{dev.count} × {dev.name}"
+    return f"{usable} of {len(record.layouts)} layouts accepted and fit on {where}; {rec}{used}"
 
 
 def reserve_text(record: planner.Plan) -> str:
@@ -141,13 +143,16 @@ def reserve_text(record: planner.Plan) -> str:
 
 
 def table(record: planner.Plan) -> pd.DataFrame:
+    nodes = record.device.nodes > 1
     rows = []
     for layout in record.layouts:
-        rows.append(
+        row: dict[str, object] = {"layout": layout.name, "vLLM accepts": layout.accepted, "fits": layout.fits}
+        if nodes:  # where the layout's groups fall, next to its name
+            row["crosses nodes"] = "+".join(layout.crosses) or "none"
+            row["launch"] = layout.strategy
+            row["network collectives/token"] = layout.network_collectives_per_token
+        row.update(
             {
-                "layout": layout.name,
-                "vLLM accepts": layout.accepted,
-                "fits": layout.fits,
                 "weights GiB/GPU": round(layout.weight_bytes_per_gpu / GiB, 2),
                 "reserve GiB/GPU": round(layout.reserve.total / GiB, 2) if layout.reserve else None,
                 "KV bytes/token/GPU": int(layout.kv_bytes_per_token_per_gpu),
@@ -162,11 +167,17 @@ def table(record: planner.Plan) -> pd.DataFrame:
                 "why not": "; ".join(layout.reasons),
             }
         )
-        if record.device.nodes > 1:
-            rows[-1]["crosses nodes"] = "+".join(layout.crosses) or "none"
-            rows[-1]["launch"] = layout.strategy
-            rows[-1]["collectives/token on the network"] = layout.network_collectives_per_token
+        rows.append(row)
     return pd.DataFrame(rows).dropna(axis=1, how="all")  # e.g. no reserve or ceilings on the CPU
+
+
+def device_text(record: planner.Plan) -> str:
+    """The hardware planned for, in one line of markdown."""
+    dev = record.device
+    if dev.nodes > 1:
+        link = dev.link.name if dev.link else "an unnamed network"
+        return f"**{dev.nodes} nodes × {dev.per_node} {dev.name}** joined by {link}"
+    return f"**{dev.count} × {dev.name}**"
 
 
 def memory_figure(record: PlanRecord) -> go.Figure:
