@@ -69,6 +69,18 @@ deployed = stage.run(p, run_dir)
 print(Path(deployed.unit_file).read_text())
 
 # %% [markdown]
+# A server across several nodes gets one unit per other node: vLLM `--headless` there, started by the head's unit
+# (`ExecStartPre`, over SSH) and stopped after it (`ExecStopPost`). Copy each to its node's
+# `/etc/systemd/system/` (with `deploy_install: true` servebook does, over the same SSH).
+
+# %%
+for node_unit in deployed.node_units:
+    print(f"# {node_unit.node}: {node_unit.unit_name} (systemd-analyze verify: {'passed' if node_unit.verify.ok else 'see notes'})")
+    print(Path(node_unit.unit_file).read_text())
+if not deployed.node_units:
+    print("one node: no other unit")
+
+# %% [markdown]
 # ## Checks
 
 # %%
@@ -87,6 +99,8 @@ if dry:
         lines.append(f"- dry run, smoke test: {'passed' if dry.smoke_test.passed else 'FAILED'}")
     if dry.stop:
         lines.append(f"- dry run, stop: {len(dry.stop.signalled)} processes, {len(dry.stop.remaining)} left")
+if deployed.dry_run_skipped:
+    lines.append(f"- dry run: {deployed.dry_run_skipped}")
 lines.append(f"- installed: {deployed.installed or 'no (deploy_install is false)'}")
 display(Markdown("\n".join(lines)))
 

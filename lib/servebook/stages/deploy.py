@@ -221,7 +221,11 @@ def summary(record: DeployRecord) -> str:
         )
         proven = "; dry run ready and answering" if ok else "; **dry run failed**"
     installed = "; installed" if record.installed and record.installed.enabled else ""
+    nodes = ""
+    if record.node_units:
+        nodes = f", with {len(record.node_units)} worker node unit(s) it starts and stops over SSH"
+        proven = "; no dry run across nodes (install proves them)" if not installed else proven
     return (
         f"`{record.unit_name}` (TimeoutStartSec={record.timeout_start_s}, load {record.load_seconds:.0f} s "
-        f"{record.load_source}), {verified}{proven}{installed}"
+        f"{record.load_source}){nodes}, {verified}{proven}{installed}"
     )

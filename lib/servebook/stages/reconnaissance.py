@@ -149,7 +149,8 @@ def summary(record: ReconRecord) -> str:
     else:
         where = f"CPU ({record.host.cpu_model}, {record.host.cpu_cores_logical} threads)"
     verdict = "ready" if record.verdict.ready else f"**not ready**: {record.verdict.reasons[0]}"
-    return f"{where}; {verdict}"
+    others = f" and {len(record.nodes) - 1} more node(s) over SSH" if record.nodes else ""
+    return f"{where}{others}; {verdict}"
 
 
 def gpu_table(inventory: Inventory) -> pd.DataFrame:
