@@ -126,15 +126,15 @@ display(levels[[c for c in cols if c in levels]].round(2))
 # From what was gathered during the level: the load generator's own CPU time (it must never silently be the
 # limit), vLLM's running and waiting requests against `max_num_seqs`, KV-cache usage and preemptions, on GPUs
 # what NVML saw (SM utilisation, power against its limit, clock slowdowns, PCIe traffic against the link), and
-# the gain over the level before. A CPU server has no GPU evidence, and the `gpu_note` column says so. Beside
+# the gain over the level before. A CPU server has no GPU evidence, and the line under the table says so. Beside
 # them, the plan's decode ceiling for this layout at this many streams (weights, touched experts and KV read
 # once per step at the GPU's memory bandwidth) and the measured throughput as a share of it.
 
 # %%
-display(levels[[c for c in ["concurrency", "limit", "client_cpu_pct", "running_peak", "waiting_peak",
-                            "kv_cache_usage_peak", "gpu_sm_util_pct", "gpu_power_pct", "gpu_pcie_pct", "gpu_note",
-                            "plan_ceiling_tok_s", "plan_ceiling_pct"]
-                 if c in levels]])
+limits, gpu_note = stage.limits_table(levels)
+display(limits)
+if gpu_note:
+    print(f"every level: {gpu_note}")
 
 # %% [markdown]
 # ## Plots

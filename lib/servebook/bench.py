@@ -309,14 +309,15 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
         if level.client_cpu_pct is None
         else f"the client used {level.client_cpu_pct:.0f} % of a core"
     )
+    # the waiting gauge peaks while new streams' prefills queue for the token budget, below any batch limit
+    waits = "nothing waits" if not waiting else f"at most {waiting:.0f} waited in vLLM's queue"
     if gain < -cfg.plateau_gain:
         return "decline", (
-            f"declined {gain:+.0%} with {running:.0f} of {level.concurrency} streams running and nothing waiting in "
-            f"vLLM; {client}"
+            f"declined {gain:+.0%} with {running:.0f} of {level.concurrency} streams running and {waits}; {client}"
         )
     sm = f"SM busy {level.gpu_sm_util_pct:.0f} %, " if level.gpu_sm_util_pct is not None else ""
     return "server", (
-        f"server-bound: {running:.0f} of {level.concurrency} streams run together, nothing waits, and doubling "
+        f"server-bound: {running:.0f} of {level.concurrency} streams run together, {waits}, and doubling "
         f"the streams gained {gain:+.0%}; the batch's compute or memory bandwidth is the wall ({sm}{client})"
     )
 

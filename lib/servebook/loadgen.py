@@ -286,13 +286,17 @@ async def _one(
     gate: asyncio.Semaphore,
     timeout_s: float,
     headers: dict[str, str],
-    enough: Callable[[], bool] = lambda: False,
+    enough: Callable[[], bool] | None = None,
 ) -> None:
+    """One request through the concurrency gate. A closed-loop window (``enough`` given) has no arrival schedule:
+    a request is ready when a slot frees, so its client queue is only the client's own delay before sending."""
     path, body = _body(workload, model, prompt)
     async with gate:
-        if enough():
-            rec.error = NOT_SENT
-            return
+        if enough is not None:
+            if enough():
+                rec.error = NOT_SENT
+                return
+            rec.arrival = time.perf_counter()
         await _send(session, url, path, body, rec, timeout_s, headers)
 
 

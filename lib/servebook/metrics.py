@@ -14,7 +14,9 @@ TPOT               (E2EL − TTFT) / (output tokens − 1), per request; request
 ITL (per chunk)    the gap between consecutive token chunks, one value per gap (vLLM's ITL)
 ITL (per token)    each gap divided by the tokens its chunk carried, one value per token; differs from
                    the per-chunk ITL when the server bundles tokens (speculative decoding, MTP)
-client queue       send − arrival: time the client held a ready request back for a free slot
+client queue       send − arrival: time the client held a ready request back (open loop: past its scheduled
+                   arrival, for a free slot; closed loop: a request is ready when its slot frees, so only
+                   the client's own delay)
 output throughput  Σ output tokens of successful requests / duration
 total throughput   Σ (input + output) tokens of successful requests / duration
 request throughput successful requests / duration

@@ -64,6 +64,8 @@ def test_windows_last_their_seconds_and_a_broken_objective_ends_the_sweep(shared
     )
     assert data.stopped_by == "objective" and "TTFT" in data.stop_reason and "concurrency 1" in data.stop_reason
     assert [level.concurrency for level in data.levels] == [1] and data.levels[0].repeats == 3
+    # closed loop: a request is ready when its slot frees, so its client queue is the client's own delay only
+    assert data.levels[0].client_queue_p50_ms is not None and data.levels[0].client_queue_p50_ms < 50
     runs = pd.read_parquet(tmp_path / "sweep_runs.parquet")
     # the window closes 1.5 s after its first send, where the metric starts too; the last stream's end is
     # recorded a few milliseconds before its freed slot asks the window's clock (one run measured 1.496 s)

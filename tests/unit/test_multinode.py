@@ -194,3 +194,28 @@ def test_the_two_node_example_params_plan_kimi_on_h100s():
     example = params.load(Path(__file__).resolve().parents[2] / "params" / "kimi-k2.5-2x8-h100.yaml")
     assert example.nodes == 2 and example.gpus_per_node == 8 and example.plan_gpu == "H100"
     assert example.node_hosts[0] == "local" and example.layout_from_plan
+
+
+def test_the_plan_stage_writes_each_nodes_command_and_reconnaissance_wants_the_nodes_named(tmp_path):
+    """The embedded model at TP=2 over two CPU nodes: one engine across them (mp); the plan stage records the
+    command each node runs. Reconnaissance with two nodes and no node_hosts is not ready, and says what to set."""
+    from servebook.stages import plan as plan_stage
+    from servebook.stages import reconnaissance
+
+    p = params.Params(
+        model="builtin:tiny-qwen3-moe", device="cpu", tensor_parallel_size=2, nodes=2,
+        node_addresses=["127.0.0.2", "127.0.0.3"], node_master_port=29611,
+    )  # fmt: skip
+    record = plan_stage.run(p, tmp_path)
+    assert record.device.nodes == 2 and record.requested and record.requested.strategy == "mp"
+    head, worker = record.node_commands
+    assert head[-8:] == ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.2", "--master-port", "29611"]
+    assert worker[-1] == "--headless" and "--tensor-parallel-size" in worker
+    assert "# TP=2: one engine across the nodes" in plan_stage.node_commands_text(record)
+    assert "2 nodes of 1 × CPU" in plan_stage.summary(record)
+    found = reconnaissance.run(p, tmp_path)
+    assert not found.verdict.ready
+    assert (
+        "node_hosts is empty; list each node's SSH destination, this machine first as 'local'"
+        in found.verdict.reasons[0]
+    )

@@ -139,6 +139,22 @@ def levels(record: BenchmarkRecord) -> pd.DataFrame:
     return pd.DataFrame([level.model_dump() for level in record.levels])
 
 
+LIMIT_COLUMNS = [
+    "concurrency", "limit", "client_cpu_pct", "running_peak", "waiting_peak", "kv_cache_usage_peak",
+    "gpu_sm_util_pct", "gpu_power_pct", "gpu_pcie_pct", "gpu_note", "plan_ceiling_tok_s", "plan_ceiling_pct",
+]  # fmt: skip
+
+
+def limits_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The evidence of what limits each level, without the columns nothing filled (no GPU, no plan), and a GPU
+    note shared by every level pulled out as one line."""
+    shown = table[[c for c in LIMIT_COLUMNS if c in table]].dropna(axis=1, how="all")
+    note = ""
+    if "gpu_note" in shown and shown["gpu_note"].nunique(dropna=False) == 1:
+        note = str(shown.pop("gpu_note").iloc[0])
+    return shown, note
+
+
 def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:
     """A run's per-level table and its label: a servebook run folder (labelled with the layout its launch record
     names), a result file of ``vllm bench serve --save-result``, or a folder of such files (one per
