@@ -781,6 +781,15 @@ def status() -> list[ServerStatus]:
             )
         else:
             state, detail = health(rec.url), ""
+        if rec.workers:  # a multi-node server: each other node's vLLM, asked over SSH
+            try:
+                gone = workers_gone(rec.workers)
+            except remote.RemoteError as exc:
+                gone = [str(exc)]
+            nodes = f"{len(rec.workers) + 1} nodes" + (
+                f"; gone: {'; '.join(gone)}" if gone else ", every worker running"
+            )
+            detail = f"{detail}; {nodes}" if detail else nodes
         rows.append(
             ServerStatus(
                 port=rec.port,

@@ -76,6 +76,7 @@ def test_tp_across_two_nodes_serves_benchmarks_and_a_killed_worker_fails_clearly
         assert "across 2 nodes" in launch.summary(record)
         # the head serves only once every rank has joined: TP=2 over two nodes, one KV cache per rank
         assert record.vllm_reported.kv_cache_tokens and remote.alive(worker)
+        assert "2 nodes, every worker running" in next(r.detail for r in server.status() if r.port == PORT)
 
         smoke = smoke_test.run(p, tmp_path)
         assert smoke.passed
