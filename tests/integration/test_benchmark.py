@@ -127,7 +127,9 @@ def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_
 
     cfg = ratesweep.RateSweepConfig(
         rates=[150.0, 2.0],  # sorted by the sweep
-        workload=loadgen.Workload(input_len=32, output_len=16),
+        # 150 requests/s of 64 tokens is 9,600 tokens/s, several times what 2 cores decode (of 16 tokens the
+        # server's batching absorbed 2 s of them on a quiet machine, and the test read it as kept up)
+        workload=loadgen.Workload(input_len=32, output_len=64),
         min_requests=8,
         min_seconds=2.0,
         objectives=metrics.Objectives(ttft_ms=60_000),
@@ -144,7 +146,7 @@ def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_
     assert result.best_rate == 2.0 and "could not keep up with 150" in result.stop_reason
     reqs = pd.read_parquet(tmp_path / "rates_requests.parquet")
     measured = reqs[~reqs.warmup]
-    assert len(measured) == low.requests + high.requests and set(measured.completion_tokens) == {16}
+    assert len(measured) == low.requests + high.requests and set(measured.completion_tokens) == {64}
     assert (tmp_path / "rates_levels.csv").is_file() and len(lines) == 2
 
 
