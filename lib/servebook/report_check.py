@@ -36,6 +36,8 @@ window.addEventListener('load', function () { setTimeout(function () {
         if (t.visible === false || t.visible === 'legendonly') return;
         ['x', 'y'].forEach(function (ax) {
           var name = (t[ax + 'axis'] || ax).replace(ax, ax + 'axis'), a = fl[name];
+          // facets share one range (matches): their data belong together, on the axis they follow
+          if (a && a.matches) { name = a.matches.replace(ax, ax + 'axis'); a = fl[name]; }
           if (!a || !a.range || ['category', 'multicategory', 'date'].indexOf(a.type) >= 0) return;
           var raw = Array.from(t[ax] || []), vals = raw.filter(function (v) { return typeof v === 'number' && isFinite(v); });
           var err = t['error_' + ax];  // error bars belong to the data the axis must show

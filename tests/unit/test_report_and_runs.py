@@ -1,6 +1,8 @@
 import json
 
 import nbformat
+import pandas as pd
+import plotly.express as px
 import plotly.graph_objects as go
 import pytest
 
@@ -85,7 +87,7 @@ def _figure_notebook(path, fig):
 def test_the_browser_check_finds_requests_and_stretched_axes(tmp_path):
     """The checker itself: a request to the network, and an annotation at x=64 in data units on a log axis
     (plotly reads it as 10^64), are found; a readable log-axis plot, bars from zero and points drawn on axes from
-    zero pass, but not an axis that runs far past its points."""
+    zero and facets sharing one range pass, but not an axis that runs far past its points."""
     readable = go.Figure(go.Scatter(x=[1, 2, 4, 8], y=[10, 20, 25, 26]), layout={"title": "readable"})
     readable.update_xaxes(type="log")
     stretched = go.Figure(go.Scatter(x=[1, 2, 4, 8], y=[10, 20, 25, 26]), layout={"title": "stretched"})
@@ -96,7 +98,11 @@ def test_the_browser_check_finds_requests_and_stretched_axes(tmp_path):
     from_zero.update_xaxes(rangemode="tozero").update_yaxes(rangemode="tozero")
     past_points = go.Figure(go.Scatter(x=[141.2, 182.5], y=[179.5, 153.6]), layout={"title": "past its points"})
     past_points.update_yaxes(range=[0, 2000])
-    figures = (readable, stretched, bars, from_zero, past_points)
+    facets = px.line(
+        pd.DataFrame({"bytes": [1, 2, 1, 2], "us": [1261.0, 3030.0, 1500.0, 9000.0], "op": ["a", "a", "b", "b"]}),
+        x="bytes", y="us", facet_col="op", title="facets",
+    )  # fmt: skip
+    figures = (readable, stretched, bars, from_zero, past_points, facets)
     for i, fig in enumerate(figures):
         _figure_notebook(tmp_path / f"0{i}_s.ipynb", fig)
     manifest = Manifest(
@@ -107,9 +113,11 @@ def test_the_browser_check_finds_requests_and_stretched_axes(tmp_path):
     page = report.build(tmp_path, manifest)
     page.write_text(page.read_text().replace("</body>", '<img src="http://example.com/pixel.png"></body>'))
     found = report_check.check(page)
-    assert [f.title for f in found.figures] == ["readable", "stretched", "bars", "from zero", "past its points"]
+    titles = ["readable", "stretched", "bars", "from zero", "past its points", "facets"]
+    assert [f.title for f in found.figures] == titles
     assert all(f.drawn for f in found.figures)
-    assert [f.problems for f in found.figures if f.index in (0, 2, 3)] == [[], [], []]
+    # facets share one y range: each is judged with the data of all (1261..9000), not alone (1261..3030)
+    assert [f.problems for f in found.figures if f.index in (0, 2, 3, 5)] == [[], [], [], []]
     assert "stretched" in found.figures[1].problems[0] and "xaxis" in found.figures[1].problems[0]
     assert len(found.figures[4].problems) == 1 and "yaxis range 0..2000 is stretched" in found.figures[4].problems[0]
     assert found.requests == ["http://example.com/pixel.png"] and not found.ok
