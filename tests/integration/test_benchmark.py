@@ -126,7 +126,7 @@ def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_
     from servebook import ratesweep
 
     cfg = ratesweep.RateSweepConfig(
-        rates=[150.0, 2.0],  # sorted by the sweep
+        rates=[150.0, 1.0],  # sorted by the sweep; 8 requests at 1/s span 8 s, which a latency blip barely moves
         # 150 requests/s of 64 tokens is 9,600 tokens/s, several times what 2 cores decode (of 16 tokens the
         # server's batching absorbed 2 s of them on a quiet machine, and the test read it as kept up)
         workload=loadgen.Workload(input_len=32, output_len=64),
@@ -139,11 +139,11 @@ def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_
         shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path, log=lines.append
     )
     low, high = result.levels
-    assert low.rate == 2.0 and low.kept_up and low.failed == 0 and low.requests >= 8
+    assert low.rate == 1.0 and low.kept_up and low.failed == 0 and low.requests >= 8
     assert low.achieved_rate == pytest.approx(low.offered_rate, rel=0.1) and low.goodput_share == 1.0
     assert high.rate == 150.0 and not high.kept_up and high.failed == 0 and high.requests == 300
     assert high.achieved_rate < 0.9 * high.offered_rate and "could not keep up" in high.verdict
-    assert result.best_rate == 2.0 and "could not keep up with 150" in result.stop_reason
+    assert result.best_rate == 1.0 and "could not keep up with 150" in result.stop_reason
     reqs = pd.read_parquet(tmp_path / "rates_requests.parquet")
     measured = reqs[~reqs.warmup]
     assert len(measured) == low.requests + high.requests and set(measured.completion_tokens) == {64}
