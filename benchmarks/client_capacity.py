@@ -22,9 +22,9 @@ import time
 from servebook import models
 
 EMITTER = r"""
-import json, sys
+import asyncio, json, sys
 from aiohttp import web
-tokens = int(sys.argv[2])
+tokens, gap = int(sys.argv[2]), float(sys.argv[3]) / 1000
 def chunk(text, finish=None):
     return ("data: " + json.dumps({"id": "cmpl-emitter", "object": "text_completion", "created": 0, "model": "emitter",
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": None},
@@ -39,6 +39,8 @@ async def completions(request):
     await resp.prepare(request)
     for piece in body[: n - 1]:
         await resp.write(piece)
+        if gap:
+            await asyncio.sleep(gap)
     await resp.write(last)
     await resp.write(("data: " + json.dumps({"id": "cmpl-emitter", "object": "text_completion", "created": 0,
                       "model": "emitter", "choices": [], "usage": usage}, separators=(",", ":")) + "\n\n").encode())
@@ -100,10 +102,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=256, help="output tokens per request")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="pause between one stream's chunks (0: back to back, so many arrive in one read; a GPU server's "
+        "decode step of a few ms sends each chunk alone, and the client pays its per-read cost for every token)",
+    )
     a = ap.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    emitter = subprocess.Popen([sys.executable, "-c", EMITTER, str(port), str(a.tokens)])
+    emitter = subprocess.Popen([sys.executable, "-c", EMITTER, str(port), str(a.tokens), str(a.gap_ms)])
     tokenizer = str(models.build_tiny_model())
     vllm_args = [
         "--backend", "vllm", "--base-url", url, "--model", "emitter", "--tokenizer", tokenizer,
@@ -138,8 +147,8 @@ def main() -> None:
         emitter.terminate()
         emitter.wait(timeout=10)
     print(
-        f"\nemitter: {a.tokens} tokens per request in vLLM's compact JSON, {a.requests} requests at "
-        f"{a.concurrency} streams; median of {a.rounds} rounds"
+        f"\nemitter: {a.tokens} tokens per request in vLLM's compact JSON, {a.gap_ms:g} ms apart, {a.requests} "
+        f"requests at {a.concurrency} streams; median of {a.rounds} rounds"
     )
     print(f"{'client':17} {'output tok/s':>12} {'CPU % of a core':>16} {'tokens per CPU-second':>22}")
     for who, rs in rows.items():

@@ -28,7 +28,7 @@ from servebook.datasets import Cursor, Prompt
 from servebook.loadgen import Workload
 
 StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault"]
-LimitKind = Literal["client", "batch", "kv_cache", "pcie", "power", "thermal", "server", "decline", "rising"]
+LimitKind = Literal["client", "batch", "kv_cache", "pcie", "nvlink", "power", "thermal", "server", "decline", "rising"]
 CLIENT_BOUND_PCT = 90.0  # one asyncio process near a full core paces the server instead of measuring it
 CLIENT_SPLIT_PCT = 50.0  # a client process past half a core: the next levels share the streams among twice as many
 MAX_CLIENT_PROCESSES = max((os.cpu_count() or 2) // 2, 1)  # the other half of the cores stay the server's
@@ -175,6 +175,10 @@ class Level(BaseModel):
     gpu_pcie_pct: float | None = None  # peak, of the link's one-way bandwidth
     gpu_pcie_link: str = ""
     gpu_pcie_direction: str = ""
+    gpu_nvlink_pct: float | None = None  # peak, of the active links' one-way bandwidth
+    gpu_nvlink_gbs: float | None = None
+    gpu_nvlink_capacity_gbs: float | None = None
+    gpu_nvlink_direction: str = ""
     gpu_slowdowns: str = ""
     gpu_note: str = ""
     plan_ceiling_tok_s: float | None = None  # the plan's decode bandwidth ceiling at this many streams
@@ -185,7 +189,13 @@ class Level(BaseModel):
     limit_kind: LimitKind | None = None
 
 
-TEXT_FIELDS = ("gpu_pcie_link", "gpu_pcie_direction", "gpu_slowdowns", "gpu_note")  # joined over repeats
+TEXT_FIELDS = (
+    "gpu_pcie_link",
+    "gpu_pcie_direction",
+    "gpu_nvlink_direction",
+    "gpu_slowdowns",
+    "gpu_note",
+)  # joined over repeats
 MEDIAN_FIELDS = [
     name
     for name in Level.model_fields
@@ -295,6 +305,10 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
             pcie_peak_pct=level.gpu_pcie_pct,
             pcie_peak_direction=level.gpu_pcie_direction,
             pcie_link=level.gpu_pcie_link,
+            nvlink_peak_pct=level.gpu_nvlink_pct,
+            nvlink_peak_gbs=level.gpu_nvlink_gbs,
+            nvlink_peak_direction=level.gpu_nvlink_direction,
+            nvlink_capacity_gbs=level.gpu_nvlink_capacity_gbs,
         )
     )
     if wall and (gain is None or gain < cfg.plateau_gain):  # a wall binds once throughput stops rising
@@ -433,6 +447,10 @@ def _gpu_columns(sampler: gpu_evidence.GpuSampler) -> TableRow:
         "gpu_pcie_pct": e.pcie_peak_pct,
         "gpu_pcie_link": e.pcie_link,
         "gpu_pcie_direction": e.pcie_peak_direction,
+        "gpu_nvlink_pct": e.nvlink_peak_pct,
+        "gpu_nvlink_gbs": e.nvlink_peak_gbs,
+        "gpu_nvlink_capacity_gbs": e.nvlink_capacity_gbs,
+        "gpu_nvlink_direction": e.nvlink_peak_direction,
         "gpu_slowdowns": "; ".join(e.slowdowns),
         "gpu_note": f"{e.samples} NVML samples",
     }

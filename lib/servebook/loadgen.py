@@ -63,6 +63,7 @@ class RequestRecord:
     expected_input: int = 0
     expected_output: int = 0
     error: str = ""  # empty on success; otherwise its kind and message
+    new_connection: bool = False  # it opened a TCP connection rather than reusing a kept-alive one
 
     @property
     def ok(self) -> bool:
@@ -245,27 +246,39 @@ async def _send(
     """Send one streaming request, fold its events into ``rec``, and return the answer's text (``keep_text``).
 
     Bytes are taken as they arrive and cut into server-sent events at blank lines; a plain token chunk is
-    timed without parsing its JSON, which is most of a load generator's CPU time per token."""
+    timed without parsing its JSON, which is most of a load generator's CPU time per token.  After ``[DONE]``
+    the body is read to its end: aiohttp closes a connection whose body was left unread, and uvicorn sends
+    the body's last chunk after ``[DONE]``, so every request would open a new connection, which in bursts of
+    requests delays the first token (as measured on two H200s: docs/examples/h200-vllm/README.md)."""
     parts: list[str] = []
     pending = b""
+    parse_all = keep_text or body["stream_options"]["continuous_usage_stats"]
     rec.send = time.perf_counter()
     try:
         async with session.post(
-            url + path, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            url + path,
+            json=body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            trace_request_ctx=rec,
         ) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 rec.error = f"http {resp.status}: {text}"
                 return ""
+            done = False
             async for block in resp.content.iter_any():
                 now = time.perf_counter()
                 *events, pending = (pending + block).split(b"\n\n")
                 for raw in events:
-                    if fold_event(rec, raw, now, parts, keep_text or body["stream_options"]["continuous_usage_stats"]):
-                        finish_stream(rec)
-                        return "".join(parts)
+                    done = fold_event(rec, raw, now, parts, parse_all)
                     if rec.error:
                         return ""
+                    if done:
+                        break
+                if done:
+                    await resp.content.read()  # the body's end, so the connection is kept for the next request
+                    break
             finish_stream(rec)
     except asyncio.TimeoutError:
         rec.error = f"timeout: no complete answer within {timeout_s:.0f} s"
@@ -337,8 +350,7 @@ async def _run_conversations(
     timeout_s: float,
     headers: dict[str, str],
 ) -> tuple[list[RequestRecord], float, float]:
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
+    async with _session() as session:
         gate = asyncio.Semaphore(concurrency)
         start = time.perf_counter()
         per_session = [
@@ -391,8 +403,7 @@ async def _run(
     min_seconds: float,
     after_warmup: Callable[[], None] = lambda: None,
 ) -> tuple[list[RequestRecord], float, float]:
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
+    async with _session() as session:
         gate = asyncio.Semaphore(concurrency)
         warm = [_record(i, level, True, time.perf_counter(), prompts[i], workload) for i in range(warmup)]
         await asyncio.gather(
@@ -424,11 +435,37 @@ async def _run(
         return warm + [r for r in measured if r.error != NOT_SENT], first_send or start, time.perf_counter()
 
 
+async def _count_new_connection(
+    session: aiohttp.ClientSession, context: Any, params: aiohttp.TraceConnectionCreateEndParams
+) -> None:
+    if isinstance(context.trace_request_ctx, RequestRecord):
+        context.trace_request_ctx.new_connection = True
+
+
+def _session() -> aiohttp.ClientSession:
+    """One session for a load generator: a connection pool that never throttles the concurrency, a read buffer
+    for long chunks, and each request told whether it opened a connection."""
+    tracing = aiohttp.TraceConfig()
+    tracing.on_connection_create_end.append(_count_new_connection)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
+    return aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER, trace_configs=[tracing])
+
+
+def _run_loop(coro: Any) -> Any:
+    """Run a load generator's coroutine to its end on uvloop where it is installed (vLLM's API server runs on it
+    too): its event loop wakes a stream for each chunk at a fraction of asyncio's CPU cost."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def _in_own_loop(coro: Any) -> tuple[list[RequestRecord], float, float]:
     """Run a load generator's coroutine in a thread of its own, which gets a fresh event loop also inside
     Jupyter, whose kernel already runs one."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
-        return pool.submit(asyncio.run, coro).result()
+        return pool.submit(_run_loop, coro).result()
 
 
 def run_level(
@@ -487,7 +524,7 @@ def _client_process(args: tuple[Any, ...]) -> tuple[list[RequestRecord], float, 
         url, model, workload, prompts, concurrency, level, warmup, timeout_s, headers, min_requests, min_seconds,
         after_warmup=barrier.wait,
     )  # fmt: skip
-    recs, start, end = asyncio.run(coro)
+    recs, start, end = _run_loop(coro)
     for r in recs:
         r.index = indices[r.index]
     return recs, start, end
@@ -561,8 +598,7 @@ async def _run_open(
     headers: dict[str, str],
     max_concurrency: int,
 ) -> tuple[list[RequestRecord], float, float]:
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER) as session:
+    async with _session() as session:
         gate = asyncio.Semaphore(max_concurrency or len(prompts))
         warm = [_record(i, level, True, time.perf_counter(), prompts[i], workload) for i in range(warmup)]
         await asyncio.gather(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
@@ -67,6 +68,7 @@ class FakeNvml:
             spec.setdefault("pci_bus_id", f"00000000:{0x18 + i * 0x10:02X}:00.0")
             self.gpus.append(_FakeHandle(i, spec))
         self.processes = {int(k): v for k, v in (scenario.get("processes") or {}).items()}
+        self.started_us = time.monotonic() * 1e6
 
     def nvmlInit(self) -> None:
         if "init_error" in self.scenario:
@@ -174,6 +176,33 @@ class FakeNvml:
         if link >= links:
             raise _nvml_error("INVALID_ARGUMENT")
         return 1
+
+    def nvmlDeviceGetFieldValues(self, h: _FakeHandle, fields: list[tuple[int, int]]) -> list[SimpleNamespace]:
+        """NVLink's common link speed (``nvlink_speed_mbps``) and data counters that grow at the scenario's
+        ``load`` rates (``nvlink_tx_kbs``, ``nvlink_rx_kbs``) from the moment the fake was made."""
+        now_us = time.monotonic() * 1e6
+        values = []
+        for field_id, _scope in fields:
+            if field_id == pynvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON:
+                value = h.spec.get("nvlink_speed_mbps")
+            else:
+                key = {
+                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: "nvlink_tx_kbs",
+                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: "nvlink_rx_kbs",
+                }.get(field_id, "")
+                rate = (h.spec.get("load") or {}).get(key)
+                value = None if rate is None else int(rate * (now_us - self.started_us) / 1e6)
+            ok = value is not None
+            values.append(
+                SimpleNamespace(
+                    fieldId=field_id,
+                    nvmlReturn=pynvml.NVML_SUCCESS if ok else pynvml.NVML_ERROR_NOT_SUPPORTED,
+                    valueType=3,
+                    value=SimpleNamespace(ullVal=value or 0),
+                    timestamp=int(now_us),
+                )
+            )
+        return values
 
     def _group(self, index: int) -> int:
         for n, group in enumerate(self.scenario.get("numa_groups", [list(range(len(self.gpus)))])):

@@ -21,6 +21,7 @@ LIMIT_LABELS = {
     "batch": "batch limit",
     "kv_cache": "KV cache full",
     "pcie": "PCIe-bound",
+    "nvlink": "NVLink-bound",
     "power": "power-capped",
     "thermal": "thermal slowdown",
     "server": "server-bound",

@@ -40,6 +40,8 @@ def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path)
     assert set(measured.prompt_tokens) == {48} and set(measured.completion_tokens) == {24}
     assert len(reqs[reqs.warmup]) == 2 * (1 + 2 + 4)  # as many warm-up requests as the concurrency
     assert all(sum(json.loads(t)) == 24 for t in measured.chunk_tokens)
+    # each stream keeps its connection: the body is read past [DONE] to its end, so aiohttp keeps it alive
+    assert reqs.new_connection.sum() == 2 * (1 + 2 + 4) and reqs[reqs.warmup].new_connection.all()
     assert (tmp_path / "sweep_levels.csv").is_file() and (tmp_path / "sweep_runs.parquet").is_file()
     runs = pd.read_parquet(tmp_path / "sweep_runs.parquet")
     assert set(runs.prefix_cache_reset) == {"reset"}  # the shared server runs with VLLM_SERVER_DEV_MODE=1

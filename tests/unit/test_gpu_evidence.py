@@ -1,6 +1,8 @@
 """GPU evidence per level: NVML samples summarised, and the walls they show named, on hand-built series and on
 the fake NVML (the only fake servebook's tests use)."""
 
+import time
+
 import pytest
 
 from servebook import bench, gpu_evidence
@@ -61,3 +63,55 @@ def test_the_sampler_reads_the_fake_nvml_and_says_why_a_cpu_server_has_no_eviden
         pass
     assert cpu.evidence is None and cpu.absent == "no GPU serves this model"
     assert bench._gpu_columns(cpu) == {"gpu_note": "no GPU evidence: no GPU serves this model"}
+
+
+def nvlink(gpu, t_s, tx_gb, rx_gb, capacity=450.0):
+    """A sample whose NVLink counters read ``tx_gb`` and ``rx_gb`` GB in all at ``t_s`` seconds."""
+    return Sample(
+        gpu, 60.0, 400.0, 700.0, 1980.0, 1980.0, 0, 1.0, 1.0, 5, 16,
+        nvlink_tx_kib=tx_gb * 1e9 / 1024, nvlink_rx_kib=rx_gb * 1e9 / 1024, nvlink_us=t_s * 1e6, nvlink_gbs=capacity,
+    )  # fmt: skip
+
+
+def test_nvlink_rates_come_from_counter_deltas_and_a_busy_link_is_the_wall():
+    # GPU 0 sends 100 GB in the first half second (200 GB/s), then 200 GB (400 GB/s of 450: 89 %); GPU 1 is calm
+    series = [nvlink(0, 0.0, 1000, 500), nvlink(0, 0.5, 1100, 550), nvlink(0, 1.0, 1300, 600)]
+    series += [nvlink(1, 0.0, 10, 10), nvlink(1, 0.5, 20, 20)]
+    e = gpu_evidence.summarize(series)
+    assert e.nvlink_peak_gbs == pytest.approx(400) and e.nvlink_peak_direction == "sent"
+    assert e.nvlink_peak_pct == pytest.approx(100 * 400 / 450) and e.nvlink_capacity_gbs == 450
+    assert gpu_evidence.verdict(e) == ("nvlink", "NVLink at 89 % of 450 GB/s (400 GB/s sent)")
+    calm = gpu_evidence.summarize(series[:2] + series[3:])
+    assert calm.nvlink_peak_pct == pytest.approx(100 * 200 / 450) and gpu_evidence.verdict(calm) is None
+    # one reading per GPU gives no rate; GPUs without NVLink give none either
+    assert gpu_evidence.summarize([series[0], sample()]).nvlink_peak_pct is None
+
+
+def test_the_sampler_reads_nvlink_counters_and_link_speed_from_the_fake_nvml(monkeypatch):
+    monkeypatch.setenv("SERVEBOOK_FAKE_NVML", "h200x8-nvlink-busy")
+    with gpu_evidence.GpuSampler([0, 1], every_s=0.05) as sampler:
+        while len(sampler.samples) < 6 and not sampler.absent:
+            time.sleep(0.01)
+    e = sampler.evidence
+    assert e is not None and e.nvlink_capacity_gbs == pytest.approx(18 * 25.0)  # 18 links up at 25,000 MB/s
+    assert e.nvlink_peak_gbs == pytest.approx(405, rel=0.02) and e.nvlink_peak_direction == "sent"
+    kind, words = gpu_evidence.verdict(e)
+    assert kind == "nvlink" and words.startswith("NVLink at 90 % of 450 GB/s")
+    row = bench._gpu_columns(sampler)
+    assert row["gpu_nvlink_pct"] == pytest.approx(90, abs=2) and row["gpu_nvlink_direction"] == "sent"
+    # an H200 board whose scenario gives no link speed: no bandwidth to measure against, so no NVLink evidence
+    monkeypatch.setenv("SERVEBOOK_FAKE_NVML", "h200x8-nvlink")
+    with gpu_evidence.GpuSampler([0], every_s=0.05) as idle:
+        gpu_evidence.wait_a_sample(idle)
+    assert idle.evidence is not None and idle.evidence.nvlink_peak_pct is None
+
+
+def test_an_nvlink_wall_labels_a_level_once_throughput_stops_rising():
+    level = bench.Level(
+        concurrency=128, repeats=2, output_throughput=9000.0, output_throughput_min=8900.0,
+        output_throughput_max=9100.0, spread_pct=2.2, running_peak=128, gpu_nvlink_pct=92.0,
+        gpu_nvlink_gbs=414.0, gpu_nvlink_capacity_gbs=450.0, gpu_nvlink_direction="sent",
+    )  # fmt: skip
+    kind, words = bench.limit_of(level, gain=0.01, cfg=bench.SweepConfig())
+    assert kind == "nvlink" and words.startswith("NVLink at 92 % of 450 GB/s (414 GB/s sent)")
+    assert bench.limit_of(level, gain=0.5, cfg=bench.SweepConfig())[0] == "rising"

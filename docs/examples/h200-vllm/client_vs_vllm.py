@@ -3,9 +3,9 @@
     python client_vs_vllm.py URL MODEL TOKENIZER --concurrency 16 64 --rounds 5 --seconds 20 --out DIR
 
 Each round measures the same server at each concurrency with every client, the order rotated every round so
-that none always runs on a warmer server (servebook's first, to size vLLM's). A third client is servebook with
-vLLM's request body (token counts in the last chunk only): it tells whether servebook's per-chunk usage costs
-the server time to first token. Both send random prompts of exactly --input-len tokens and
+that none always runs on a warmer server (servebook's first, to size vLLM's). Two more clients isolate one
+choice each: servebook asking for token counts on every chunk (its request body before 2026-12-01), and
+servebook on Python's own asyncio loop instead of uvloop (its loop until uvloop came in). All send random prompts of exactly --input-len tokens and
 ask for exactly --output-len tokens (ignore_eos). vLLM's benchmark runs in this process (its own code,
 ``vllm.benchmarks.serve``), sized from servebook's request rate so that its window lasts as long.
 Writes one JSON row per measurement to DIR/rounds.jsonl (with each client's CPU seconds per 1,000 output
@@ -30,6 +30,7 @@ from servebook.loadgen import Workload
 CLIENTS = {
     "servebook": "servebook",  # token counts once, at the end, as vLLM's benchmark asks for them
     "servebook-usage-each-chunk": "servebook, usage on every chunk",  # servebook's request body before 2026-12-01
+    "servebook-asyncio": "servebook on asyncio's loop",  # servebook's event loop until uvloop came in
     "vllm": "vllm bench serve",
 }
 
@@ -39,8 +40,13 @@ def servebook_prompts(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int,
     return maker.prompts(count + c, a.input_len)
 
 
-def servebook_run(a: argparse.Namespace, prompts: list[str], c: int, tag: str, each_chunk: bool) -> dict:
+def servebook_run(a: argparse.Namespace, prompts: list[str], c: int, tag: str, name: str) -> dict:
     least = max(4 * c, 32)
+    each_chunk = name == "servebook-usage-each-chunk"
+    if name == "servebook-asyncio":
+        import asyncio
+
+        loadgen._run_loop = asyncio.run  # this process only: it was spawned for this one measurement
     cpu = time.process_time()
     recs, _, _ = loadgen.run_level(
         a.url,
@@ -54,7 +60,6 @@ def servebook_run(a: argparse.Namespace, prompts: list[str], c: int, tag: str, e
         min_seconds=a.seconds,
     )
     cpu = time.process_time() - cpu
-    name = "servebook-usage-each-chunk" if each_chunk else "servebook"
     loadgen.save_records(recs, a.out / f"{name}-{tag}")  # every request's timeline, to study TTFT
     s = metrics.summarize(recs)
     return {
@@ -70,6 +75,7 @@ def servebook_run(a: argparse.Namespace, prompts: list[str], c: int, tag: str, e
         "itl_p50_ms": s.itl_ms.p50,
         "e2el_p50_ms": s.e2el_ms.p50,
         "errors": s.errors,
+        "new_connections": sum(r.new_connection for r in recs),
         "client_cpu_s": cpu,
         "client_cpu_s_per_1k_tokens": 1000 * cpu / max(s.output_tokens, 1),
     }
@@ -177,8 +183,7 @@ def main() -> None:
                         row = pool.submit(vllm_run, a, c, rate or 1.0, rnd, tag).result()
                     else:
                         prompts = servebook_prompts(a, maker, c, rate)
-                        each = who == "servebook-usage-each-chunk"
-                        row = pool.submit(servebook_run, a, prompts, c, tag, each).result()
+                        row = pool.submit(servebook_run, a, prompts, c, tag, who).result()
                 row["round"], row["wall_s"] = rnd + 1, round(time.monotonic() - t0, 1)
                 if who != "vllm":
                     rate = row["request_throughput"]

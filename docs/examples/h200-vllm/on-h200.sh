@@ -2,16 +2,18 @@
 # The GPU run of docs/examples/h200-vllm, one step per device call, from the project root there:
 #   bash docs/examples/h200-vllm/on-h200.sh STEP
 # Steps, in order (the first three carry .gpu/c1, c2, c3 and must follow each other within 30 s):
-#   kit1     unpack the Python tree, build the bf16 and FP8 checkpoints on the GPU (their configs come back)
+#   kit1     unpack the Python tree, build the checkpoints named in BUILD (default: bf16 fp8) on the GPU
 #   kit2     stage the second kernel part
-#   pipeline put the kernels in place; stages 00-07 on the FP8 checkpoint at TP=2+EP
-#   compare  the bf16 server at TP=2 (kept running for the next compare); servebook's client, the same asking
-#            for usage on every chunk, and `vllm bench serve`, 5 rotating rounds
+#   pipeline put the kernels in place; what NVML says of the NVLinks; stages 00-07 with PARAMS (default: the
+#            FP8 checkpoint at TP=2+EP)
+#   compare  the server of SERVER (default: bf16 at TP=2; one already answering on port 8000 is reused and
+#            kept running); the clients of CLIENTS against `vllm bench serve`, 5 rotating rounds
 #   orphans  SIGKILL that server's API process: status, refusal, cleanup, GPUs back to 0 MiB
 #   layouts  every other layout the plan judges for 2 GPUs, started until vLLM has sized its KV cache
 # Results go to $OUT (tarred); see README.md beside this script.
 set -uo pipefail
-STEP=$1; CONC=${CONC:-16 64}; CLIENTS=${CLIENTS:-servebook servebook-usage-each-chunk vllm}; EX=docs/examples/h200-vllm; R=/tmp/results
+STEP=$1; CONC=${CONC:-16 64}; BUILD=${BUILD:-bf16 fp8}; PARAMS=${PARAMS:-params-fp8-tp2ep.yaml}
+SERVER=${SERVER:-params-bf16-tp2.yaml}; CLIENTS=${CLIENTS:-servebook servebook-usage-each-chunk vllm}; EX=docs/examples/h200-vllm; R=/tmp/results
 if [ "$STEP" = kit1 ]; then source .gpu/c1/kit/unpack.sh; else source /tmp/kit/unpack.sh; fi
 mkdir -p $R
 pack() { tar czf "$OUT/$1.tgz" -C $R "$1" 2>/dev/null; ls -la "$OUT"; }
@@ -20,21 +22,32 @@ case $STEP in
 kit1)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   mkdir -p $R/kit1
-  python3 /tmp/kit/mkckpt.py $MODELS/q3moe-bf16 --tokenizer /tmp/tok --layers 8 2>&1 | tail -2
-  python3 /tmp/kit/mkckpt.py $MODELS/q3moe-fp8 --tokenizer /tmp/tok --layers 8 --fp8 --moe-inter 384 2>&1 | tail -2
-  for m in bf16 fp8; do cp $MODELS/q3moe-$m/config.json $R/kit1/config-$m.json; done
+  for m in $BUILD; do
+    case $m in bf16) flags="";; fp8) flags="--fp8 --moe-inter 384";; esac
+    python3 /tmp/kit/mkckpt.py $MODELS/q3moe-$m --tokenizer /tmp/tok --layers 8 $flags 2>&1 | tail -2
+    cp $MODELS/q3moe-$m/config.json $R/kit1/config-$m.json
+  done
   du -sh $MODELS/*; pack kit1 ;;
 kit2) ls $STAGE ;;
 pipeline)
   log "pipeline"; mkdir -p $R/pipeline
+  python3 -c "
+import pynvml
+from servebook import gpu_evidence
+pynvml.nvmlInit()
+for i in range(pynvml.nvmlDeviceGetCount()):
+    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    cap = gpu_evidence.nvlink_capacity_gbs(pynvml, h)
+    print(f'GPU {i}: NVLink one-way bandwidth {cap} GB/s;', gpu_evidence.read(pynvml, [i])[0])
+" 2>&1 | tee $R/pipeline/nvml.txt
   ( sleep 570; tar czf $OUT/pipeline-partial.tgz -C $R pipeline ) </dev/null >/dev/null 2>&1 &
-  SERVEBOOK_OUTPUTS=$R/pipeline servebook run $EX/params-fp8-tp2ep.yaml 2>&1 | tee $R/pipeline/console.log | cut -c1-300
+  SERVEBOOK_OUTPUTS=$R/pipeline servebook run $EX/$PARAMS 2>&1 | tee $R/pipeline/console.log | cut -c1-300
   gpu_mem; cp outputs/servers/*.log $R/pipeline/ 2>/dev/null; pack pipeline ;;
 compare)
   mkdir -p $R/compare
   ( sleep 575; tar czf $OUT/compare-partial.tgz -C $R compare ) </dev/null >/dev/null 2>&1 &
   if curl -sf -o /dev/null http://127.0.0.1:8000/health; then log "reusing the running server"
-  else log "launch"; servebook launch $EX/params-bf16-tp2.yaml --log-dir $R/compare 2>&1 | tail -5; fi
+  else log "launch"; servebook launch $EX/$SERVER --log-dir $R/compare 2>&1 | tail -5; fi
   python3 $EX/client_vs_vllm.py http://127.0.0.1:8000 q3moe-bf16 $MODELS/q3moe-bf16 --clients $CLIENTS \
     --concurrency $CONC --rounds ${ROUNDS:-5} --seconds ${SECONDS_PER:-20} --out $R/compare 2>&1 \
     | grep -v "^Namespace\|^Starting\|^Traffic\|^Burstiness\|^Maximum request\|^Initial test" | cut -c1-400

@@ -141,7 +141,8 @@ def levels(record: BenchmarkRecord) -> pd.DataFrame:
 
 LIMIT_COLUMNS = [
     "concurrency", "limit", "client_cpu_pct", "running_peak", "waiting_peak", "kv_cache_usage_peak",
-    "gpu_sm_util_pct", "gpu_power_pct", "gpu_pcie_pct", "gpu_note", "plan_ceiling_tok_s", "plan_ceiling_pct",
+    "gpu_sm_util_pct", "gpu_power_pct", "gpu_pcie_pct", "gpu_nvlink_pct", "gpu_note", "plan_ceiling_tok_s",
+    "plan_ceiling_pct",
 ]  # fmt: skip
 
 
