@@ -31,7 +31,8 @@ kit1)
 kit2) ls $STAGE ;;
 pipeline)
   log "pipeline"; mkdir -p $R/pipeline
-  python3 -c "
+  ( sleep ${PARTIAL_S:-570}; tar czf $OUT/pipeline-partial.tgz -C $R pipeline ) </dev/null >/dev/null 2>&1 &
+  timeout 60 python3 -c "
 import pynvml
 from servebook import gpu_evidence
 pynvml.nvmlInit()
@@ -39,9 +40,8 @@ for i in range(pynvml.nvmlDeviceGetCount()):
     h = pynvml.nvmlDeviceGetHandleByIndex(i)
     cap = gpu_evidence.nvlink_capacity_gbs(pynvml, h)
     print(f'GPU {i}: NVLink one-way bandwidth {cap} GB/s;', gpu_evidence.read(pynvml, [i])[0])
-" 2>&1 | tee $R/pipeline/nvml.txt
-  ( sleep 570; tar czf $OUT/pipeline-partial.tgz -C $R pipeline ) </dev/null >/dev/null 2>&1 &
-  SERVEBOOK_OUTPUTS=$R/pipeline servebook run $EX/$PARAMS 2>&1 | tee $R/pipeline/console.log | cut -c1-300
+" > $R/pipeline/nvml.txt 2>&1; log "NVML read: exit $?"
+  SERVEBOOK_OUTPUTS=$R/pipeline timeout ${RUN_S:-560} servebook run $EX/$PARAMS 2>&1 | tee $R/pipeline/console.log | cut -c1-300
   gpu_mem; cp outputs/servers/*.log $R/pipeline/ 2>/dev/null; pack pipeline ;;
 compare)
   mkdir -p $R/compare
