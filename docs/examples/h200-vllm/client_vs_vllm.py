@@ -9,7 +9,7 @@ servebook on Python's own asyncio loop instead of uvloop (its loop until uvloop 
 ask for exactly --output-len tokens (ignore_eos). vLLM's benchmark runs in this process (its own code,
 ``vllm.benchmarks.serve``), sized from servebook's request rate so that its window lasts as long.
 Writes one JSON row per measurement to DIR/rounds.jsonl (with each client's CPU seconds per 1,000 output
-tokens), every request's timeline (servebook-*.parquet, vLLM's --save-detailed vllm-*.json), and prints a
+tokens and the share of its prompt tokens vLLM's prefix cache held), every request's timeline (servebook-*.parquet, vLLM's --save-detailed vllm-*.json), and prints a
 table of medians.
 """
 
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from servebook import loadgen, metrics
+from servebook import client, loadgen, metrics
 from servebook.loadgen import Workload
 
 CLIENTS = {
@@ -33,6 +33,19 @@ CLIENTS = {
     "servebook-asyncio": "servebook on asyncio's loop",  # servebook's event loop until uvloop came in
     "vllm": "vllm bench serve",
 }
+
+
+def prefix_cache(url: str) -> tuple[float, float]:
+    """vLLM's prefix-cache counters (tokens queried, tokens found) as its /metrics give them now."""
+    values = client.metrics(url)
+    return values.get("vllm:prefix_cache_queries_total", 0.0), values.get("vllm:prefix_cache_hits_total", 0.0)
+
+
+def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The share of one measurement's prompt tokens vLLM found cached (warm-ups included): a client whose prompts
+    repeat each other's blocks gets cheaper prefills, and the comparison of first-token times is off."""
+    queried = after[0] - before[0]
+    return (after[1] - before[1]) / queried if queried > 0 else None
 
 
 def servebook_prompts(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int, rate: float | None) -> list[str]:
@@ -177,6 +190,7 @@ def main() -> None:
             for who in order:
                 t0 = time.monotonic()
                 tag = f"c{c}-r{rnd + 1}"
+                cache_before = prefix_cache(a.url)
                 # each measurement in a fresh process: no client's threads or heap outlive its window
                 with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     if who == "vllm":
@@ -185,6 +199,7 @@ def main() -> None:
                         prompts = servebook_prompts(a, maker, c, rate)
                         row = pool.submit(servebook_run, a, prompts, c, tag, who).result()
                 row["round"], row["wall_s"] = rnd + 1, round(time.monotonic() - t0, 1)
+                row["prefix_cache_hit_rate"] = hit_rate(cache_before, prefix_cache(a.url))
                 if who != "vllm":
                     rate = row["request_throughput"]
                 rows.append(row)

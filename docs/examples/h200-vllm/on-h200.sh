@@ -47,7 +47,10 @@ compare)
   mkdir -p $R/compare
   ( sleep 575; tar czf $OUT/compare-partial.tgz -C $R compare ) </dev/null >/dev/null 2>&1 &
   if curl -sf -o /dev/null http://127.0.0.1:8000/health; then log "reusing the running server"
-  else log "launch"; servebook launch $EX/$SERVER --log-dir $R/compare 2>&1 | tail -5; fi
+  # prefix caching off: vLLM's random prompts on this 2,048-token vocabulary repeat each other's blocks (the
+  # comparison of 2026-12-01 saw its hit rate climb to 77 %), which would hand its client cheaper prefills
+  else log "launch"; servebook launch $EX/$SERVER --set 'extra_args=["--no-enable-prefix-caching"]' \
+    --log-dir $R/compare 2>&1 | tail -5; fi
   python3 $EX/client_vs_vllm.py http://127.0.0.1:8000 q3moe-bf16 $MODELS/q3moe-bf16 --clients $CLIENTS \
     --concurrency $CONC --rounds ${ROUNDS:-5} --seconds ${SECONDS_PER:-20} --out $R/compare 2>&1 \
     | grep -v "^Namespace\|^Starting\|^Traffic\|^Burstiness\|^Maximum request\|^Initial test" | cut -c1-400
