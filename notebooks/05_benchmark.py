@@ -57,6 +57,8 @@ bench_input_len: int = 128  # prompt tokens per request
 bench_output_len: int = 128  # output tokens per request (ignore_eos)
 bench_endpoint: str = "completions"  # completions or chat
 bench_shared_prefix_len: int = 0  # tokens every prompt shares; 0 means all unique
+bench_long_input_len: int = 0  # prompt tokens of the long-context requests mixed in (bench_long_share); 0 means none
+bench_long_share: float = 0.0  # share of requests carrying bench_long_input_len prompt tokens, spread evenly
 bench_max_concurrency: int = 256  # highest concurrency the sweep may reach
 bench_repeats: int = 2  # runs per concurrency level, for the spread
 bench_prompts_per_level: int = 64  # measured requests per repeat (at least 4x concurrency)
@@ -96,7 +98,9 @@ result = stage.run(p, run_dir)
 # %%
 best, single = result.best, result.single_stream
 lines = [f"- workload: {result.dataset}" if result.dataset else
-         f"- workload: synthetic, {p.bench_input_len} prompt and {p.bench_output_len} output tokens per request",
+         f"- workload: synthetic, {p.bench_input_len} prompt and {p.bench_output_len} output tokens per request"
+         + (f"; {p.bench_long_share:.0%} of requests carry {p.bench_long_input_len} prompt tokens instead"
+            if p.bench_long_share else ""),
          f"- stopped: {result.stop_reason}"]
 if best:
     levels_off = (f"; levels off from concurrency {result.plateau_concurrency}" if result.saturated

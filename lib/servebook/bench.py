@@ -490,9 +490,8 @@ def sweep(
     done_levels: list[int] = []
     measured: list[Level] = []
     short_windows: list[str] = []
-    content_len = cfg.workload.input_len
-    if cfg.workload.endpoint == "chat":  # the template's tokens count towards the prompt
-        content_len -= maker.chat_overhead()
+    # the chat template's tokens count towards the prompt
+    overhead = maker.chat_overhead() if cfg.workload.endpoint == "chat" else 0
     dataset = Cursor(cfg.dataset) if cfg.dataset else None
     rate: float | None = None  # requests/s of the last run, to size the next window
     previous_c = 0
@@ -509,7 +508,7 @@ def sweep(
             prompts: list[loadgen.PromptLike] = (
                 list(dataset.take(count))
                 if dataset
-                else list(maker.prompts(count, content_len, cfg.workload.shared_prefix_len))
+                else loadgen.synthetic_prompts(maker, count, cfg.workload, overhead)
             )
             reset = reset_prefix_cache(url, headers) if cfg.reset_prefix_cache else "not requested"
             before = _scrape(url)

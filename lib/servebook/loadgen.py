@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,8 @@ class Workload:
     # Off by default, as `vllm bench serve` asks: one count at the end (docs/examples/h200-vllm/README.md).
     usage_each_chunk: bool = False
     turns: int = 1  # over 1: chat conversations of this many turns, each sending the history back (chat only)
+    long_input_len: int = 0  # prompt tokens of the long-context requests mixed in (0: none)
+    long_share: float = 0.0  # the share of requests that carry them, spread evenly through the sequence
 
 
 @dataclass
@@ -120,6 +123,29 @@ class PromptMaker:
         while len(out) < count:
             out[self.exact(length, prefix)] = None
         return list(out)
+
+
+def is_long(index: int, share: float) -> bool:
+    """Whether request ``index`` of a long-context mix is a long one: every 1/share-th, spread evenly, so each
+    window of a level holds its share however many requests it sends."""
+    return share > 0 and math.floor((index + 1) * share) > math.floor(index * share)
+
+
+def synthetic_prompts(maker: PromptMaker, count: int, workload: Workload, overhead: int = 0) -> list[PromptLike]:
+    """``count`` unique prompts of the workload's length, less ``overhead`` tokens a chat template adds; with a
+    long-context mix, the share it names carries ``long_input_len`` tokens instead, as requests of their own
+    length (their records then expect it)."""
+    if not workload.long_share:
+        return list(maker.prompts(count, workload.input_len - overhead, workload.shared_prefix_len))
+    long_count = sum(is_long(i, workload.long_share) for i in range(count))
+    short = iter(maker.prompts(count - long_count, workload.input_len - overhead, workload.shared_prefix_len))
+    long = iter(maker.prompts(long_count, workload.long_input_len - overhead, workload.shared_prefix_len))
+    return [
+        Prompt(next(long), workload.long_input_len, workload.output_len)
+        if is_long(i, workload.long_share)
+        else next(short)
+        for i in range(count)
+    ]
 
 
 def load_tokenizer(model_path: str):

@@ -220,6 +220,12 @@ class Params(BaseModel):
     bench_output_len: int = Field(128, ge=2, description="output tokens per request (ignore_eos)")
     bench_endpoint: Literal["completions", "chat"] = Field("completions", description="completions or chat")
     bench_shared_prefix_len: int = Field(0, ge=0, description="tokens every prompt shares; 0 means all unique")
+    bench_long_input_len: int = Field(
+        0, ge=0, description="prompt tokens of the long-context requests mixed in (bench_long_share); 0 means none"
+    )
+    bench_long_share: float = Field(
+        0.0, ge=0, le=1, description="share of requests carrying bench_long_input_len prompt tokens, spread evenly"
+    )
     bench_max_concurrency: int = Field(256, ge=1, le=16384, description="highest concurrency the sweep may reach")
     bench_repeats: int = Field(2, ge=1, le=10, description="runs per concurrency level, for the spread")
     bench_prompts_per_level: int = Field(64, ge=4, description="measured requests per repeat (at least 4x concurrency)")
@@ -297,6 +303,22 @@ class Params(BaseModel):
             problems.append(
                 f"bench_request_rates {self.bench_request_rates}: every rate is requests per second and must be "
                 "positive; list rates such as [1, 2, 4], or leave it empty for no open-loop sweep"
+            )
+        if (self.bench_long_share > 0) != (self.bench_long_input_len > 0):
+            problems.append(
+                "a long-context mix needs both bench_long_input_len (its prompt tokens) and bench_long_share (the "
+                "share of requests that carry them); set both, or neither"
+            )
+        elif self.bench_long_input_len and self.bench_long_input_len + self.bench_output_len > self.max_model_len:
+            problems.append(
+                f"bench_long_input_len {self.bench_long_input_len} + bench_output_len {self.bench_output_len} exceeds "
+                f"max_model_len {self.max_model_len}: vLLM would refuse every long request; lower "
+                "bench_long_input_len, or raise max_model_len"
+            )
+        if self.bench_long_share > 0 and (self.bench_dataset or self.bench_turns > 1):
+            problems.append(
+                "bench_long_share mixes long prompts into the synthetic workload; a dataset or multi-turn chat "
+                "brings its own lengths: set bench_long_share: 0 with them"
             )
         if self.bench_turns > 1 and self.bench_endpoint != "chat":
             problems.append(

@@ -183,9 +183,7 @@ def sweep_rates(
     headers = headers or {}
     out_dir.mkdir(parents=True, exist_ok=True)
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(model_path), cfg.workload.seed)
-    content_len = cfg.workload.input_len
-    if cfg.workload.endpoint == "chat":
-        content_len -= maker.chat_overhead()
+    overhead = maker.chat_overhead() if cfg.workload.endpoint == "chat" else 0
     levels: list[RateLevel] = []
     records: list[RequestRecord] = []
     dataset = Cursor(cfg.dataset) if cfg.dataset else None
@@ -194,9 +192,7 @@ def sweep_rates(
         offsets = loadgen.arrival_offsets(cfg.requests_for(rate), rate, cfg.arrival, cfg.burstiness, cfg.seed + i)
         count = cfg.warmup + len(offsets)
         prompts: list[loadgen.PromptLike] = (
-            list(dataset.take(count))
-            if dataset
-            else list(maker.prompts(count, content_len, cfg.workload.shared_prefix_len))
+            list(dataset.take(count)) if dataset else loadgen.synthetic_prompts(maker, count, cfg.workload, overhead)
         )
         if cfg.reset_prefix_cache:
             bench.reset_prefix_cache(url, headers)

@@ -123,14 +123,15 @@ def test_a_level_past_max_num_seqs_is_labelled_a_batch_limit(tmp_path):
 
 
 def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_reach(shared_server, tmp_path):
-    """Poisson arrivals against real vLLM: a low rate is kept up with; 150 requests/s for 2 s is more than the
+    """Poisson arrivals against real vLLM: a low rate is kept up with; 400 requests/s for 2 s is more than the
     CPU server completes, which ends the sweep as a finding (no request failed, nothing raised)."""
     from servebook import ratesweep
 
     cfg = ratesweep.RateSweepConfig(
-        rates=[150.0, 1.0],  # sorted by the sweep; 8 requests at 1/s span 8 s, which a latency blip barely moves
-        # 150 requests/s of 64 tokens is 9,600 tokens/s, several times what 2 cores decode (of 16 tokens the
-        # server's batching absorbed 2 s of them on a quiet machine, and the test read it as kept up)
+        rates=[400.0, 1.0],  # sorted by the sweep; 8 requests at 1/s span 8 s, which a latency blip barely moves
+        # 400 requests/s of 64 tokens is 25,600 tokens/s: several times what 2 cores decode, with room to spare
+        # (150 requests/s, 9,600 tokens/s, was kept up with once the client stopped opening a connection per
+        # request and took less of the machine's CPU)
         workload=loadgen.Workload(input_len=32, output_len=64),
         min_requests=8,
         min_seconds=2.0,
@@ -143,9 +144,9 @@ def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_
     low, high = result.levels
     assert low.rate == 1.0 and low.kept_up and low.failed == 0 and low.requests >= 8
     assert low.achieved_rate == pytest.approx(low.offered_rate, rel=0.1) and low.goodput_share == 1.0
-    assert high.rate == 150.0 and not high.kept_up and high.failed == 0 and high.requests == 300
+    assert high.rate == 400.0 and not high.kept_up and high.failed == 0 and high.requests == 800
     assert high.achieved_rate < 0.9 * high.offered_rate and "could not keep up" in high.verdict
-    assert result.best_rate == 1.0 and "could not keep up with 150" in result.stop_reason
+    assert result.best_rate == 1.0 and "could not keep up with 400" in result.stop_reason
     reqs = pd.read_parquet(tmp_path / "rates_requests.parquet")
     measured = reqs[~reqs.warmup]
     assert len(measured) == low.requests + high.requests and set(measured.completion_tokens) == {64}
@@ -215,3 +216,21 @@ def test_two_client_processes_share_the_streams_and_open_their_windows_together(
     assert min(r.send for r in measured) >= start and max(r.end for r in measured) <= end
     firsts = sorted(min(r.send for r in measured if r.index % 2 == k) for k in (0, 1))
     assert firsts[1] - firsts[0] < 0.5  # the barrier opened both windows together
+
+
+def test_a_long_context_mix_sends_its_share_at_its_length(shared_server, tmp_path):
+    """Every fourth request carries 800 prompt tokens, the rest 48; the server's counts match both lengths."""
+    cfg = bench.SweepConfig(
+        workload=loadgen.Workload(input_len=48, output_len=8, long_input_len=800, long_share=0.25),
+        max_concurrency=2,
+        repeats=1,
+        max_repeats=1,
+        max_spread_pct=1000.0,
+        prompts_per_level=8,
+    )
+    data = bench.sweep(shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path)
+    assert data.fault == "" and data.length_mismatches.input == data.length_mismatches.output == 0
+    reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
+    assert set(reqs.prompt_tokens) == {48, 800} and set(reqs.completion_tokens) == {8}
+    # a request is long by its place in its run's sequence: every fourth, counted from the warm-up's first
+    assert all((row.prompt_tokens == 800) == loadgen.is_long(row.index, 0.25) for row in reqs.itertuples())

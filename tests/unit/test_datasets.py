@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from servebook import datasets, loadgen, models, params
+from servebook.datasets import Prompt
 from servebook.errors import ParamsError
 
 HERE = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
@@ -90,3 +91,38 @@ def test_multi_turn_needs_the_chat_endpoint_and_no_dataset():
         params.validate({"model": "builtin:tiny-qwen3-moe", "bench_turns": 3, "bench_endpoint": "chat"}).bench_turns
         == 3
     )
+
+
+def test_a_long_context_mix_carries_its_share_evenly_at_exact_lengths(tokenizer):
+    """A quarter of the requests carry 200 prompt tokens: every fourth one, so any window holds its share; each
+    long request is a request of its own length (its record expects 200), the rest the workload's 32."""
+    maker = loadgen.PromptMaker(tokenizer, seed=4)
+    workload = loadgen.Workload(input_len=32, output_len=8, long_input_len=200, long_share=0.25)
+    prompts = loadgen.synthetic_prompts(maker, 16, workload)
+    long = [i for i, p in enumerate(prompts) if isinstance(p, Prompt)]
+    assert long == [3, 7, 11, 15]
+    long_prompts = [p for p in prompts if isinstance(p, Prompt)]
+    assert all(p.input_len == 200 and p.output_len == 8 and maker.count(p.text) == 200 for p in long_prompts)
+    assert {maker.count(p) for p in prompts if isinstance(p, str)} == {32}
+    assert len({p.text if isinstance(p, Prompt) else p for p in prompts}) == 16  # all unique
+    assert sum(loadgen.is_long(i, 0.1) for i in range(100)) == 10 and not any(loadgen.is_long(i, 0) for i in range(9))
+    # without a mix, plain prompts of the workload's length, less the chat template's tokens when given
+    plain = loadgen.synthetic_prompts(maker, 4, loadgen.Workload(input_len=32), overhead=5)
+    assert all(isinstance(p, str) and maker.count(p) == 27 for p in plain)
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"bench_long_share": 0.2}, "needs both bench_long_input_len"),
+        ({"bench_long_input_len": 4000, "bench_long_share": 0.2}, "bench_long_input_len 4000 + bench_output_len 128"),
+        (
+            {"bench_long_input_len": 2000, "bench_long_share": 0.2, "bench_turns": 3, "bench_endpoint": "chat"},
+            "a dataset or multi-turn chat",
+        ),
+    ],
+)
+def test_a_long_context_mix_that_cannot_run_is_refused_by_name(values, needle):
+    with pytest.raises(ParamsError) as err:
+        params.validate({"model": "builtin:tiny-qwen3-moe", **values})
+    assert needle in str(err.value)

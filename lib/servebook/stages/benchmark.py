@@ -15,7 +15,13 @@ from servebook.records import BenchmarkRecord, LaunchRecord, PlanRecord
 
 def workload(p: Params) -> Workload:
     return Workload(
-        p.bench_input_len, p.bench_output_len, p.bench_endpoint, p.bench_shared_prefix_len, turns=p.bench_turns
+        p.bench_input_len,
+        p.bench_output_len,
+        p.bench_endpoint,
+        p.bench_shared_prefix_len,
+        turns=p.bench_turns,
+        long_input_len=p.bench_long_input_len,
+        long_share=p.bench_long_share,
     )
 
 
