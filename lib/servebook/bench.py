@@ -92,7 +92,9 @@ class MetricsSampler:
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
-        with httpx.Client(timeout=2.0) as http:
+        # a long timeout: an API server starved of CPU (a small machine, the engine on every core) answers late,
+        # and a late answer is still a reading of the level, where a timed-out one is none
+        with httpx.Client(timeout=10.0) as http:
             while not self._stop.wait(self.every_s):
                 try:
                     values = client.parse_metrics(http.get(f"{self.url}/metrics").text)
