@@ -76,13 +76,14 @@ class GpuEvidence(BaseModel):
     nvlink_capacity_gbs: float | None = None
 
 
-def field_values(backend: Any, h: Any, fields: list[tuple[int, int]]) -> list[float | None]:
-    """NVML field values (``(field id, scope)`` pairs); a field the GPU does not report reads as None."""
+def field_values(backend: Any, h: Any, fields: list[tuple[int, int]]) -> list[tuple[float, int] | None]:
+    """NVML field values (``(field id, scope)`` pairs), each as (value, NVML's timestamp in microseconds); a field
+    the GPU does not report reads as None."""
     values = nvml.optional(backend.nvmlDeviceGetFieldValues, h, fields)
     if values is None:
         return [None] * len(fields)
     return [
-        float(getattr(v.value, FIELD_VALUE_MEMBER.get(v.valueType, "ullVal")))
+        (float(getattr(v.value, FIELD_VALUE_MEMBER.get(v.valueType, "ullVal"))), v.timestamp)
         if v.nvmlReturn == pynvml.NVML_SUCCESS
         else None
         for v in values
@@ -99,8 +100,8 @@ def nvlink_capacity_gbs(backend: Any, h: Any) -> float | None:
         active += state == pynvml.NVML_FEATURE_ENABLED
     if not active:
         return None
-    (speed_mbs,) = field_values(backend, h, [(pynvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON, 0)])
-    return active * speed_mbs / 1000 if speed_mbs else None
+    (speed,) = field_values(backend, h, [(pynvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON, 0)])
+    return active * speed[0] / 1000 if speed and speed[0] else None
 
 
 def read(backend: Any, indices: list[int], nvlink_gbs: dict[int, float | None] | None = None) -> list[Sample]:
@@ -112,18 +113,17 @@ def read(backend: Any, indices: list[int], nvlink_gbs: dict[int, float | None] |
         h = backend.nvmlDeviceGetHandleByIndex(i)
         if i not in nvlink_gbs:
             nvlink_gbs[i] = nvlink_capacity_gbs(backend, h)
-        nv_tx = nv_rx = nv_us = None
+        sent = received = None
         if nvlink_gbs[i]:
-            values = nvml.optional(
-                backend.nvmlDeviceGetFieldValues,
+            sent, received = field_values(
+                backend,
                 h,
                 [
                     (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, NVLINK_ALL_LINKS),
                     (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, NVLINK_ALL_LINKS),
                 ],
             )
-            if values is not None and all(v.nvmlReturn == pynvml.NVML_SUCCESS for v in values):
-                nv_tx, nv_rx, nv_us = float(values[0].value.ullVal), float(values[1].value.ullVal), values[0].timestamp
+        nvlink = (sent[0], received[0], sent[1]) if sent and received else (None, None, None)
         util = nvml.optional(backend.nvmlDeviceGetUtilizationRates, h)
         power = nvml.optional(backend.nvmlDeviceGetPowerUsage, h)
         limit = nvml.optional(backend.nvmlDeviceGetEnforcedPowerLimit, h)
@@ -146,9 +146,9 @@ def read(backend: Any, indices: list[int], nvlink_gbs: dict[int, float | None] |
                 pcie_rx_gbs=rx * 1000 / 1e9 if rx is not None else None,
                 pcie_gen=nvml.optional(backend.nvmlDeviceGetCurrPcieLinkGeneration, h),
                 pcie_width=nvml.optional(backend.nvmlDeviceGetCurrPcieLinkWidth, h),
-                nvlink_tx_kib=nv_tx,
-                nvlink_rx_kib=nv_rx,
-                nvlink_us=nv_us,
+                nvlink_tx_kib=nvlink[0],
+                nvlink_rx_kib=nvlink[1],
+                nvlink_us=nvlink[2],
                 nvlink_gbs=nvlink_gbs[i],
             )
         )
