@@ -32,7 +32,8 @@
 #
 # - `/v1/models` must list the served name;
 # - a chat completion and a plain completion at temperature 0, each sent twice, must return identical
-#   non-empty text with a finish reason and usage counts;
+#   answers with generated tokens, a finish reason and usage counts (the text may be blank: vLLM drops special
+#   tokens and partial characters from it, and a random-weight checkpoint may emit little else);
 # - one streamed request (exactly `smoke_max_tokens` tokens) measures the time to first token and the
 #   single-stream decode speed, (completion tokens − 1) / (last chunk − first chunk);
 # - `/metrics` is read and the key gauges shown.

@@ -62,7 +62,7 @@ bench_long_share: float = 0.0  # share of requests carrying bench_long_input_len
 bench_max_concurrency: int = 256  # highest concurrency the sweep may reach
 bench_repeats: int = 2  # runs per concurrency level, for the spread
 bench_prompts_per_level: int = 64  # measured requests per repeat (at least 4x concurrency)
-bench_min_level_s: float = 20.0  # each repeat's window lasts at least this many seconds
+bench_min_level_s: float = 20.0  # each repeat's window (and each A/B point's) lasts at least this many seconds
 bench_max_spread_pct: float = 10.0  # repeat a level while its runs spread wider than this (% of the median)
 bench_max_repeats: int = 4  # most runs per level when the spread stays wide
 bench_plateau_gain: float = 0.05  # stop when two doublings gain less than this share
@@ -135,10 +135,10 @@ display(levels[[c for c in cols if c in levels]].round(2))
 # once per step at the GPU's memory bandwidth) and the measured throughput as a share of it.
 
 # %%
-limits, gpu_note = stage.limits_table(levels)
-display(limits)
-if gpu_note:
-    print(f"every level: {gpu_note}")
+limits, limits_note = stage.limits_table(levels)
+display(stage.limits_style(limits))
+if limits_note:
+    print(limits_note)
 
 # %% [markdown]
 # ## Plots

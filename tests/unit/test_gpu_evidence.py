@@ -115,3 +115,38 @@ def test_an_nvlink_wall_labels_a_level_once_throughput_stops_rising():
     kind, words = bench.limit_of(level, gain=0.01, cfg=bench.SweepConfig())
     assert kind == "nvlink" and words.startswith("NVLink at 92 % of 450 GB/s (414 GB/s sent)")
     assert bench.limit_of(level, gain=0.5, cfg=bench.SweepConfig())[0] == "rising"
+
+
+def test_the_limits_table_is_rounded_under_readable_headers_with_shared_notes_below():
+    import pandas as pd
+
+    from servebook.stages import benchmark
+
+    levels = pd.DataFrame(
+        {
+            "concurrency": [1, 256],
+            "limit": ["the first level: nothing limits it yet", "declined -32%"],
+            "client_cpu_pct": [6.85, 42.65],
+            "running_peak": [1.0, 256.0],
+            "waiting_peak": [0.0, 0.0],
+            "kv_cache_usage_peak": [3.39e-05, 0.008359],
+            "gpu_sm_util_pct": [36.45, 23.49],
+            "gpu_slowdowns": ["", "power cap"],
+            "gpu_note": ["10 NVML samples", "24 NVML samples; 25 NVML samples"],
+            "plan_ceiling_tok_s": [4997.38, 66147.57],
+            "output_throughput": [562.0, 12670.0],
+        }
+    )
+    shown, note = benchmark.limits_table(levels)
+    assert shown.index.name == "streams" and list(shown.index) == [1, 256]
+    assert list(shown.columns) == [
+        "client CPU, % of a core", "running (peak)", "waiting (peak)", "KV cache used, %", "SM busy, %",
+        "clock slowdowns", "plan's decode ceiling, tok/s", "what limits it",
+    ]  # fmt: skip
+    assert shown.loc[256, "KV cache used, %"] == 0.84 and shown.loc[256, "client CPU, % of a core"] == 43
+    assert shown.loc[1, "plan's decode ceiling, tok/s"] == 4997 and shown.loc[1, "clock slowdowns"] == ""
+    assert note == "NVML sampled each measurement 10–25 times"
+
+    cpu = levels.assign(gpu_note="no GPU evidence: no GPU serves this model").drop(columns="gpu_slowdowns")
+    shown, note = benchmark.limits_table(cpu)
+    assert note == "no GPU evidence: no GPU serves this model" and "GPU note" not in shown

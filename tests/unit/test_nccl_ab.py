@@ -73,6 +73,12 @@ def test_gloo_path_runs_without_gpus():
         ([100, 104], [103, 101], 0.04, "no effect"),
         ([100, 104], [90, 92], 0.04, "worse"),
         ([100, 130], [120, 121], 0.30, "no effect"),  # +17 % but the baseline itself moved 26 %
+        # the H200's enforce_eager A/B at 64 streams: one cold baseline window made a 78 % band, yet every
+        # eager sample lies below every baseline sample
+        ([5397, 16405, 17259, 18513], [3172, 4716], 0.78, "worse"),
+        ([100, 140], [150, 170], 0.40, "better"),  # +33 %, above the whole baseline range
+        ([100, 101], [99.0, 99.5], 0.02, "no effect"),  # apart, but by less than the 2 % floor
+        ([100, 140], [105, 98], 0.40, "no effect"),  # one sample inside the baseline's range
     ],
 )
 def test_noise_band_verdicts(base, variant, noise, expected):

@@ -199,3 +199,21 @@ def test_vllm_memory_profile_lines_are_read():
     assert (v.non_kv_memory_gib, v.activation_peak_gib, v.non_torch_gib) == (10.4, 0.87, 0.23)
     assert v.graph_estimate_share == pytest.approx(0.0025)
     assert v.kv_cache_tokens == 7_541_136
+
+
+@pytest.mark.parametrize(
+    ("text", "usage", "ok", "detail"),
+    [
+        ("Prom Prom", {"completion_tokens": 8}, True, "'Prom Prom'"),
+        # the H200 run's deploy check: 8 tokens whose text vLLM left blank
+        ("", {"completion_tokens": 8}, True, "8 tokens, blank text"),
+        (" \n", {"completion_tokens": 3}, True, "3 tokens, blank text"),
+        ("", {"completion_tokens": 0}, False, "no text and no completion_tokens"),
+        ("", None, False, "no text and no completion_tokens"),
+    ],
+)
+def test_an_answer_is_judged_by_its_tokens_not_its_text(text, usage, ok, detail):
+    check = client.answer_check("completion", text, usage)
+    assert check.check == "completion generated tokens"
+    assert check.ok is ok
+    assert detail in check.detail

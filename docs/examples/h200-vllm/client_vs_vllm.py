@@ -25,12 +25,16 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from servebook import client, loadgen, metrics
+from servebook.datasets import Prompt
 from servebook.loadgen import Workload
 
 CLIENTS = {
     "servebook": "servebook",  # token counts once, at the end, as vLLM's benchmark asks for them
     "servebook-usage-each-chunk": "servebook, usage on every chunk",  # servebook's request body before 2026-12-01
     "servebook-asyncio": "servebook on asyncio's loop",  # servebook's event loop until uvloop came in
+    # servebook's client sending the very prompts `vllm bench serve` sends (its RandomDataset, the round's seed):
+    # separates what the client measures from what the prompts make the server do
+    "servebook-vllm-prompts": "servebook, vLLM's prompts",
     "vllm": "vllm bench serve",
 }
 
@@ -53,7 +57,19 @@ def servebook_prompts(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int,
     return maker.prompts(count + c, a.input_len)
 
 
-def servebook_run(a: argparse.Namespace, prompts: list[str], c: int, tag: str, name: str) -> dict:
+def vllm_prompts(a: argparse.Namespace, count: int, seed: int) -> list[Prompt]:
+    """The prompts `vllm bench serve --dataset-name random --seed SEED` draws, with the lengths they encode to."""
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets import RandomDataset
+
+    tok = AutoTokenizer.from_pretrained(a.tokenizer)
+    drawn = RandomDataset(random_seed=seed).sample(
+        tokenizer=tok, num_requests=count, input_len=a.input_len, output_len=a.output_len, range_ratio=0.0
+    )
+    return [Prompt(r.prompt, len(tok.encode(r.prompt)), a.output_len) for r in drawn]
+
+
+def servebook_run(a: argparse.Namespace, prompts: list[str] | list[Prompt], c: int, tag: str, name: str) -> dict:
     least = max(4 * c, 32)
     each_chunk = name == "servebook-usage-each-chunk"
     if name == "servebook-asyncio":
@@ -196,7 +212,9 @@ def main() -> None:
                     if who == "vllm":
                         row = pool.submit(vllm_run, a, c, rate or 1.0, rnd, tag).result()
                     else:
-                        prompts = servebook_prompts(a, maker, c, rate)
+                        prompts: list[str] | list[Prompt] = servebook_prompts(a, maker, c, rate)
+                        if who == "servebook-vllm-prompts":
+                            prompts = vllm_prompts(a, len(prompts), rnd)
                         row = pool.submit(servebook_run, a, prompts, c, tag, who).result()
                 row["round"], row["wall_s"] = rnd + 1, round(time.monotonic() - t0, 1)
                 row["prefix_cache_hit_rate"] = hit_rate(cache_before, prefix_cache(a.url))

@@ -4,8 +4,8 @@
 # Steps, in order (the first three carry .gpu/c1, c2, c3 and must follow each other within 30 s):
 #   kit1     unpack the Python tree, build the checkpoints named in BUILD (default: bf16 fp8) on the GPU
 #   kit2     stage the second kernel part
-#   pipeline put the kernels in place; what NVML says of the NVLinks; stages 00-07 with PARAMS (default: the
-#            FP8 checkpoint at TP=2+EP)
+#   pipeline put the kernels in place; stop a server an earlier step left; what NVML says of the NVLinks;
+#            stages 00-07 (or those of STAGES, e.g. 03,06,07) with PARAMS (default: the FP8 checkpoint at TP=2+EP)
 #   compare  the server of SERVER (default: bf16 at TP=2; one already answering on port 8000 is reused and
 #            kept running); the clients of CLIENTS against `vllm bench serve`, 5 rotating rounds
 #   orphans  SIGKILL that server's API process: status, refusal, cleanup, GPUs back to 0 MiB
@@ -30,7 +30,7 @@ kit1)
   du -sh $MODELS/*; pack kit1 ;;
 kit2) ls $STAGE ;;
 pipeline)
-  log "pipeline"; mkdir -p $R/pipeline
+  log "pipeline"; mkdir -p $R/pipeline; servebook stop 2>&1 | tail -1
   ( sleep ${PARTIAL_S:-570}; tar czf $OUT/pipeline-partial.tgz -C $R pipeline ) </dev/null >/dev/null 2>&1 &
   timeout 60 python3 -c "
 import pynvml
@@ -41,7 +41,7 @@ for i in range(pynvml.nvmlDeviceGetCount()):
     cap = gpu_evidence.nvlink_capacity_gbs(pynvml, h)
     print(f'GPU {i}: NVLink one-way bandwidth {cap} GB/s;', gpu_evidence.read(pynvml, [i])[0])
 " > $R/pipeline/nvml.txt 2>&1; log "NVML read: exit $?"
-  SERVEBOOK_OUTPUTS=$R/pipeline timeout ${RUN_S:-560} servebook run $EX/$PARAMS 2>&1 | tee $R/pipeline/console.log | cut -c1-300
+  SERVEBOOK_OUTPUTS=$R/pipeline timeout ${RUN_S:-560} servebook run $EX/$PARAMS ${STAGES:+--stages $STAGES} 2>&1 | tee $R/pipeline/console.log | cut -c1-300
   gpu_mem; cp outputs/servers/*.log $R/pipeline/ 2>/dev/null; pack pipeline ;;
 compare)
   mkdir -p $R/compare

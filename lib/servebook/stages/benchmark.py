@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+from pandas.io.formats.style import Styler
 
 from servebook import bench, client, datasets, metrics, planner, ratesweep, results, server, vllm_format
 from servebook.errors import ServebookError, SweepAborted
@@ -145,21 +148,69 @@ def levels(record: BenchmarkRecord) -> pd.DataFrame:
     return pd.DataFrame([level.model_dump() for level in record.levels])
 
 
-LIMIT_COLUMNS = [
-    "concurrency", "limit", "client_cpu_pct", "running_peak", "waiting_peak", "kv_cache_usage_peak",
-    "gpu_sm_util_pct", "gpu_power_pct", "gpu_pcie_pct", "gpu_nvlink_pct", "gpu_note", "plan_ceiling_tok_s",
-    "plan_ceiling_pct",
-]  # fmt: skip
+# what limits each level, as the notebook shows it: source column -> (header, decimals; None: text as it is)
+LIMIT_COLUMNS: dict[str, tuple[str, int | None]] = {
+    "concurrency": ("streams", 0),
+    "client_cpu_pct": ("client CPU, % of a core", 0),
+    "running_peak": ("running (peak)", 0),
+    "waiting_peak": ("waiting (peak)", 0),
+    "kv_cache_used_pct": ("KV cache used, %", 2),
+    "gpu_sm_util_pct": ("SM busy, %", 0),
+    "gpu_power_pct": ("power, % of limit", 0),
+    "gpu_pcie_pct": ("PCIe, % of link", 1),
+    "gpu_nvlink_pct": ("NVLink, % of capacity", 0),
+    "gpu_slowdowns": ("clock slowdowns", None),
+    "gpu_note": ("GPU note", None),
+    "plan_ceiling_tok_s": ("plan's decode ceiling, tok/s", 0),
+    "plan_ceiling_pct": ("% of that ceiling", 0),
+    "limit": ("what limits it", None),
+}
+SAMPLES = re.compile(r"^(\d+) NVML samples$")
 
 
 def limits_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
-    """The evidence of what limits each level, without the columns nothing filled (no GPU, no plan), and a GPU
-    note shared by every level pulled out as one line."""
-    shown = table[[c for c in LIMIT_COLUMNS if c in table]].dropna(axis=1, how="all")
-    note = ""
-    if "gpu_note" in shown and shown["gpu_note"].nunique(dropna=False) == 1:
-        note = str(shown.pop("gpu_note").iloc[0])
-    return shown, note
+    """The evidence of what limits each level, rounded and under readable headers, without the columns nothing
+    filled (no GPU, no plan); a GPU note every level shares, and NVML's sample counts, go to one line below."""
+    table = table.copy()
+    if "kv_cache_usage_peak" in table:
+        table["kv_cache_used_pct"] = 100 * table["kv_cache_usage_peak"]
+    notes: list[str] = []
+    if "gpu_note" in table:
+        parts = table["gpu_note"].fillna("").map(lambda n: [p for p in str(n).split("; ") if p])
+        counts = [int(m[1]) for ps in parts for p in ps if (m := SAMPLES.match(p))]
+        rest = parts.map(lambda ps: "; ".join(p for p in ps if not SAMPLES.match(p)))
+        if counts:
+            lo, hi = min(counts), max(counts)
+            notes.append(f"NVML sampled each measurement {lo if lo == hi else f'{lo}–{hi}'} times")
+        if rest.nunique() == 1:
+            notes.insert(0, rest.iloc[0])
+            rest[:] = ""
+        table["gpu_note"] = rest
+    shown = table[[c for c in LIMIT_COLUMNS if c in table]].replace("", np.nan).dropna(axis=1, how="all")
+    for column in shown:
+        decimals = LIMIT_COLUMNS[column][1]
+        if decimals == 0:
+            shown[column] = shown[column].round().astype("Int64")
+        elif decimals is not None:
+            shown[column] = shown[column].round(decimals)
+        else:
+            shown[column] = shown[column].fillna("")
+    shown = shown.rename(columns={c: LIMIT_COLUMNS[c][0] for c in shown}).set_index("streams")
+    return shown, "; ".join(n for n in notes if n)
+
+
+def limits_style(shown: pd.DataFrame) -> Styler:
+    """The limits table for a notebook: numbers at the decimals they were rounded to, the verdict in full and
+    left-aligned (pandas would cut it at 50 characters, and the verdict is the column the table exists for)."""
+    decimals = {header: d for header, d in LIMIT_COLUMNS.values() if d is not None}
+    text = [c for c in shown if not pd.api.types.is_numeric_dtype(shown[c])]
+    return (
+        shown.style.format({c: f"{{:,.{decimals[c]}f}}" for c in shown if c in decimals}, na_rep="")
+        .set_table_styles([{"selector": "th.col_heading", "props": "text-align: right; vertical-align: bottom"}])
+        .set_table_styles(
+            {c: [{"selector": "", "props": "text-align: left; min-width: 24em"}] for c in text}, overwrite=False
+        )
+    )
 
 
 def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:

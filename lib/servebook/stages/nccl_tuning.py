@@ -66,6 +66,7 @@ def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> N
             sorted({1, p.ab_concurrency}),
             p.ab_requests,
             p.ab_repeats,
+            p.bench_min_level_s,
             log=log,
             across_nodes=(lambda cfg, folder: multinode.prepare(cfg, nodes, folder)) if nodes else None,
         )
