@@ -43,7 +43,8 @@
 # and replicated per DP rank, layers split across PP stages), KV bytes per token per GPU (MLA's latent
 # cache is replicated on every TP rank), KV tokens at `gpu_memory_utilization` after vLLM's reserve
 # (rounded to whole 16-token blocks as vLLM does), and decode ceilings from memory bandwidth plus a fixed
-# cost per collective. The ceilings rank layouts; the benchmark stage measures.
+# cost per collective. The ceilings rank layouts, each at the batch it can hold: `plan_batch` sequences, or
+# fewer when its KV cache takes fewer requests of `max_model_len` at once. The benchmark stage measures.
 #
 # The reserve is what vLLM keeps beside weights and KV cache, modelled per layout as vLLM profiles it: the
 # activation peak of a forward pass over `max_num_batched_tokens` (8,192 on GPUs of 70 GiB or more), non-torch

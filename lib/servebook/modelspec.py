@@ -253,10 +253,18 @@ def load(model: str, revision: str | None = None) -> ModelSpec:
             spec.checkpoint_bytes = _safetensors_bytes(path)
         return spec
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+    from huggingface_hub.utils import validate_repo_id
 
     from servebook import hub
 
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise ServebookError(
+            f"model '{model}' is no file or folder here ({path.resolve()}) and no hub repository id "
+            "(namespace/name): check the path, or name the repository"
+        ) from None
     cached = _cached_config(model, revision)
     if cached is not None and hub.offline():
         return cached

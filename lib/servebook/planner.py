@@ -321,6 +321,7 @@ class Layout:
     # the bandwidth ceiling on decode tok/s with this many sequences in the batch (powers of two)
     decode_ceiling: dict[int, float] = Field(default_factory=dict)
     batch: int = 0
+    batch_fit: int = 0  # of the batch, the requests of max_model_len the KV cache holds at once (all DP ranks)
     score: float = 0.0
     # across nodes: which dimensions span machines, how vLLM is launched there, collectives on the network
     crosses: list[str] = field(default_factory=list)
@@ -663,10 +664,14 @@ def size(
         return read / device.bandwidth_bytes_s + stage_collectives * device.collective_latency_s + network(b)
 
     layout.batch = batch
+    # a layout is ranked at the batch it can hold at full context: one whose KV cache takes 20 requests of
+    # max_model_len serves a batch of 64 long ones 20 at a time, however fast its steps
+    layout.batch_fit = max(1, min(batch, int(layout.max_concurrency))) if layout.max_concurrency else batch
     if device.bandwidth_bytes_s:
         layout.decode_tok_s_single = 1 / (pp * step_seconds(1))
-        per_micro = max(batch / (dp * pp), 1)
-        layout.decode_tok_s_batch = min(batch, dp * pp * per_micro) / (pp * step_seconds(per_micro))
+        fit = layout.batch_fit
+        per_micro = max(fit / (dp * pp), 1)
+        layout.decode_tok_s_batch = min(fit, dp * pp * per_micro) / (pp * step_seconds(per_micro))
         layout.decode_ceiling = {b: b / (pp * step_seconds(max(b / (dp * pp), 1))) for b in (2**k for k in range(15))}
 
 
@@ -770,7 +775,7 @@ def plan(
     usable = [candidate for candidate in layouts if candidate.usable]
     for candidate in usable:
         candidate.score = candidate.decode_tok_s_batch
-    # the highest ceiling at the batch; among equals, fewer pipeline stages, then fewer collectives (on the network
+    # the highest ceiling at the batch each holds; among equals, fewer pipeline stages, then fewer collectives (on the network
     # first)
     usable.sort(
         key=lambda c: (
@@ -805,7 +810,16 @@ def _why(recommended: Layout | None, usable: list[Layout], batch: int, device: D
             f"{recommended.name}: {'the only' if len(usable) == 1 else 'the first of ' + str(len(usable))} layout(s) "
             f"that vLLM accepts and that fit ({device.name} has no bandwidth figure to rank by)"
         )
+    short = [c for c in usable if c.batch_fit < batch]
+    if len(short) == len(usable):
+        held = f"; none holds {batch} requests of max_model_len in KV cache, so each was ranked at what it holds"
+    elif short:
+        listed = ", ".join(f"{c.name}: {c.batch_fit}" for c in short[:4]) + (", ..." if len(short) > 4 else "")
+        held = f"; {len(short)} hold fewer than {batch} requests of max_model_len and were ranked at that ({listed})"
+    else:
+        held = ""
     return (
-        f"{recommended.name}: highest decode ceiling at {batch} concurrent sequences "
+        f"{recommended.name}: highest decode ceiling at {recommended.batch_fit} concurrent sequences "
         f"({recommended.decode_tok_s_batch:,.0f} tok/s) among {len(usable)} layouts that vLLM accepts and that fit"
+        + held
     )

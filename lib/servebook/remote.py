@@ -66,19 +66,43 @@ def run(
     return proc
 
 
+def pid_file(log_path: str) -> str:
+    """Where :func:`start` leaves the worker's pid on its node, for a start whose answer never came back."""
+    return f"{log_path}.pid"
+
+
 def start(ssh: str, argv: Sequence[str], env: dict[str, str], log_path: str, ssh_config: str = "") -> int:
-    """Start ``argv`` detached on a node, in a session of its own, writing ``log_path`` there; its pid."""
+    """Start ``argv`` detached on a node, in a session of its own, writing ``log_path`` there; its pid (also
+    written to :func:`pid_file` there, before it is printed)."""
     assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
     folder = shlex.quote(log_path.rsplit("/", 1)[0] or "/")
     script = (
         f"mkdir -p {folder} || exit 1; cd /; "  # statements, not an && list: that would background a subshell
-        f"setsid env {assignments} {shlex.join(argv)} > {shlex.quote(log_path)} 2>&1 < /dev/null & echo $!"
+        f"setsid env {assignments} {shlex.join(argv)} > {shlex.quote(log_path)} 2>&1 < /dev/null & "
+        f"echo $! > {shlex.quote(pid_file(log_path))}; echo $!"
     )
     proc = run(ssh, script, ssh_config)
     try:
         return int(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise RemoteError(f"could not start the worker: {proc.stderr.strip() or proc.stdout.strip()}") from None
+
+
+def stop_unanswered(ssh: str, log_path: str, ssh_config: str = "", grace_s: float = 15.0) -> str:
+    """Stop a worker whose :func:`start` raised (an SSH answer lost or late: the process may run all the same),
+    found by its pid file; what was done, or the command to run on the node when it cannot be reached."""
+    pids = shlex.quote(pid_file(log_path))
+    try:
+        proc = run(ssh, f"cat {pids} 2>/dev/null", ssh_config)
+        pid = int(proc.stdout.strip().splitlines()[-1])
+    except (RemoteError, ValueError, IndexError) as exc:
+        if not isinstance(exc, RemoteError):
+            return "no worker had started (no pid file)"
+        where = f"on {ssh}" if ssh else "here"
+        return f"could not check: {exc}; run `kill -TERM -- -$(cat {pid_file(log_path)})` {where}"
+    left = stop(WorkerRecord(node=ssh or "local", ssh=ssh, ssh_config=ssh_config, pid=pid, log_path=log_path,
+                             command=[]), grace_s)  # fmt: skip
+    return f"stopped the worker's session {pid}" + (f"; still there: {', '.join(left)}" if left else "")
 
 
 def alive(worker: WorkerRecord) -> bool:

@@ -548,7 +548,15 @@ def launch(
         node_env = cfg.environment(base={}, with_secrets=False)  # the API key stays on the head, which serves
         for worker in workers:
             own = {"VLLM_HOST_IP": worker.address} if worker.address else {}
-            pid = remote.start(worker.ssh, worker.command, node_env | own, worker.log_path, worker.ssh_config)
+            try:
+                pid = remote.start(worker.ssh, worker.command, node_env | own, worker.log_path, worker.ssh_config)
+            except remote.RemoteError as exc:
+                done = remote.stop_unanswered(worker.ssh, worker.log_path, worker.ssh_config)
+                raise LaunchError(
+                    f"could not start vLLM on {worker.node}: {exc}; {done}. Check that the node answers over SSH "
+                    "(`servebook reconnaissance` probes every node), then launch again",
+                    cause=str(exc),
+                ) from None
             record.workers.append(worker.model_copy(update={"pid": pid}))
             register(record)
             log(f"started vLLM on {worker.node} (pid {pid} there), log {worker.log_path} there")

@@ -219,3 +219,21 @@ def test_the_plan_stage_writes_each_nodes_command_and_reconnaissance_wants_the_n
         "node_hosts is empty; list each node's SSH destination, this machine first as 'local'"
         in found.verdict.reasons[0]
     )
+
+
+def test_a_worker_whose_start_never_answered_is_found_by_its_pid_file_and_stopped(tmp_path):
+    """`remote.start` writes the pid on the node before printing it: a lost answer leaves no untracked worker."""
+    log = str(tmp_path / "node1" / "worker.log")
+    pid = remote.start("", [sys.executable, "-c", "import time; time.sleep(60)"], {}, log)
+    assert Path(remote.pid_file(log)).read_text().strip() == str(pid)
+    done = remote.stop_unanswered("", log, grace_s=5)
+    assert done == f"stopped the worker's session {pid}"
+    assert subprocess.run(["pgrep", "-s", str(pid)], capture_output=True).returncode == 1  # the session is gone
+    assert remote.stop_unanswered("", str(tmp_path / "never" / "worker.log")) == "no worker had started (no pid file)"
+
+
+def test_a_lost_start_on_an_unreachable_node_says_what_to_run_there(tmp_path):
+    config = tmp_path / "ssh_config"
+    config.write_text("Host gone\n  HostName 127.0.0.1\n  Port 1\n  ConnectTimeout 3\n")
+    done = remote.stop_unanswered("gone", "/var/log/w.log", str(config))
+    assert "cannot reach gone over SSH" in done and "kill -TERM -- -$(cat /var/log/w.log.pid)` on gone" in done

@@ -305,3 +305,19 @@ def test_the_decode_ceiling_by_batch_size_meets_the_levels_it_judges():
                         output_throughput_max=0.0, spread_pct=None)  # fmt: skip
     bench.label_limits([level], bench.SweepConfig(decode_ceiling=ceiling))
     assert level.plan_ceiling_tok_s == ceiling[64] and level.plan_ceiling_pct == pytest.approx(25.0)
+
+
+def test_layouts_are_ranked_at_the_batch_their_kv_cache_holds_at_full_context():
+    short = planner.plan(spec("kimi-k2.5"), device(), max_model_len=131072, batch=64)
+    usable = [c for c in short.layouts if c.usable]
+    assert all(c.batch_fit == min(64, int(c.max_concurrency)) for c in usable)
+    assert short.recommended is not None and short.recommended.batch_fit < 64
+    assert f"at {short.recommended.batch_fit} concurrent sequences" in short.why
+    assert "none holds 64 requests of max_model_len in KV cache" in short.why
+    # the ceiling is the one at the batch held, below the one at 64
+    r = short.recommended
+    assert r.decode_ceiling[32] < r.decode_tok_s_batch < r.decode_ceiling[64]
+    roomy = planner.plan(spec("kimi-k2.5"), device(), max_model_len=4096, batch=64)
+    assert all(c.batch_fit == 64 for c in roomy.layouts if c.usable) and "max_model_len" not in roomy.why
+    some = planner.plan(spec("kimi-k2.5"), device(), max_model_len=32768, batch=64)
+    assert "hold fewer than 64 requests of max_model_len and were ranked at that (" in some.why

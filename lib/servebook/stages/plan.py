@@ -161,9 +161,9 @@ def table(record: planner.Plan) -> pd.DataFrame:
                 "experts/GPU": layout.experts_per_gpu,
                 "collectives/token": layout.allreduces_per_token + layout.all2all_per_token,
                 "1-stream ceiling tok/s": round(layout.decode_tok_s_single) if layout.decode_tok_s_single else None,
-                f"ceiling at {layout.batch} tok/s": round(layout.decode_tok_s_batch)
-                if layout.decode_tok_s_batch
-                else None,
+                # the batch it is ranked at: plan_batch, or the requests of max_model_len its KV cache holds
+                "batch ranked at": layout.batch_fit if layout.decode_tok_s_batch else None,
+                "ceiling at that batch tok/s": round(layout.decode_tok_s_batch) if layout.decode_tok_s_batch else None,
                 "why not": "; ".join(layout.reasons),
             }
         )
