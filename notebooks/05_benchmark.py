@@ -128,7 +128,8 @@ display(levels[[c for c in cols if c in levels]].round(2))
 # ## What limits each level
 #
 # From what was gathered during the level: the load generator's own CPU time (it must never silently be the
-# limit), vLLM's running and waiting requests against `max_num_seqs`, KV-cache usage and preemptions, on GPUs
+# limit), vLLM's running and waiting requests against `max_num_seqs` (sampled) and the mean time requests spent
+# in its queue (its own histogram, which no sampling gap can miss), KV-cache usage and preemptions, on GPUs
 # what NVML saw (SM utilisation, power against its limit, clock slowdowns, PCIe traffic against the link), and
 # the gain over the level before. A CPU server has no GPU evidence, and the line under the table says so. Beside
 # them, the plan's decode ceiling for this layout at this many streams (weights, touched experts and KV read

@@ -166,6 +166,8 @@ class Level(BaseModel):
     kv_cache_usage_peak: float | None = None  # 0-1
     running_peak: float | None = None
     waiting_peak: float | None = None
+    # mean time a request of the window spent in vLLM's queue, from its own histogram: no sampling gaps
+    server_queue_ms: float | None = None
     client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core per process
     client_processes: float | None = None  # client processes that shared the streams
     prefix_cache_hit_rate: float | None = None  # 0-1: prompt tokens vLLM found in its prefix cache
@@ -276,6 +278,9 @@ def plateau_level(levels: list[int], throughputs: list[float], gain: float) -> i
     return next(c for c, t in zip(levels, throughputs) if t >= best * (1 - gain))
 
 
+QUEUE_SHARE = 0.1  # a mean queue wait of a tenth of the request's latency: requests wait for a slot
+
+
 def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitKind, str]:
     """What limits a level, from what was gathered during it; ``gain`` is its throughput over the previous
     level's. The client is checked first: it must never silently be the limit."""
@@ -288,10 +293,21 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
             f"{level.client_cpu_pct:.0f} % of a core, so the server may have had more to give (raise "
             "bench_client_processes, on a machine with cores to spare)"
         )
-    # vLLM's waiting gauge can read 0 between samples; streams in flight beyond those running wait all the same
-    if cfg.max_num_seqs and running >= cfg.max_num_seqs and (waiting > 0 or level.concurrency > cfg.max_num_seqs):
-        queued = max(waiting, level.concurrency - running)
-        return "batch", f"batch limit max_num_seqs={cfg.max_num_seqs}: {running:.0f} running, {queued:.0f} waiting"
+    # vLLM's waiting gauge can read 0 between samples; streams in flight beyond those running wait all the same.
+    # The gauges can miss the level altogether (an API server starved of CPU answers /metrics late), so the
+    # queue-time histogram, counted over the whole window, is evidence too.
+    over = bool(cfg.max_num_seqs) and level.concurrency > cfg.max_num_seqs
+    queue_ms = level.server_queue_ms or 0.0
+    queued_long = over and bool(level.e2el_p50_ms) and queue_ms >= QUEUE_SHARE * (level.e2el_p50_ms or 0.0)
+    full = bool(cfg.max_num_seqs) and running >= cfg.max_num_seqs and (waiting > 0 or over)
+    if full or queued_long:
+        wait = f"; requests waited {queue_ms:.0f} ms on average in vLLM's queue" if level.server_queue_ms else ""
+        if full:
+            queued = max(waiting, level.concurrency - running)
+            held = f"{running:.0f} running, {queued:.0f} waiting"
+        else:
+            held = f"{level.concurrency} streams for {cfg.max_num_seqs} slots"
+        return "batch", f"batch limit max_num_seqs={cfg.max_num_seqs}: {held}{wait}"
     usage = level.kv_cache_usage_peak or 0.0
     if usage >= KV_FULL or (level.preemptions and waiting > 0):
         return "kv_cache", (
@@ -372,6 +388,8 @@ def _level_row(
     row["kv_cache_usage_peak"] = peaks.get("kv_cache_usage_perc")
     row["running_peak"] = peaks.get("num_requests_running")
     row["waiting_peak"] = peaks.get("num_requests_waiting")
+    queued = delta("vllm:request_queue_time_seconds_count")
+    row["server_queue_ms"] = 1000 * delta("vllm:request_queue_time_seconds_sum") / queued if queued > 0 else None
     row["prefix_cache_reset"] = reset
     return row
 

@@ -50,6 +50,27 @@ def test_a_gpu_wall_labels_a_level_that_stopped_rising_and_not_one_still_rising(
     assert kind == "server" and "SM busy 55 %" in words
 
 
+def test_a_batch_limit_is_read_from_vllms_queue_time_when_the_gauges_missed_the_level():
+    """CI once saw '0 of 8 streams running' at max_num_seqs=4: the /metrics samples missed the whole level."""
+    cfg = bench.SweepConfig(max_num_seqs=4)
+    missed = bench.Level(
+        concurrency=8, repeats=1, output_throughput=600.0, output_throughput_min=600.0,
+        output_throughput_max=600.0, spread_pct=None, running_peak=0, waiting_peak=0, e2el_p50_ms=400.0,
+        server_queue_ms=190.0, client_cpu_pct=1.0,
+    )  # fmt: skip
+    kind, words = bench.limit_of(missed, gain=-0.4, cfg=cfg)
+    assert kind == "batch"
+    assert (
+        words == "batch limit max_num_seqs=4: 8 streams for 4 slots; requests waited 190 ms on average in vLLM's queue"
+    )
+    seen = missed.model_copy(update={"running_peak": 4, "waiting_peak": 3})
+    assert bench.limit_of(seen, gain=0.0, cfg=cfg)[1].startswith("batch limit max_num_seqs=4: 4 running, 4 waiting;")
+    # a short wait for the prefill budget, or streams within max_num_seqs, is no batch limit
+    assert bench.limit_of(missed.model_copy(update={"server_queue_ms": 12.0}), gain=-0.4, cfg=cfg)[0] == "decline"
+    within = missed.model_copy(update={"concurrency": 4})
+    assert bench.limit_of(within, gain=-0.4, cfg=cfg)[0] != "batch"
+
+
 def test_the_sampler_reads_the_fake_nvml_and_says_why_a_cpu_server_has_no_evidence(monkeypatch):
     monkeypatch.setenv("SERVEBOOK_FAKE_NVML", "rtxpro6000x8-pcie-busy")
     with gpu_evidence.GpuSampler([0, 1], every_s=0.05) as sampler:

@@ -154,6 +154,7 @@ LIMIT_COLUMNS: dict[str, tuple[str, int | None]] = {
     "client_cpu_pct": ("client CPU, % of a core", 0),
     "running_peak": ("running (peak)", 0),
     "waiting_peak": ("waiting (peak)", 0),
+    "server_queue_ms": ("vLLM queue wait, ms", 0),
     "kv_cache_used_pct": ("KV cache used, %", 2),
     "gpu_sm_util_pct": ("SM busy, %", 0),
     "gpu_power_pct": ("power, % of limit", 0),
@@ -208,7 +209,8 @@ def limits_style(shown: pd.DataFrame) -> Styler:
         shown.style.format({c: f"{{:,.{decimals[c]}f}}" for c in shown if c in decimals}, na_rep="")
         .set_table_styles([{"selector": "th.col_heading", "props": "text-align: right; vertical-align: bottom"}])
         .set_table_styles(
-            {c: [{"selector": "", "props": "text-align: left; min-width: 24em"}] for c in text}, overwrite=False
+            {c: [{"selector": sel, "props": "text-align: left; min-width: 24em"} for sel in ("", "th")] for c in text},
+            overwrite=False,
         )
     )
 
