@@ -278,9 +278,6 @@ def plateau_level(levels: list[int], throughputs: list[float], gain: float) -> i
     return next(c for c, t in zip(levels, throughputs) if t >= best * (1 - gain))
 
 
-QUEUE_SHARE = 0.1  # a mean queue wait of a tenth of the request's latency: requests wait for a slot
-
-
 def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitKind, str]:
     """What limits a level, from what was gathered during it; ``gain`` is its throughput over the previous
     level's. The client is checked first: it must never silently be the limit."""
@@ -293,20 +290,21 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
             f"{level.client_cpu_pct:.0f} % of a core, so the server may have had more to give (raise "
             "bench_client_processes, on a machine with cores to spare)"
         )
-    # vLLM's waiting gauge can read 0 between samples; streams in flight beyond those running wait all the same.
-    # The gauges can miss the level altogether (an API server starved of CPU answers /metrics late), so the
-    # queue-time histogram, counted over the whole window, is evidence too.
-    over = bool(cfg.max_num_seqs) and level.concurrency > cfg.max_num_seqs
-    queue_ms = level.server_queue_ms or 0.0
-    queued_long = over and bool(level.e2el_p50_ms) and queue_ms >= QUEUE_SHARE * (level.e2el_p50_ms or 0.0)
-    full = bool(cfg.max_num_seqs) and running >= cfg.max_num_seqs and (waiting > 0 or over)
-    if full or queued_long:
-        wait = f"; requests waited {queue_ms:.0f} ms on average in vLLM's queue" if level.server_queue_ms else ""
-        if full:
-            queued = max(waiting, level.concurrency - running)
-            held = f"{running:.0f} running, {queued:.0f} waiting"
-        else:
-            held = f"{level.concurrency} streams for {cfg.max_num_seqs} slots"
+    # More streams than max_num_seqs: the rest wait in vLLM's queue by arithmetic, whatever was sampled. vLLM's
+    # gauges can read 0 between samples, or miss a level altogether (an API server starved of CPU answers
+    # /metrics late); the queue-time histogram, counted over the whole window, shows the wait all the same.
+    if cfg.max_num_seqs and level.concurrency > cfg.max_num_seqs:
+        queued = max(waiting, level.concurrency - running)
+        held = (
+            f"{running:.0f} running, {queued:.0f} waiting"
+            if running >= cfg.max_num_seqs
+            else f"{level.concurrency} streams for {cfg.max_num_seqs} slots"
+        )
+        wait = (
+            f"; requests waited {level.server_queue_ms:.0f} ms on average in vLLM's queue"
+            if level.server_queue_ms is not None
+            else ""
+        )
         return "batch", f"batch limit max_num_seqs={cfg.max_num_seqs}: {held}{wait}"
     usage = level.kv_cache_usage_peak or 0.0
     if usage >= KV_FULL or (level.preemptions and waiting > 0):

@@ -65,10 +65,10 @@ def test_a_batch_limit_is_read_from_vllms_queue_time_when_the_gauges_missed_the_
     )
     seen = missed.model_copy(update={"running_peak": 4, "waiting_peak": 3})
     assert bench.limit_of(seen, gain=0.0, cfg=cfg)[1].startswith("batch limit max_num_seqs=4: 4 running, 4 waiting;")
-    # a short wait for the prefill budget, or streams within max_num_seqs, is no batch limit
-    assert bench.limit_of(missed.model_copy(update={"server_queue_ms": 12.0}), gain=-0.4, cfg=cfg)[0] == "decline"
-    within = missed.model_copy(update={"concurrency": 4})
-    assert bench.limit_of(within, gain=-0.4, cfg=cfg)[0] != "batch"
+    # streams within max_num_seqs are no batch limit, whatever queued for the prefill budget
+    within = missed.model_copy(update={"concurrency": 4, "running_peak": 4, "waiting_peak": 0})
+    assert bench.limit_of(within, gain=-0.4, cfg=cfg)[0] == "decline"
+    assert bench.limit_of(missed, gain=-0.4, cfg=bench.SweepConfig())[0] == "decline"  # no max_num_seqs set
 
 
 def test_the_sampler_reads_the_fake_nvml_and_says_why_a_cpu_server_has_no_evidence(monkeypatch):
