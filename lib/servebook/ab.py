@@ -6,13 +6,12 @@ stage's load generator, and compared with the baseline, which is measured before
 the variants (across a relaunch) so its own spread is the noise band.  A variant is
 "better" or "worse" only when its median differs from the baseline's by more than that
 band, or by more than 2 % with none of its samples inside the baseline's range (one cold
-baseline sample must not hide a fourfold slowdown); otherwise "no effect".  A variant whose server fails to start is reported with the
-root cause, and the sweep goes on.
+baseline sample must not hide a fourfold slowdown); otherwise "no effect".  A variant whose
+server fails to start is reported with the root cause, and the sweep goes on.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from servebook import loadgen, metrics, remote, server
+from servebook import bench, loadgen, metrics, remote, server
 from servebook.errors import AbFailed, LaunchError, ServebookError
 from servebook.params import AbVariant
 
@@ -104,8 +103,9 @@ def measure(
             while True:
                 least = max(requests, 4 * c)
                 sized = c in rates
-                count = max(least, min(math.ceil(2 * min_seconds * rates[c]), 50 * least)) if sized else least
-                prompts = maker.prompts(count + c, workload.input_len)
+                prompts = maker.prompts(
+                    bench.prompts_for_window(least, min_seconds, rates.get(c)) + c, workload.input_len
+                )
                 recs, _, _ = loadgen.run_level(
                     cfg.url, cfg.served_model_name, workload, prompts, c, warmup=c, min_requests=least,
                     min_seconds=min_seconds,

@@ -68,12 +68,15 @@ class SweepConfig:
         return max(self.prompts_per_level, 4 * concurrency)
 
     def prompts_for(self, concurrency: int, requests_per_s: float | None) -> int:
-        """Measured prompts to prepare: the minimum count, or enough for ``min_level_s`` at twice the expected
-        rate (the window stops sending once both minimums are met; the rest are spare)."""
-        least = self.measured_requests(concurrency)
-        if not self.min_level_s or not requests_per_s:
-            return least
-        return max(least, min(math.ceil(2 * self.min_level_s * requests_per_s), 50 * least))
+        return prompts_for_window(self.measured_requests(concurrency), self.min_level_s, requests_per_s)
+
+
+def prompts_for_window(least: int, min_seconds: float, requests_per_s: float | None) -> int:
+    """Measured prompts to prepare: the minimum count, or enough for ``min_seconds`` at twice the expected rate
+    (the window stops sending once both minimums are met; the rest are spare)."""
+    if not min_seconds or not requests_per_s:
+        return least
+    return max(least, min(math.ceil(2 * min_seconds * requests_per_s), 50 * least))
 
 
 def spread_pct(throughputs: list[float]) -> float | None:

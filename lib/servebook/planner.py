@@ -775,8 +775,8 @@ def plan(
     usable = [candidate for candidate in layouts if candidate.usable]
     for candidate in usable:
         candidate.score = candidate.decode_tok_s_batch
-    # the highest ceiling at the batch each holds; among equals, fewer pipeline stages, then fewer collectives (on the network
-    # first)
+    # the highest ceiling at the batch each holds; among equals, fewer pipeline stages, then fewer collectives
+    # (on the network first)
     usable.sort(
         key=lambda c: (
             -round(c.score, 6),

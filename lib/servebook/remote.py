@@ -91,15 +91,14 @@ def start(ssh: str, argv: Sequence[str], env: dict[str, str], log_path: str, ssh
 def stop_unanswered(ssh: str, log_path: str, ssh_config: str = "", grace_s: float = 15.0) -> str:
     """Stop a worker whose :func:`start` raised (an SSH answer lost or late: the process may run all the same),
     found by its pid file; what was done, or the command to run on the node when it cannot be reached."""
-    pids = shlex.quote(pid_file(log_path))
     try:
-        proc = run(ssh, f"cat {pids} 2>/dev/null", ssh_config)
-        pid = int(proc.stdout.strip().splitlines()[-1])
-    except (RemoteError, ValueError, IndexError) as exc:
-        if not isinstance(exc, RemoteError):
-            return "no worker had started (no pid file)"
+        proc = run(ssh, f"cat {shlex.quote(pid_file(log_path))} 2>/dev/null", ssh_config)
+    except RemoteError as exc:
         where = f"on {ssh}" if ssh else "here"
         return f"could not check: {exc}; run `kill -TERM -- -$(cat {pid_file(log_path)})` {where}"
+    if not proc.stdout.strip().isdigit():
+        return "no worker had started (no pid file)"
+    pid = int(proc.stdout.strip())
     left = stop(WorkerRecord(node=ssh or "local", ssh=ssh, ssh_config=ssh_config, pid=pid, log_path=log_path,
                              command=[]), grace_s)  # fmt: skip
     return f"stopped the worker's session {pid}" + (f"; still there: {', '.join(left)}" if left else "")
