@@ -321,3 +321,11 @@ def test_layouts_are_ranked_at_the_batch_their_kv_cache_holds_at_full_context():
     assert all(c.batch_fit == 64 for c in roomy.layouts if c.usable) and "max_model_len" not in roomy.why
     some = planner.plan(spec("kimi-k2.5"), device(), max_model_len=32768, batch=64)
     assert "hold fewer than 64 requests of max_model_len and were ranked at that (" in some.why
+
+
+def test_a_model_that_is_no_path_here_and_no_hub_id_is_refused_in_those_words(tmp_path):
+    from servebook.errors import ServebookError
+
+    # huggingface_hub's own words were "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"
+    with pytest.raises(ServebookError, match=r"model '.*/nope/' is no file or folder here .* no hub repository id"):
+        modelspec.load(f"{tmp_path}/nope/")
