@@ -125,11 +125,28 @@ cols = ["concurrency", "output_throughput", "spread_pct", "per_user_tok_s", "ttf
 display(levels[[c for c in cols if c in levels]].round(2))
 
 # %% [markdown]
+# ## The client's clock against vLLM's
+#
+# vLLM times every request itself and publishes the result as histograms on `/metrics`; read before and after
+# each window, they give the engine's own mean TTFT (from when its engine client took the request in, after the
+# API server parsed it, to when the API process handled the first token) and mean TPOT (the engine core's time
+# from the first token to the last, per token after the first), over the same requests the client timed
+# (`vllm/v1/metrics/stats.py`). The client's TTFT is always longer, by the HTTP request and the stream's first
+# write; its TPOT should match the engine's. A TPOT more than 25 % off means the tokens reached the client late
+# or in bursts: the API server fell behind the engine, and the latencies of that level describe the delivery,
+# not the engine. Where the two request counts differ, something else used the server during the window.
+
+# %%
+clocks = stage.clock_table(levels)
+display(clocks if not clocks.empty else Markdown("The server's `/metrics` gave no latency histograms."))
+
+# %% [markdown]
 # ## What limits each level
 #
 # From what was gathered during the level: the load generator's own CPU time (it must never silently be the
 # limit), vLLM's running and waiting requests against `max_num_seqs` (sampled) and the mean time requests spent
-# in its queue (its own histogram, which no sampling gap can miss), KV-cache usage and preemptions, on GPUs
+# in its queue (its own histogram, which no sampling gap can miss), KV-cache usage and preemptions, whether the
+# API server kept pace with the engine (the clocks above), on GPUs
 # what NVML saw (SM utilisation, power against its limit, clock slowdowns, PCIe traffic against the link), and
 # the gain over the level before. A CPU server has no GPU evidence, and the line under the table says so. Beside
 # them, the plan's decode ceiling for this layout at this many streams (weights, touched experts and KV read

@@ -28,7 +28,9 @@ from servebook.datasets import Cursor, Prompt
 from servebook.loadgen import Workload
 
 StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault"]
-LimitKind = Literal["client", "batch", "kv_cache", "pcie", "nvlink", "power", "thermal", "server", "decline", "rising"]
+LimitKind = Literal[
+    "client", "batch", "kv_cache", "api_server", "pcie", "nvlink", "power", "thermal", "server", "decline", "rising"
+]
 CLIENT_BOUND_PCT = 90.0  # one asyncio process near a full core paces the server instead of measuring it
 CLIENT_SPLIT_PCT = 50.0  # a client process past half a core: the next levels share the streams among twice as many
 MAX_CLIENT_PROCESSES = max((os.cpu_count() or 2) // 2, 1)  # the other half of the cores stay the server's
@@ -171,6 +173,14 @@ class Level(BaseModel):
     waiting_peak: float | None = None
     # mean time a request of the window spent in vLLM's queue, from its own histogram: no sampling gaps
     server_queue_ms: float | None = None
+    # mean TTFT and TPOT by vLLM's own clocks beside the client's, over the same requests (metrics.EngineClock)
+    client_ttft_mean_ms: float | None = None
+    vllm_ttft_mean_ms: float | None = None
+    client_tpot_mean_ms: float | None = None
+    vllm_tpot_mean_ms: float | None = None
+    window_requests: float | None = None  # the client's requests in the window, warm-ups included
+    vllm_requests: float | None = None  # the requests vLLM counted meanwhile
+    tpot_clock_gap_pct: float | None = None  # client's mean TPOT against vLLM's, % (same requests only)
     client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core per process
     client_processes: float | None = None  # client processes that shared the streams
     prefix_cache_hit_rate: float | None = None  # 0-1: prompt tokens vLLM found in its prefix cache
@@ -314,6 +324,14 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
         return "kv_cache", (
             f"KV cache full: {usage:.0%} used, {waiting:.0f} waiting, {level.preemptions:.0f} preemptions"
         )
+    if off_clock(level) and (gain is None or gain < cfg.plateau_gain):  # binds, as a wall, once the gain stops
+        return "api_server", (
+            f"API-server-bound: vLLM's engine had the first token after {level.vllm_ttft_mean_ms or 0:.0f} ms and "
+            f"the rest {level.vllm_tpot_mean_ms or 0:.1f} ms apart, but they reached the client after "
+            f"{level.client_ttft_mean_ms or 0:.0f} ms and {level.client_tpot_mean_ms or 0:.1f} ms apart (means): "
+            "the API server process (HTTP, detokenising, streaming) fell behind the engine; give the server more "
+            "CPU cores, or keep this client off them"
+        )
     wall = gpu_evidence.verdict(
         gpu_evidence.GpuEvidence(
             samples=1,
@@ -372,6 +390,7 @@ def _level_row(
     concurrency: int,
     repeat: int,
     summary: metrics.RunSummary,
+    records: list[loadgen.RequestRecord],
     before: dict[str, float],
     after: dict[str, float],
     peaks: dict[str, float],
@@ -391,8 +410,46 @@ def _level_row(
     row["waiting_peak"] = peaks.get("num_requests_waiting")
     queued = delta("vllm:request_queue_time_seconds_count")
     row["server_queue_ms"] = 1000 * delta("vllm:request_queue_time_seconds_sum") / queued if queued > 0 else None
+    clock = metrics.engine_clock(records, before, after)
+    row.update(
+        client_ttft_mean_ms=clock.client_ttft_mean_ms,
+        vllm_ttft_mean_ms=clock.vllm_ttft_mean_ms,
+        client_tpot_mean_ms=clock.client_tpot_mean_ms,
+        vllm_tpot_mean_ms=clock.vllm_tpot_mean_ms,
+        window_requests=clock.requests,
+        vllm_requests=clock.vllm_requests,
+        tpot_clock_gap_pct=clock.tpot_gap_pct if clock.same_requests else None,
+    )
     row["prefix_cache_reset"] = reset
     return row
+
+
+# beyond this the client's TPOT is not the engine's pace: tokens reached the client late or in bursts
+CLOCK_TOLERANCE_PCT = 25.0
+
+
+def off_clock(level: Level) -> bool:
+    """Whether the client's mean TPOT at this level is off vLLM's own by more than CLOCK_TOLERANCE_PCT."""
+    return level.tpot_clock_gap_pct is not None and abs(level.tpot_clock_gap_pct) > CLOCK_TOLERANCE_PCT
+
+
+def clock_disagreements(levels: list[Level]) -> str:
+    """A warning naming the levels whose mean TPOT by the client's clock is off vLLM's own by more than
+    CLOCK_TOLERANCE_PCT, over the same requests; '' when none is."""
+    off = [
+        f"c={lv.concurrency} ({lv.client_tpot_mean_ms or 0:.1f} against {lv.vllm_tpot_mean_ms or 0:.1f} ms, "
+        f"{lv.tpot_clock_gap_pct:+.0f} %)"
+        for lv in levels
+        if off_clock(lv)
+    ]
+    if not off:
+        return ""
+    return (
+        "the client's mean TPOT is off vLLM's own clock at "
+        + ", ".join(off)
+        + ": tokens left the API server late or in bursts (it, or this client, was short of CPU), so latencies "
+        "at those levels describe the delivery, not the engine's pace; throughput still counts every token"
+    )
 
 
 def _number(value: float | int | str | None) -> float:
@@ -573,7 +630,7 @@ def sweep(
             for r in recs:
                 r.level = f"c{c}r{rep}"
             records += recs
-            rows.append(_level_row(c, rep, summary, before, after, sampler.peaks, reset))
+            rows.append(_level_row(c, rep, summary, recs, before, after, sampler.peaks, reset))
             rows[-1]["client_cpu_pct"] = round(client_cpu_pct, 1)
             rows[-1]["client_processes"] = processes
             rows[-1].update(_gpu_columns(gpus))
@@ -691,6 +748,8 @@ def sweep(
         )
     if mismatches.input:
         warnings.append(f"{mismatches.input} prompts were counted differently by the server than by the tokenizer")
+    if off_clock := clock_disagreements(per_level):
+        warnings.append(off_clock)
     return SweepResult(
         url=url,
         model=model,

@@ -223,3 +223,57 @@ def summarize(records: list[RequestRecord], objectives: Objectives | None = None
         goodput=per_second(good) if good is not None else None,
         goodput_share=(good / len(measured) if measured else 0.0) if good is not None else None,
     )
+
+
+class EngineClock(BaseModel):
+    """One window's mean TTFT and TPOT by vLLM's own clocks beside the client's, over the same requests.
+
+    vLLM's come from its /metrics histograms, read before and after the window (``vllm/v1/metrics/stats.py``):
+    its TTFT runs from when its engine client took the request in (after the API server parsed and rendered
+    it) to when the API process handled the first token, so the client's TTFT is longer by the HTTP request,
+    the stream's first write and the client's own reading; its TPOT divides the time between the engine
+    core's first and last token of a request by the tokens after the first, counting a one-token request as 0
+    ms. The client's means here are taken the same way over every request the window sent, warm-ups included,
+    since vLLM's histograms cannot tell them apart; ``requests`` against ``vllm_requests`` says whether the
+    server served anyone else meanwhile.
+    """
+
+    requests: int  # the client's successful requests in the window, warm-ups included
+    vllm_requests: int  # requests vLLM's TTFT histogram counted in the window
+    client_ttft_mean_ms: float | None
+    vllm_ttft_mean_ms: float | None
+    client_tpot_mean_ms: float | None
+    vllm_tpot_mean_ms: float | None
+
+    @property
+    def same_requests(self) -> bool:
+        return self.requests == self.vllm_requests
+
+    @property
+    def tpot_gap_pct(self) -> float | None:
+        """How far the client's mean TPOT is from the engine's, in % of the engine's."""
+        if self.client_tpot_mean_ms is None or not self.vllm_tpot_mean_ms:
+            return None
+        return 100 * (self.client_tpot_mean_ms / self.vllm_tpot_mean_ms - 1)
+
+
+def histogram_mean_ms(name: str, before: dict[str, float], after: dict[str, float]) -> tuple[int, float | None]:
+    """How many observations one of vLLM's histograms took between two /metrics reads, and their mean in ms."""
+    count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+    total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+    return round(count), (1000 * total / count if count > 0 else None)
+
+
+def engine_clock(records: list[RequestRecord], before: dict[str, float], after: dict[str, float]) -> EngineClock:
+    """The window's means by vLLM's clocks (/metrics ``before`` and ``after`` it) and by the client's."""
+    ok = [r for r in records if r.ok]
+    vllm_requests, vllm_ttft = histogram_mean_ms("vllm:time_to_first_token_seconds", before, after)
+    _, vllm_tpot = histogram_mean_ms("vllm:request_time_per_output_token_seconds", before, after)
+    return EngineClock(
+        requests=len(ok),
+        vllm_requests=vllm_requests,
+        client_ttft_mean_ms=1000 * float(np.mean([ttft(r) for r in ok])) if ok else None,
+        vllm_ttft_mean_ms=vllm_ttft,
+        client_tpot_mean_ms=1000 * float(np.mean([tpot(r) or 0.0 for r in ok])) if ok else None,
+        vllm_tpot_mean_ms=vllm_tpot,
+    )

@@ -20,6 +20,7 @@ LIMIT_LABELS = {
     "client": "client-bound",
     "batch": "batch limit",
     "kv_cache": "KV cache full",
+    "api_server": "API-server-bound",
     "pcie": "PCIe-bound",
     "nvlink": "NVLink-bound",
     "power": "power-capped",

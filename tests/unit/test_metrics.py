@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from servebook import bench, loadgen, metrics, plots, results, server
+from servebook import bench, client, loadgen, metrics, plots, results, server
 from servebook.errors import ServebookError
 from servebook.loadgen import RequestRecord
 from servebook.records import BenchmarkRecord, LaunchRecord
@@ -385,3 +385,73 @@ def test_the_fast_path_times_a_stream_exactly_as_parsing_every_event_does(chat):
     error = RequestRecord(index=0, level="", warmup=False, arrival=0.0)
     loadgen.fold_event(error, b'data: {"error":{"message":"boom"}}', 0.1, [], parse_all=False)
     assert error.error == "stream error: {'message': 'boom'}"
+
+
+def _vllm_metrics(requests: int, ttft_s: float, tpot_s: float) -> dict[str, float]:
+    """/metrics as vLLM prints its histograms (labels per engine and model), parsed as servebook reads them."""
+    lines = []
+    for name, total in (
+        ("vllm:time_to_first_token_seconds", requests * ttft_s),
+        ("vllm:request_time_per_output_token_seconds", requests * tpot_s),
+    ):
+        lines += [
+            f'{name}_bucket{{engine="0",le="+Inf",model_name="m"}} {float(requests)}',
+            f'{name}_count{{engine="0",model_name="m"}} {float(requests)}',
+            f'{name}_sum{{engine="0",model_name="m"}} {total}',
+        ]
+    return client.parse_metrics("\n".join(lines))
+
+
+def test_engine_clock_sets_the_clients_means_beside_vllms_over_the_same_requests():
+    # two streamed requests, warm-up included: vLLM counts it too
+    records = [rec(0.0, [0.05, 0.06, 0.07], [1, 1, 1], warmup=True), rec(0.1, [0.16, 0.17, 0.18], [1, 1, 1])]
+    before = _vllm_metrics(5, 0.01, 0.01)
+    after = _vllm_metrics(7, 0.0, 0.0)  # cumulative: add the window's two requests to the sums
+    after["vllm:time_to_first_token_seconds_sum"] = before["vllm:time_to_first_token_seconds_sum"] + 2 * 0.04
+    after["vllm:request_time_per_output_token_seconds_sum"] = (
+        before["vllm:request_time_per_output_token_seconds_sum"] + 2 * 0.01
+    )
+    clock = metrics.engine_clock(records, before, after)
+    assert clock.same_requests and clock.vllm_requests == 2
+    assert clock.vllm_ttft_mean_ms == pytest.approx(40.0)
+    assert clock.client_ttft_mean_ms == pytest.approx(55.0)  # 15 ms of HTTP and streaming outside vLLM's clock
+    assert clock.client_tpot_mean_ms == pytest.approx(10.0)
+    assert clock.tpot_gap_pct == pytest.approx(0.0, abs=1e-6)
+
+
+def test_tokens_delivered_in_one_burst_are_named_as_off_the_engines_clock():
+    # CI's CPU-starved API server: every token of a request reached the client at once (client TPOT 0) while
+    # the engine produced them 25 ms apart
+    burst = [rec(0.0, [1.5, 1.5, 1.5, 1.5], [1, 1, 1, 1]) for _ in range(8)]
+    before, after = _vllm_metrics(0, 0.0, 0.0), _vllm_metrics(8, 1.4, 0.025)
+    clock = metrics.engine_clock(burst, before, after)
+    assert clock.tpot_gap_pct == pytest.approx(-100.0)
+    fields = dict(
+        client_ttft_mean_ms=clock.client_ttft_mean_ms,
+        vllm_ttft_mean_ms=clock.vllm_ttft_mean_ms,
+        client_tpot_mean_ms=clock.client_tpot_mean_ms,
+        vllm_tpot_mean_ms=clock.vllm_tpot_mean_ms,
+        window_requests=clock.requests,
+        vllm_requests=clock.vllm_requests,
+        tpot_clock_gap_pct=clock.tpot_gap_pct,
+    )
+    level = bench.Level(
+        concurrency=8,
+        repeats=1,
+        output_throughput=20.0,
+        output_throughput_min=20.0,
+        output_throughput_max=20.0,
+        spread_pct=None,
+        **fields,
+    )
+    warning = bench.clock_disagreements([level])
+    assert "c=8 (0.0 against 25.0 ms, -100 %)" in warning and "API server" in warning
+    kind, words = bench.limit_of(level, gain=0.0, cfg=bench.SweepConfig())
+    assert kind == "api_server"
+    assert "engine had the first token after 1400 ms and the rest 25.0 ms apart" in words
+    assert "reached the client after 1500 ms and 0.0 ms apart" in words
+    # while throughput still rises with the streams, the level is not yet limited by it (as for a GPU wall)
+    assert bench.limit_of(level, gain=0.5, cfg=bench.SweepConfig())[0] == "rising"
+    steady = level.model_copy(update={"client_tpot_mean_ms": 26.0, "tpot_clock_gap_pct": 4.0})
+    assert bench.clock_disagreements([steady]) == ""
+    assert bench.limit_of(steady, gain=0.0, cfg=bench.SweepConfig())[0] == "server"

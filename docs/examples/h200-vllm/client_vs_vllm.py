@@ -9,7 +9,8 @@ servebook on Python's own asyncio loop instead of uvloop (its loop until uvloop 
 ask for exactly --output-len tokens (ignore_eos). vLLM's benchmark runs in this process (its own code,
 ``vllm.benchmarks.serve``), sized from servebook's request rate so that its window lasts as long.
 Writes one JSON row per measurement to DIR/rounds.jsonl (with each client's CPU seconds per 1,000 output
-tokens and the share of its prompt tokens vLLM's prefix cache held), every request's timeline (servebook-*.parquet, vLLM's --save-detailed vllm-*.json), and prints a
+tokens, the share of its prompt tokens vLLM's prefix cache held, and the server's own mean TTFT and TPOT over
+the measurement from its /metrics histograms, the referee between the clients), every request's timeline (servebook-*.parquet, vLLM's --save-detailed vllm-*.json), and prints a
 table of medians.
 """
 
@@ -39,17 +40,20 @@ CLIENTS = {
 }
 
 
-def prefix_cache(url: str) -> tuple[float, float]:
-    """vLLM's prefix-cache counters (tokens queried, tokens found) as its /metrics give them now."""
-    values = client.metrics(url)
-    return values.get("vllm:prefix_cache_queries_total", 0.0), values.get("vllm:prefix_cache_hits_total", 0.0)
-
-
-def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+def hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
     """The share of one measurement's prompt tokens vLLM found cached (warm-ups included): a client whose prompts
     repeat each other's blocks gets cheaper prefills, and the comparison of first-token times is off."""
-    queried = after[0] - before[0]
-    return (after[1] - before[1]) / queried if queried > 0 else None
+    queried = after.get("vllm:prefix_cache_queries_total", 0.0) - before.get("vllm:prefix_cache_queries_total", 0.0)
+    found = after.get("vllm:prefix_cache_hits_total", 0.0) - before.get("vllm:prefix_cache_hits_total", 0.0)
+    return found / queried if queried > 0 else None
+
+
+def engine_clock(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The server's own mean TTFT and TPOT over the measurement (warm-ups included; metrics.EngineClock says
+    where vLLM starts and stops its clocks): the referee when two clients read one server differently."""
+    count, ttft = metrics.histogram_mean_ms("vllm:time_to_first_token_seconds", before, after)
+    _, tpot = metrics.histogram_mean_ms("vllm:request_time_per_output_token_seconds", before, after)
+    return {"vllm_requests": count, "vllm_ttft_mean_ms": ttft, "vllm_tpot_mean_ms": tpot}
 
 
 def servebook_prompts(a: argparse.Namespace, maker: loadgen.PromptMaker, c: int, rate: float | None) -> list[str]:
@@ -103,6 +107,8 @@ def servebook_run(a: argparse.Namespace, prompts: list[str] | list[Prompt], c: i
         "tpot_p50_ms": s.tpot_ms.p50,
         "itl_p50_ms": s.itl_ms.p50,
         "e2el_p50_ms": s.e2el_ms.p50,
+        "ttft_mean_ms": s.ttft_ms.mean,
+        "tpot_mean_ms": s.tpot_ms.mean,
         "errors": s.errors,
         "new_connections": sum(r.new_connection for r in recs),
         "client_cpu_s": cpu,
@@ -175,6 +181,8 @@ def vllm_run(a: argparse.Namespace, c: int, rate: float, seed: int, tag: str) ->
         "tpot_p50_ms": r.get("median_tpot_ms"),
         "itl_p50_ms": r.get("median_itl_ms"),
         "e2el_p50_ms": r.get("median_e2el_ms"),
+        "ttft_mean_ms": r.get("mean_ttft_ms"),
+        "tpot_mean_ms": r.get("mean_tpot_ms"),
         # includes vLLM's dataset sampling before the run: an upper bound
         "client_cpu_s": cpu,
         "client_cpu_s_per_1k_tokens": 1000 * cpu / max(r.get("total_output_tokens") or 1, 1),
@@ -206,7 +214,7 @@ def main() -> None:
             for who in order:
                 t0 = time.monotonic()
                 tag = f"c{c}-r{rnd + 1}"
-                cache_before = prefix_cache(a.url)
+                before, wall_start = client.metrics(a.url), time.time()
                 # each measurement in a fresh process: no client's threads or heap outlive its window
                 with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     if who == "vllm":
@@ -216,8 +224,12 @@ def main() -> None:
                         if who == "servebook-vllm-prompts":
                             prompts = vllm_prompts(a, len(prompts), rnd)
                         row = pool.submit(servebook_run, a, prompts, c, tag, who).result()
+                after = client.metrics(a.url)
                 row["round"], row["wall_s"] = rnd + 1, round(time.monotonic() - t0, 1)
-                row["prefix_cache_hit_rate"] = hit_rate(cache_before, prefix_cache(a.url))
+                # wall-clock bounds, to find the server log's 10-s lines that fall inside this measurement
+                row["wall_start"], row["wall_end"] = wall_start, time.time()
+                row["prefix_cache_hit_rate"] = hit_rate(before, after)
+                row.update(engine_clock(before, after))
                 if who != "vllm":
                     rate = row["request_throughput"]
                 rows.append(row)
@@ -226,21 +238,24 @@ def main() -> None:
                     fh.write(json.dumps(row) + "\n")
     print(
         f"\n{'c':>4} {'client':<32} {'n':>3} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6} "
-        f"{'CPU s/1k tok':>12}"
+        f"{'CPU s/1k tok':>12} {'TPOT mean: client':>17} {'vLLM':>7}"
     )
     for c in a.concurrency:
         for who in CLIENTS.values():
             mine = [r for r in rows if r["concurrency"] == c and r["client"] == who]
             if not mine:
                 continue
-            med = {
-                k: statistics.median(r[k] for r in mine if r[k] is not None)
-                for k in ("output_throughput", "ttft_p50_ms", "tpot_p50_ms", "client_cpu_s_per_1k_tokens")
+            keys = ("output_throughput", "ttft_p50_ms", "tpot_p50_ms", "client_cpu_s_per_1k_tokens")
+            med = {k: statistics.median(r[k] for r in mine if r[k] is not None) for k in keys}
+            clocks = {
+                k: statistics.median(vals) if (vals := [r[k] for r in mine if r.get(k) is not None]) else math.nan
+                for k in ("tpot_mean_ms", "vllm_tpot_mean_ms")
             }
             print(
                 f"{c:>4} {who:<32} {len(mine):>3} {med['output_throughput']:>10.1f} {med['ttft_p50_ms']:>8.2f}ms "
                 f"{med['tpot_p50_ms']:>8.3f}ms {sum(r['failed'] or 0 for r in mine):>6} "
-                f"{med['client_cpu_s_per_1k_tokens']:>12.4f}"
+                f"{med['client_cpu_s_per_1k_tokens']:>12.4f} {clocks['tpot_mean_ms']:>15.3f}ms "
+                f"{clocks['vllm_tpot_mean_ms']:>5.3f}ms"
             )
 
 

@@ -54,7 +54,12 @@ compare)
   python3 $EX/client_vs_vllm.py http://127.0.0.1:8000 q3moe-bf16 $MODELS/q3moe-bf16 --clients $CLIENTS \
     --concurrency $CONC --rounds ${ROUNDS:-5} --seconds ${SECONDS_PER:-20} --out $R/compare 2>&1 \
     | grep -v "^Namespace\|^Starting\|^Traffic\|^Burstiness\|^Maximum request\|^Initial test" | cut -c1-400
-  mv $R/compare $R/compare-c${CONC// /-}; pack compare-c${CONC// /-} ;;
+  d=compare-c${CONC// /-}; mv $R/compare $R/$d
+  # the server's own 10-s lines, also when it was launched by an earlier call (its log lives in that call's folder)
+  for f in $R/compare*/server.log $R/compare*/server-[0-9]*.log; do [ -f "$f" ] && cp "$f" $R/$d/server-log-now.log; done
+  # vLLM's per-request files are big at 64 streams: they travel apart, so neither archive passes 16 MiB
+  tar czf $OUT/$d-vllm-detailed.tgz -C $R/$d $(cd $R/$d && ls vllm-*.json 2>/dev/null) 2>/dev/null
+  tar czf $OUT/$d.tgz -C $R --exclude='vllm-*.json' $d; ls -la $OUT ;;
 orphans)
   mkdir -p $R/orphans; exec > >(tee $R/orphans/console.log) 2>&1
   servebook launch $EX/params-bf16-tp2.yaml --log-dir $R/orphans 2>&1 | tail -2

@@ -215,6 +215,33 @@ def limits_style(shown: pd.DataFrame) -> Styler:
     )
 
 
+# the client's clock against vLLM's own, as the notebook shows it (metrics.EngineClock)
+CLOCK_COLUMNS: dict[str, tuple[str, int]] = {
+    "concurrency": ("streams", 0),
+    "client_ttft_mean_ms": ("TTFT mean, client, ms", 1),
+    "vllm_ttft_mean_ms": ("TTFT mean, vLLM, ms", 1),
+    "outside_ms": ("of it outside vLLM's clock, ms", 1),
+    "client_tpot_mean_ms": ("TPOT mean, client, ms", 2),
+    "vllm_tpot_mean_ms": ("TPOT mean, vLLM, ms", 2),
+    "tpot_clock_gap_pct": ("TPOT, client against vLLM, %", 0),
+    "window_requests": ("requests, client", 0),
+    "vllm_requests": ("requests, vLLM", 0),
+}
+
+
+def clock_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Each level's mean TTFT and TPOT by the client's clock and by vLLM's, over the same requests (medians of
+    the repeats); empty when the server's /metrics had no latency histograms."""
+    if "vllm_tpot_mean_ms" not in table or table["vllm_tpot_mean_ms"].isna().all():
+        return pd.DataFrame()
+    table = table.copy()
+    table["outside_ms"] = table["client_ttft_mean_ms"] - table["vllm_ttft_mean_ms"]
+    shown = table[list(CLOCK_COLUMNS)].copy()
+    for column, (_, decimals) in CLOCK_COLUMNS.items():
+        shown[column] = shown[column].round().astype("Int64") if decimals == 0 else shown[column].round(decimals)
+    return shown.rename(columns={c: header for c, (header, _) in CLOCK_COLUMNS.items()}).set_index("streams")
+
+
 def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:
     """A run's per-level table and its label: a servebook run folder (labelled with the layout its launch record
     names), a result file of ``vllm bench serve --save-result``, or a folder of such files (one per
