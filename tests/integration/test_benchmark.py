@@ -127,10 +127,13 @@ def test_a_level_past_max_num_seqs_is_labelled_a_batch_limit(tmp_path):
     assert "batch limit max_num_seqs=4: " in by_c[8].limit and "on average in vLLM's queue" in by_c[8].limit
     # vLLM's own queue-time histogram is read at every level
     assert by_c[4].server_queue_ms is not None and by_c[8].server_queue_ms is not None, evidence
-    # and, while the API server streams token by token, shows half the streams waiting for a slot at 8, none at 4.
-    # On a CPU-starved machine the API server delivers each answer in one burst (TPOT 0) and feeds the engine
-    # so slowly that requests wait before vLLM's queue, not in it (fresh-clone CI read 0.012 ms at 8 streams)
-    if all((lv.tpot_p50_ms or 0) > 0 for lv in data.levels):
+    # so are its own latency clocks, over the very requests the client sent
+    assert all(lv.vllm_tpot_mean_ms and lv.vllm_requests == lv.window_requests for lv in data.levels), evidence
+    # and, while the API server keeps pace with the engine, half the streams wait for a slot at 8, none at 4.
+    # An API server starved of CPU delivers each answer in one burst (the client's TPOT far off the engine's)
+    # and feeds the engine so slowly that requests wait before vLLM's queue, not in it (fresh-clone CI read
+    # 0.012 ms at 8 streams)
+    if not any(bench.off_clock(lv) for lv in data.levels):
         assert by_c[8].server_queue_ms > 5 * by_c[4].server_queue_ms + 10, evidence
     assert (by_c[8].running_peak or 0) <= 4  # sampled gauges never see more than max_num_seqs running
     assert by_c[4].limit_kind != "batch" and (by_c[4].client_cpu_pct or 0) > 0

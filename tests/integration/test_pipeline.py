@@ -65,6 +65,10 @@ def test_pipeline_runs_every_stage_and_stops_its_server(tmp_path):
     sweep = json.loads((run_dir / "05_benchmark.json").read_text())
     assert sweep["best"]["output_throughput"] > 0 and sweep["levels"][0]["concurrency"] == 1
     assert sweep["levels"][0]["ttft_p50_ms"] > 0 and sweep["stopped_by"] in ("plateau", "decline", "max_concurrency")
+    # vLLM's own clocks beside the client's, over the same requests; its TTFT starts after the HTTP request
+    first = sweep["levels"][0]
+    assert first["vllm_requests"] == first["window_requests"] and first["vllm_tpot_mean_ms"] > 0
+    assert 0 < first["vllm_ttft_mean_ms"] < first["client_ttft_mean_ms"]
     assert (run_dir / "05_benchmark_levels.parquet").is_file() and (run_dir / "05_benchmark_requests.csv").is_file()
     tuning = json.loads((run_dir / "06_nccl_tuning.json").read_text())
     assert tuning["micro"]["backend"] == "gloo" and tuning["recommended_env"] == {}
