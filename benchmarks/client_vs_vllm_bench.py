@@ -6,7 +6,8 @@ Starts the embedded server once (prefix caching off, so no client gains from pro
 other's blocks), then alternates the two clients on the
 same workload (random 128 in / 128 out, 64 prompts, concurrency 16, ignore_eos, temperature 0), each in
 its own process so its CPU time can be read, the order swapped every round. Prints, for both, the median
-over the rounds of output tok/s, TTFT, TPOT and client CPU seconds per 1,000 output tokens. With
+over the rounds of output tok/s, TTFT, TPOT and client CPU seconds per 1,000 output tokens, and each round's
+mean TPOT by the client's clock beside vLLM's own (its /metrics histogram, the referee between the two). With
 --stress-concurrency N it then runs servebook's client alone at N streams and prints its CPU share.
 """
 
@@ -21,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from servebook import params, server
+from servebook import client, metrics, params, server
 
 SERVEBOOK_CLIENT = r"""
 import json, sys
@@ -52,7 +53,7 @@ result = main(args)
 cpu1 = resource.getrusage(resource.RUSAGE_SELF)
 result["client_cpu_s"] = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
 print("RESULT " + json.dumps({k: result.get(k) for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms",
-      "total_output_tokens", "completed", "client_cpu_s")}))
+      "total_output_tokens", "completed", "client_cpu_s", "mean_tpot_ms")}))
 """
 
 
@@ -75,6 +76,7 @@ def run_servebook(url, model, path, n, c, inp, out, seed) -> dict:
         "output_tok_s": r["output_throughput"],
         "ttft_ms": r["ttft_p50_ms"],
         "tpot_ms": r["tpot_p50_ms"],
+        "tpot_mean_ms": r["tpot_mean_ms"],
         "cpu_s": r["client_cpu_s"],
         "tokens": r["output_tokens"],
         "failed": r["failed"],
@@ -123,6 +125,7 @@ def run_vllm(url, model, path, n, c, inp, out, seed) -> dict:
         "output_tok_s": r["output_throughput"],
         "ttft_ms": r["median_ttft_ms"],
         "tpot_ms": r["median_tpot_ms"],
+        "tpot_mean_ms": r["mean_tpot_ms"],
         "cpu_s": r["client_cpu_s"],
         "tokens": r["total_output_tokens"],
         "failed": n - r["completed"],
@@ -160,11 +163,17 @@ def main() -> None:
         for rnd in range(args.rounds):
             pair = (("vllm bench serve", run_vllm), ("servebook", run_servebook))
             for name, fn in pair if rnd % 2 else pair[::-1]:  # the order alternates: neither always runs first
+                before = client.metrics(url)
                 r = fn(url, model, path, args.prompts, args.concurrency, 128, 128, 1000 + rnd)
+                # the referee: vLLM's own mean TPOT over the measurement (warm-ups included)
+                r["vllm_tpot_mean_ms"] = metrics.histogram_mean_ms(
+                    "vllm:request_time_per_output_token_seconds", before, client.metrics(url)
+                )[1]
                 results[name].append(r)
                 print(
                     f"round {rnd + 1} {name:17} {r['output_tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_ms']:6.1f} ms  "
-                    f"TPOT p50 {r['tpot_ms']:5.1f} ms  client CPU {r['cpu_s']:5.1f} s",
+                    f"TPOT p50 {r['tpot_ms']:5.1f} ms  TPOT mean {r['tpot_mean_ms']:5.2f} ms (vLLM's own "
+                    f"{r['vllm_tpot_mean_ms'] or 0:5.2f})  client CPU {r['cpu_s']:5.1f} s",
                     flush=True,
                 )
         stress_n = max(args.prompts, 2 * args.stress_concurrency)
