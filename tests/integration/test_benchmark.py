@@ -27,7 +27,9 @@ def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path)
     )
     data = bench.sweep(shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path)
     assert data.fault == "" and [level.concurrency for level in data.levels] == [1, 2, 4]
-    assert data.length_mismatches.input == data.length_mismatches.output == 0 and data.warnings == []
+    # a 2-core machine's API server may deliver answers in bursts, which the sweep rightly warns of; nothing else
+    others = [w for w in data.warnings if not w.startswith("the client's mean TPOT is off vLLM's own clock")]
+    assert data.length_mismatches.input == data.length_mismatches.output == 0 and others == []
     assert data.best.output_throughput > 0 and data.single_stream.per_user_tok_s > 0
     assert all(level.repeats == 2 and level.failed == 0 for level in data.levels)
     # the sweep stopped for a reason it names; only a plateau or a decline is called saturated
