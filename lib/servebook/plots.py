@@ -61,7 +61,8 @@ def throughput(result: SweepResult, name: str = "") -> go.Figure:
             name=name or "output tok/s",
             # the limit's kind by each level it binds (a still-rising level needs no label)
             text=[LIMIT_LABELS.get(k, "") for k in lv["limit_kind"]] if "limit_kind" in lv else None,
-            textposition="top left",
+            # left of each point, where the line comes from; the first point's label would leave the plot there
+            textposition=["bottom right"] + ["top left"] * (len(lv) - 1),
             customdata=lv["limit"] if "limit" in lv else None,
             hovertemplate="%{x} streams: %{y:,.0f} tok/s<br>%{customdata}<extra></extra>" if "limit" in lv else None,
             error_y=dict(
