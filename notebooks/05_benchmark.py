@@ -175,7 +175,8 @@ if result.levels:
 # evenly spaced), each rate for at least `bench_rate_requests` requests and `bench_min_level_s` seconds. A
 # server keeps up while it completes what is offered; the first rate it cannot keep up with (under 90 %) or that
 # breaks the latency objectives (fewer than `bench_goodput_target_pct` % of requests meeting them) ends the
-# sweep. That is a finding about the server, not a failure of the run.
+# sweep. That is a finding about the server, not a failure of the run. "TPOT, client against vLLM" compares the
+# client's mean TPOT with vLLM's own clock, as in the closed-loop table above.
 
 # %%
 if result.rates:
@@ -183,9 +184,7 @@ if result.rates:
     best_rate = f"**{result.rates.best_rate:g} requests/s**" if result.rates.best_rate else "none"
     display(Markdown(f"- highest rate kept up with{' within the objectives' if result.rates.objectives else ''}: "
                      f"{best_rate}\n- stopped: {result.rates.stop_reason}"))
-    display(rates[["rate", "offered_rate", "achieved_rate", "output_throughput", "ttft_p50_ms", "ttft_p99_ms",
-                   "tpot_p50_ms", "e2el_p99_ms", "client_lag_p99_ms", "goodput", "running_peak", "waiting_peak",
-                   "verdict"]].round(2))
+    display(stage.rates_style(rates))
     plots.rates(result.rates).show()
 else:
     display(Markdown("No open-loop sweep: `bench_request_rates` is empty."))

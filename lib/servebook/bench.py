@@ -124,7 +124,8 @@ class MetricsSampler:
         self._thread.join(timeout=5)
 
 
-def _scrape(url: str) -> dict[str, float]:
+def scrape_metrics(url: str) -> dict[str, float]:
+    """vLLM's /metrics now, summed over label sets; {} when the server does not answer."""
     try:
         return client.metrics(url)
     except httpx.HTTPError:
@@ -589,7 +590,7 @@ def sweep(
                 else loadgen.synthetic_prompts(maker, count, cfg.workload, overhead)
             )
             reset = reset_prefix_cache(url, headers) if cfg.reset_prefix_cache else "not requested"
-            before = _scrape(url)
+            before = scrape_metrics(url)
             cpu_before, wall_before = _client_cpu_s(), time.monotonic()
             with MetricsSampler(url) as sampler, gpu_evidence.GpuSampler(cfg.gpu_ids) as gpus:
                 if cfg.workload.turns > 1:
@@ -617,7 +618,7 @@ def sweep(
             # per client process: one near a full core paces the server instead of measuring it
             wall = max(time.monotonic() - wall_before, 1e-9)
             client_cpu_pct = 100 * (_client_cpu_s() - cpu_before) / wall / processes
-            after = _scrape(url)
+            after = scrape_metrics(url)
             summary = metrics.summarize(recs, cfg.objectives)
             if summary.request_throughput:
                 rate, previous_c = summary.request_throughput, c

@@ -68,6 +68,10 @@ class RateLevel(BaseModel):
     running_peak: float | None
     waiting_peak: float | None
     kv_cache_usage_peak: float | None
+    # mean TPOT by the client's clock and by vLLM's own, over the same requests (metrics.EngineClock)
+    client_tpot_mean_ms: float | None = None
+    vllm_tpot_mean_ms: float | None = None
+    tpot_clock_gap_pct: float | None = None
     verdict: str
 
 
@@ -113,20 +117,27 @@ def judge(level: RateLevel, cfg: RateSweepConfig) -> str:
         if lag / 1000 > max(CLIENT_LAG_S, 1 / level.rate)
         else ""
     )
+    gap = level.tpot_clock_gap_pct
+    clock = (
+        f"; the client's mean TPOT is {gap:+.0f} % off vLLM's own: the API server delivered tokens late or in bursts"
+        if gap is not None and abs(gap) > bench.CLOCK_TOLERANCE_PCT
+        else ""
+    )
     if not level.kept_up:
         return (
             f"the server could not keep up: it completed {level.achieved_rate:.2f} requests/s of "
             f"{level.offered_rate:.2f} offered ({level.achieved_rate / level.offered_rate:.0%}); requests queue"
             + (f" (waiting in vLLM: up to {level.waiting_peak:.0f})" if level.waiting_peak else "")
             + late
+            + clock
         )
     if level.meets_objectives is False:
         return (
             f"kept up, but only {level.goodput_share:.0%} of requests met every objective "
-            f"(target {cfg.goodput_target:.0%})"
+            f"(target {cfg.goodput_target:.0%})" + clock
         )
     met = f", {level.goodput_share:.0%} met every objective" if level.goodput_share is not None else ""
-    return f"kept up: {level.achieved_rate:.2f} of {level.offered_rate:.2f} requests/s completed{met}{late}"
+    return f"kept up: {level.achieved_rate:.2f} of {level.offered_rate:.2f} requests/s completed{met}{late}{clock}"
 
 
 def _level(
@@ -136,6 +147,7 @@ def _level(
     recs: list[RequestRecord],
     peaks: dict[str, float],
     cfg: RateSweepConfig,
+    clock: metrics.EngineClock | None = None,
 ) -> RateLevel:
     offered, achieved = offered_rate(offsets), achieved_rate(recs)
     measured = [r for r in recs if not r.warmup]
@@ -162,6 +174,9 @@ def _level(
         running_peak=peaks.get("num_requests_running"),
         waiting_peak=peaks.get("num_requests_waiting"),
         kv_cache_usage_peak=peaks.get("kv_cache_usage_perc"),
+        client_tpot_mean_ms=clock.client_tpot_mean_ms if clock else None,
+        vllm_tpot_mean_ms=clock.vllm_tpot_mean_ms if clock else None,
+        tpot_clock_gap_pct=clock.tpot_gap_pct if clock and clock.same_requests else None,
         verdict="",
     )
     level.verdict = judge(level, cfg)
@@ -196,7 +211,7 @@ def sweep_rates(
         )
         if cfg.reset_prefix_cache:
             bench.reset_prefix_cache(url, headers)
-        started = time.monotonic()
+        started, before = time.monotonic(), bench.scrape_metrics(url)
         with bench.MetricsSampler(url) as sampler:
             recs, _, _ = loadgen.run_open_level(
                 url,
@@ -211,7 +226,8 @@ def sweep_rates(
                 cfg.max_concurrency,
             )
         summary = metrics.summarize(recs, cfg.objectives)
-        level = _level(rate, offsets, summary, recs, sampler.peaks, cfg)
+        clock = metrics.engine_clock(recs, before, bench.scrape_metrics(url))
+        level = _level(rate, offsets, summary, recs, sampler.peaks, cfg, clock)
         levels.append(level)
         records += recs
         log(

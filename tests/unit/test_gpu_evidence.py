@@ -171,3 +171,24 @@ def test_the_limits_table_is_rounded_under_readable_headers_with_shared_notes_be
     cpu = levels.assign(gpu_note="no GPU evidence: no GPU serves this model").drop(columns="gpu_slowdowns")
     shown, note = benchmark.limits_table(cpu)
     assert note == "no GPU evidence: no GPU serves this model" and "GPU note" not in shown
+
+
+def test_the_clock_and_rate_tables_show_both_clocks_and_the_verdict_in_full():
+    import pandas as pd
+
+    from servebook.stages import benchmark
+
+    levels = pd.DataFrame(
+        [
+            {"concurrency": 1, "client_ttft_mean_ms": 46.04, "vllm_ttft_mean_ms": 3.91, "client_tpot_mean_ms": 0.0,
+             "vllm_tpot_mean_ms": 1.284, "tpot_clock_gap_pct": -100.0, "window_requests": 46, "vllm_requests": 46},
+        ]
+    )  # fmt: skip
+    clocks = benchmark.clock_table(levels)
+    assert clocks.loc[1, "of it outside vLLM's clock, ms"] == pytest.approx(42.1)
+    assert clocks.loc[1, "TPOT, client against vLLM, %"] == -100 and clocks.loc[1, "TPOT mean, vLLM, ms"] == 1.28
+    assert benchmark.clock_table(levels.assign(vllm_tpot_mean_ms=None)).empty  # a server without the histograms
+    verdict = "kept up: 6.10 of 6.12 requests/s completed; the client's mean TPOT is -29 % off vLLM's own: " * 2
+    rates = pd.DataFrame([{"rate": 4.0, "output_throughput": 214.6, "tpot_clock_gap_pct": -29.4, "verdict": verdict}])
+    html = benchmark.rates_style(rates).to_html()
+    assert verdict in html and "TPOT, client against vLLM, %" in html and ">-29<" in html and ">215<" in html

@@ -68,3 +68,23 @@ def test_objectives_judge_the_share_of_requests_that_meet_them():
     assert "80% of requests met every objective" in lv.verdict
     lenient = ratesweep.RateSweepConfig(rates=[2.0], objectives=metrics.Objectives(e2el_ms=1000), goodput_target=0.8)
     assert level_for(sends, ends, 2.0, lenient).meets_objectives is True
+
+
+def test_a_rate_whose_tokens_reached_the_client_in_bursts_says_so_in_its_verdict():
+    sends = [i * 0.5 for i in range(20)]
+    recs = timeline(sends, [s + 0.3 for s in sends])
+    cfg = ratesweep.RateSweepConfig(rates=[2.0])
+    summary, offsets = metrics.summarize(recs), [s - sends[0] for s in sends]
+    burst = metrics.EngineClock(
+        requests=20, vllm_requests=20, client_ttft_mean_ms=300.0, vllm_ttft_mean_ms=5.0,
+        client_tpot_mean_ms=0.0, vllm_tpot_mean_ms=1.5,
+    )  # fmt: skip
+    lv = ratesweep._level(2.0, offsets, summary, recs, {}, cfg, burst)
+    assert lv.kept_up and lv.tpot_clock_gap_pct == pytest.approx(-100.0)
+    assert lv.verdict.endswith(
+        "the client's mean TPOT is -100 % off vLLM's own: the API server delivered tokens late or in bursts"
+    )
+    steady = burst.model_copy(update={"client_tpot_mean_ms": 1.55})
+    assert "vLLM's own" not in ratesweep._level(2.0, offsets, summary, recs, {}, cfg, steady).verdict
+    shared = burst.model_copy(update={"vllm_requests": 40})  # someone else's requests too: no comparison
+    assert ratesweep._level(2.0, offsets, summary, recs, {}, cfg, shared).tpot_clock_gap_pct is None

@@ -215,6 +215,45 @@ def limits_style(shown: pd.DataFrame) -> Styler:
     )
 
 
+# the open-loop rates, as the notebook shows them: source column -> (header, decimals; None: text in full)
+RATE_COLUMNS: dict[str, tuple[str, int | None]] = {
+    "rate": ("requests/s asked", 2),
+    "offered_rate": ("offered", 2),
+    "achieved_rate": ("completed", 2),
+    "output_throughput": ("output tok/s", 0),
+    "ttft_p50_ms": ("TTFT p50, ms", 1),
+    "ttft_p99_ms": ("TTFT p99, ms", 1),
+    "tpot_p50_ms": ("TPOT p50, ms", 2),
+    "e2el_p99_ms": ("E2EL p99, ms", 0),
+    "client_lag_p99_ms": ("client lag p99, ms", 0),
+    "tpot_clock_gap_pct": ("TPOT, client against vLLM, %", 0),
+    "goodput": ("goodput, requests/s", 2),
+    "running_peak": ("running (peak)", 0),
+    "waiting_peak": ("waiting (peak)", 0),
+    "verdict": ("verdict", None),
+}
+
+
+def rates_style(rates: pd.DataFrame) -> Styler:
+    """The open-loop levels under readable headers, numbers rounded, the verdict in full and left-aligned."""
+    shown = rates[[c for c in RATE_COLUMNS if c in rates]].rename(columns={c: h for c, (h, _) in RATE_COLUMNS.items()})
+    formats = {h: f"{{:,.{d}f}}" for h, d in RATE_COLUMNS.values() if d is not None and h in shown}
+    return (
+        shown.style.hide(axis="index")
+        .format(formats, na_rep="")
+        .set_table_styles(
+            [
+                {"selector": "th.col_heading", "props": "text-align: right; vertical-align: bottom"},
+                {"selector": "td", "props": "text-align: right; padding: 0 0.6em"},
+            ]
+        )
+        .set_table_styles(
+            {"verdict": [{"selector": sel, "props": "text-align: left; min-width: 28em"} for sel in ("", "th")]},
+            overwrite=False,
+        )
+    )
+
+
 # the client's clock against vLLM's own, as the notebook shows it (metrics.EngineClock)
 CLOCK_COLUMNS: dict[str, tuple[str, int]] = {
     "concurrency": ("streams", 0),
