@@ -468,12 +468,18 @@ async def _count_new_connection(
         context.trace_request_ctx.new_connection = True
 
 
+# vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default (vllm/envs.py). A
+# client busy for seconds has not yet read that close and would send its next request into the dead connection
+# ("Server disconnected"); dropping idle connections a second earlier leaves no such race.
+KEEPALIVE_S = 4.0
+
+
 def _session() -> aiohttp.ClientSession:
     """One session for a load generator: a connection pool that never throttles the concurrency, a read buffer
     for long chunks, and each request told whether it opened a connection."""
     tracing = aiohttp.TraceConfig()
     tracing.on_connection_create_end.append(_count_new_connection)
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False, keepalive_timeout=KEEPALIVE_S)
     return aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER, trace_configs=[tracing])
 
 

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import pandas as pd
 import pytest
@@ -254,3 +255,25 @@ def test_a_long_context_mix_sends_its_share_at_its_length(shared_server, tmp_pat
     assert set(reqs.prompt_tokens) == {48, 800} and set(reqs.completion_tokens) == {8}
     # a request is long by its place in its run's sequence: every fourth, counted from the warm-up's first
     assert all((row.prompt_tokens == 800) == loadgen.is_long(row.index, 0.25) for row in reqs.itertuples())
+
+
+def test_a_connection_idle_past_vllms_keep_alive_is_not_reused(shared_server):
+    """vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); a client that reuses
+    it after that loses the request ('Server disconnected'), as an open-loop level whose client fell seconds
+    behind did in CI (9 of 400 requests at 200 requests/s)."""
+    import asyncio
+
+    path, body = loadgen._body(loadgen.Workload(16, 4), "tiny-qwen3-moe", "an idle pause between two requests")
+
+    async def two_requests_six_seconds_apart() -> list[loadgen.RequestRecord]:
+        records = [loadgen.RequestRecord(index=i, level="idle", warmup=False, arrival=0.0) for i in range(2)]
+        async with loadgen._session() as session:
+            await loadgen._send(session, shared_server.url, path, body, records[0], 60, {})
+            # a busy client: its event loop does not run, so it has not yet read the server's close
+            time.sleep(6)
+            await loadgen._send(session, shared_server.url, path, body, records[1], 60, {})
+        return records
+
+    first, second = asyncio.run(two_requests_six_seconds_apart())
+    assert first.ok and second.ok, (first.error, second.error)
+    assert second.new_connection  # the idle connection was dropped by the client before the server dropped it
