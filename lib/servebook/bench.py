@@ -387,6 +387,19 @@ def objective_broken(level: Level, objectives: metrics.Objectives) -> str:
     return ""
 
 
+def clock_fields(clock: metrics.EngineClock) -> dict[str, float | int | None]:
+    """A window's clocks as the level fields that hold them; no gap where vLLM also served other requests."""
+    return {
+        "client_ttft_mean_ms": clock.client_ttft_mean_ms,
+        "vllm_ttft_mean_ms": clock.vllm_ttft_mean_ms,
+        "client_tpot_mean_ms": clock.client_tpot_mean_ms,
+        "vllm_tpot_mean_ms": clock.vllm_tpot_mean_ms,
+        "window_requests": clock.requests,
+        "vllm_requests": clock.vllm_requests,
+        "tpot_clock_gap_pct": clock.tpot_gap_pct if clock.same_requests else None,
+    }
+
+
 def _level_row(
     concurrency: int,
     repeat: int,
@@ -411,16 +424,7 @@ def _level_row(
     row["waiting_peak"] = peaks.get("num_requests_waiting")
     queued = delta("vllm:request_queue_time_seconds_count")
     row["server_queue_ms"] = 1000 * delta("vllm:request_queue_time_seconds_sum") / queued if queued > 0 else None
-    clock = metrics.engine_clock(records, before, after)
-    row.update(
-        client_ttft_mean_ms=clock.client_ttft_mean_ms,
-        vllm_ttft_mean_ms=clock.vllm_ttft_mean_ms,
-        client_tpot_mean_ms=clock.client_tpot_mean_ms,
-        vllm_tpot_mean_ms=clock.vllm_tpot_mean_ms,
-        window_requests=clock.requests,
-        vllm_requests=clock.vllm_requests,
-        tpot_clock_gap_pct=clock.tpot_gap_pct if clock.same_requests else None,
-    )
+    row.update(clock_fields(metrics.engine_clock(records, before, after)))
     row["prefix_cache_reset"] = reset
     return row
 

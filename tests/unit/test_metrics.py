@@ -426,15 +426,6 @@ def test_tokens_delivered_in_one_burst_are_named_as_off_the_engines_clock():
     before, after = _vllm_metrics(0, 0.0, 0.0), _vllm_metrics(8, 1.4, 0.025)
     clock = metrics.engine_clock(burst, before, after)
     assert clock.tpot_gap_pct == pytest.approx(-100.0)
-    fields = dict(
-        client_ttft_mean_ms=clock.client_ttft_mean_ms,
-        vllm_ttft_mean_ms=clock.vllm_ttft_mean_ms,
-        client_tpot_mean_ms=clock.client_tpot_mean_ms,
-        vllm_tpot_mean_ms=clock.vllm_tpot_mean_ms,
-        window_requests=clock.requests,
-        vllm_requests=clock.vllm_requests,
-        tpot_clock_gap_pct=clock.tpot_gap_pct,
-    )
     level = bench.Level(
         concurrency=8,
         repeats=1,
@@ -442,7 +433,7 @@ def test_tokens_delivered_in_one_burst_are_named_as_off_the_engines_clock():
         output_throughput_min=20.0,
         output_throughput_max=20.0,
         spread_pct=None,
-        **fields,
+        **bench.clock_fields(clock),
     )
     warning = bench.clock_disagreements([level])
     assert "c=8 (0.0 against 25.0 ms, -100 %)" in warning and "API server" in warning

@@ -200,19 +200,27 @@ def limits_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return shown, "; ".join(n for n in notes if n)
 
 
-def limits_style(shown: pd.DataFrame) -> Styler:
-    """The limits table for a notebook: numbers at the decimals they were rounded to, the verdict in full and
-    left-aligned (pandas would cut it at 50 characters, and the verdict is the column the table exists for)."""
-    decimals = {header: d for header, d in LIMIT_COLUMNS.values() if d is not None}
-    text = [c for c in shown if not pd.api.types.is_numeric_dtype(shown[c])]
+def _readable(shown: pd.DataFrame, columns: dict[str, tuple[str, int | None]], text_width_em: int) -> Styler:
+    """A table under readable headers for a notebook: numbers right-aligned at the decimals ``columns`` gives,
+    text columns in full and left-aligned (pandas would cut them at 50 characters)."""
+    decimals = {header: d for header, d in columns.values() if d is not None}
+    text = [header for header, d in columns.values() if d is None and header in shown]
+    props = f"text-align: left; min-width: {text_width_em}em"
     return (
         shown.style.format({c: f"{{:,.{decimals[c]}f}}" for c in shown if c in decimals}, na_rep="")
-        .set_table_styles([{"selector": "th.col_heading", "props": "text-align: right; vertical-align: bottom"}])
         .set_table_styles(
-            {c: [{"selector": sel, "props": "text-align: left; min-width: 24em"} for sel in ("", "th")] for c in text},
-            overwrite=False,
+            [
+                {"selector": "th.col_heading", "props": "text-align: right; vertical-align: bottom"},
+                {"selector": "td", "props": "text-align: right; padding: 0 0.6em"},
+            ]
         )
+        .set_table_styles({c: [{"selector": sel, "props": props} for sel in ("", "th")] for c in text}, overwrite=False)
     )
+
+
+def limits_style(shown: pd.DataFrame) -> Styler:
+    """The limits table for a notebook, its verdict in full (the column the table exists for)."""
+    return _readable(shown, LIMIT_COLUMNS, 24)
 
 
 # the open-loop rates, as the notebook shows them: source column -> (header, decimals; None: text in full)
@@ -237,21 +245,7 @@ RATE_COLUMNS: dict[str, tuple[str, int | None]] = {
 def rates_style(rates: pd.DataFrame) -> Styler:
     """The open-loop levels under readable headers, numbers rounded, the verdict in full and left-aligned."""
     shown = rates[[c for c in RATE_COLUMNS if c in rates]].rename(columns={c: h for c, (h, _) in RATE_COLUMNS.items()})
-    formats = {h: f"{{:,.{d}f}}" for h, d in RATE_COLUMNS.values() if d is not None and h in shown}
-    return (
-        shown.style.hide(axis="index")
-        .format(formats, na_rep="")
-        .set_table_styles(
-            [
-                {"selector": "th.col_heading", "props": "text-align: right; vertical-align: bottom"},
-                {"selector": "td", "props": "text-align: right; padding: 0 0.6em"},
-            ]
-        )
-        .set_table_styles(
-            {"verdict": [{"selector": sel, "props": "text-align: left; min-width: 28em"} for sel in ("", "th")]},
-            overwrite=False,
-        )
-    )
+    return _readable(shown, RATE_COLUMNS, 28).hide(axis="index")
 
 
 # the client's clock against vLLM's own, as the notebook shows it (metrics.EngineClock)
