@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel
 
 from servebook import bench, loadgen, metrics, remote, server
+from servebook.client import Target
 from servebook.errors import AbFailed, LaunchError, ServebookError
 from servebook.params import AbVariant
 
@@ -84,72 +85,81 @@ def noise_band(samples: list[float]) -> float:
     return max(MIN_NOISE, (max(samples) - min(samples)) / med if med else 0.0)
 
 
-def measure(
-    cfg: server.ServerConfig,
-    maker: loadgen.PromptMaker,
-    workload: loadgen.Workload,
-    concurrencies: list[int],
-    requests: int,
-    repeats: int,
-    min_seconds: float = 0.0,
-) -> dict[int, list[float]]:
-    """Output tok/s per concurrency, ``repeats`` times, on a ready server, each window at least ``requests``
+@dataclass(frozen=True)
+class AbPlan:
+    """What every A/B point measures: the workload, the concurrencies, and each window's size."""
+
+    workload: loadgen.Workload
+    concurrencies: list[int]
+    requests: int = 32  # measured requests per window (at least 4 per stream)
+    repeats: int = 2
+    min_seconds: float = 0.0
+
+
+def measure(target: Target, maker: loadgen.PromptMaker, plan: AbPlan) -> dict[int, list[float]]:
+    """Output tok/s per concurrency, ``repeats`` times, on a ready server, with the benchmark's own requests
+    (single turns: the A/B compares servers, not conversations), each window at least ``requests``
     requests (4 per stream) and ``min_seconds`` long.  A first window at a concurrency that ends sooner only
     sizes the next (a 2-second window at 64 streams on an H200 held one stall and a 78 % spread)."""
-    out: dict[int, list[float]] = {c: [] for c in concurrencies}
+    out: dict[int, list[float]] = {c: [] for c in plan.concurrencies}
     rates: dict[int, float] = {}
-    for _ in range(repeats):
-        for c in concurrencies:
+    overhead = maker.chat_overhead() if plan.workload.endpoint == "chat" else 0
+    for _ in range(plan.repeats):
+        for c in plan.concurrencies:
             while True:
-                least = max(requests, 4 * c)
+                least = max(plan.requests, 4 * c)
                 sized = c in rates
-                prompts = maker.prompts(
-                    bench.prompts_for_window(least, min_seconds, rates.get(c)) + c, workload.input_len
-                )
-                recs, _, _ = loadgen.run_level(
-                    cfg.url, cfg.served_model_name, workload, prompts, c, warmup=c, min_requests=least,
-                    min_seconds=min_seconds,
+                count = bench.prompts_for_window(least, plan.min_seconds, rates.get(c)) + c
+                prompts = loadgen.synthetic_prompts(maker, count, plan.workload, overhead)
+                window = loadgen.run_level(
+                    target, plan.workload, prompts, concurrency=c, warmup=c, min_requests=least,
+                    min_seconds=plan.min_seconds,
                 )  # fmt: skip
-                s = metrics.summarize(recs)
+                s = metrics.summarize(window.records)
                 if s.failed:
                     raise AbFailed(f"{s.failed} requests failed at concurrency {c}: {s.errors}")
                 rates[c] = s.request_throughput
-                if sized or s.duration_s >= min_seconds:
+                if sized or s.duration_s >= plan.min_seconds:
                     out[c].append(s.output_throughput)
                     break
     return out
+
+
+AcrossNodes = Callable[[server.ServerConfig, Path], tuple[server.ServerConfig, list[remote.WorkerRecord]]]
+
+
+def _measure_variant(
+    name: str, cfg: server.ServerConfig, folder: Path, plan: AbPlan, across_nodes: AcrossNodes | None
+) -> dict[int, list[float]]:
+    """Launch one variant (on every node), measure it with the server's own key, leave it running."""
+    head, workers = across_nodes(cfg, folder) if across_nodes else (cfg, [])
+    server.launch(head, folder, log=lambda _m: None, workers=workers)
+    maker = loadgen.PromptMaker(loadgen.load_tokenizer(cfg.model_path), seed=7)
+    return measure(head.target(), maker, plan)
 
 
 def run(
     base: server.ServerConfig,
     variants: list[AbVariant],
     log_dir: Path,
-    workload: loadgen.Workload,
-    concurrencies: list[int],
-    requests: int = 32,
-    repeats: int = 2,
-    min_seconds: float = 0.0,
+    plan: AbPlan,
+    *,
     log: Callable[[str], None] = print,
-    across_nodes: Callable[[server.ServerConfig, Path], tuple[server.ServerConfig, list[remote.WorkerRecord]]]
-    | None = None,
+    across_nodes: AcrossNodes | None = None,
 ) -> AbResult:
     """Baseline, each variant, baseline again; return samples, noise bands and verdicts. Leaves the baseline running.
 
     ``across_nodes`` (``multinode.prepare`` for the run's nodes) turns each configuration into the head's and the
     other nodes' commands, so a variant's flags and environment reach every node, as NCCL settings must."""
-    maker = loadgen.PromptMaker(loadgen.load_tokenizer(base.model_path), seed=7)
     samples: dict[str, dict[int, list[float]]] = {}
     failures: dict[str, str] = {}
-    plan = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in variants] + [(BASELINE, base)]
-    for i, (name, cfg) in enumerate(plan):
+    order = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in variants] + [(BASELINE, base)]
+    for i, (name, cfg) in enumerate(order):
         log(f"A/B {name}: launching" + ("" if i else " (or reusing the running server)"))
         try:
             if i:  # one server at a time on the port: stop whatever holds it first
                 server.stop(port=base.port)
-            folder = log_dir / f"ab-{i:02d}-{name}"
-            head, workers = across_nodes(cfg, folder) if across_nodes else (cfg, [])
-            server.launch(head, folder, log=lambda _m: None, workers=workers)
-            got = measure(head, maker, workload, concurrencies, requests, repeats, min_seconds)
+            got = _measure_variant(name, cfg, log_dir / f"ab-{i:02d}-{name}", plan, across_nodes)
         except ServebookError as exc:
             cause = exc.cause if isinstance(exc, LaunchError) else ""
             failures[name] = cause or " ".join(str(exc).split())[:600]
@@ -158,6 +168,23 @@ def run(
         for c, values in got.items():
             samples.setdefault(name, {}).setdefault(c, []).extend(values)
         log(f"A/B {name}: " + ", ".join(f"c={c} {statistics.median(v):.1f} tok/s" for c, v in got.items()))
+    return AbResult(
+        variants=variants,
+        samples={n: {str(c): v for c, v in s.items()} for n, s in samples.items()},
+        rows=_rows(variants, samples, failures, plan.concurrencies),
+        failures=failures,
+        concurrencies=plan.concurrencies,
+        workload=plan.workload,
+    )
+
+
+def _rows(
+    variants: list[AbVariant],
+    samples: dict[str, dict[int, list[float]]],
+    failures: dict[str, str],
+    concurrencies: list[int],
+) -> list[AbRow]:
+    """Each variant at each concurrency against the baseline's samples and noise band."""
     rows = []
     base_samples = samples.get(BASELINE, {})
     for c in concurrencies:
@@ -166,34 +193,19 @@ def run(
             if v.name in failures:
                 rows.append(
                     AbRow(
-                        variant=v.name,
-                        concurrency=c,
-                        verdict="failed to start",
-                        change=None,
-                        noise=noise,
+                        variant=v.name, concurrency=c, verdict="failed to start", change=None, noise=noise,
                         cause=failures[v.name],
                     )
-                )
+                )  # fmt: skip
                 continue
             if not base_samples.get(c) or not samples.get(v.name, {}).get(c):
                 continue
             call, change = verdict(base_samples[c], samples[v.name][c], noise)
             rows.append(
                 AbRow(
-                    variant=v.name,
-                    concurrency=c,
-                    verdict=call,
-                    change=change,
-                    noise=noise,
+                    variant=v.name, concurrency=c, verdict=call, change=change, noise=noise,
                     baseline_median=statistics.median(base_samples[c]),
                     variant_median=statistics.median(samples[v.name][c]),
                 )
-            )
-    return AbResult(
-        variants=variants,
-        samples={n: {str(c): v for c, v in s.items()} for n, s in samples.items()},
-        rows=rows,
-        failures=failures,
-        concurrencies=concurrencies,
-        workload=workload,
-    )
+            )  # fmt: skip
+    return rows

@@ -18,14 +18,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
-from servebook import client, gpu_evidence, loadgen, metrics, vllm_format
+from servebook import client, gpu_evidence, loadgen, metrics, tables
+from servebook.client import Target
 from servebook.datasets import Cursor, Prompt
+from servebook.gpu_evidence import GpuEvidence
 from servebook.loadgen import Workload
+
+if TYPE_CHECKING:
+    from servebook.params import Params
 
 StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault"]
 LimitKind = Literal[
@@ -35,7 +40,24 @@ CLIENT_BOUND_PCT = 90.0  # one asyncio process near a full core paces the server
 CLIENT_SPLIT_PCT = 50.0  # a client process past half a core: the next levels share the streams among twice as many
 MAX_CLIENT_PROCESSES = max((os.cpu_count() or 2) // 2, 1)  # the other half of the cores stay the server's
 KV_FULL = 0.95
-TableRow = dict[str, float | int | str | None]  # one row of a parquet/CSV table
+TableRow = dict[str, float | int | str | None]  # one row of a parquet/CSV table: only at that boundary
+
+
+def workload_for(p: Params) -> Workload:
+    """The requests the params describe; the benchmark, the rate sweep and the A/B all send these."""
+    return Workload(
+        p.bench_input_len,
+        p.bench_output_len,
+        p.bench_endpoint,
+        p.bench_shared_prefix_len,
+        turns=p.bench_turns,
+        long_input_len=p.bench_long_input_len,
+        long_share=p.bench_long_share,
+    )
+
+
+def objectives_for(p: Params) -> metrics.Objectives:
+    return metrics.Objectives(p.bench_ttft_slo_ms, p.bench_tpot_slo_ms, p.bench_e2el_slo_ms)
 
 
 @dataclass
@@ -132,10 +154,10 @@ def scrape_metrics(url: str) -> dict[str, float]:
         return {}
 
 
-def reset_prefix_cache(url: str, headers: dict[str, str]) -> str:
+def reset_prefix_cache(target: Target) -> str:
     """'reset', or why not: vLLM serves the endpoint only with VLLM_SERVER_DEV_MODE=1."""
     try:
-        r = httpx.post(f"{url}/reset_prefix_cache", headers=headers, timeout=30)
+        r = httpx.post(f"{target.url}/reset_prefix_cache", headers=dict(target.headers), timeout=30)
     except httpx.HTTPError as exc:
         return f"failed: {exc}"
     if r.status_code == 200:
@@ -147,6 +169,8 @@ def reset_prefix_cache(url: str, headers: dict[str, str]) -> str:
 
 class Level(BaseModel):
     """One concurrency level: medians over its repeats, and the spread of output throughput."""
+
+    model_config = ConfigDict(extra="forbid")
 
     concurrency: int
     repeats: int
@@ -185,19 +209,9 @@ class Level(BaseModel):
     client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core per process
     client_processes: float | None = None  # client processes that shared the streams
     prefix_cache_hit_rate: float | None = None  # 0-1: prompt tokens vLLM found in its prefix cache
-    # what NVML saw on the serving GPUs during the level (gpu_evidence); gpu_note says why there is none
-    gpu_sm_util_pct: float | None = None
-    gpu_power_pct: float | None = None  # peak, of the enforced limit
-    gpu_power_w: float | None = None
-    gpu_sm_clock_min_pct: float | None = None
-    gpu_pcie_pct: float | None = None  # peak, of the link's one-way bandwidth
-    gpu_pcie_link: str = ""
-    gpu_pcie_direction: str = ""
-    gpu_nvlink_pct: float | None = None  # peak, of the active links' one-way bandwidth
-    gpu_nvlink_gbs: float | None = None
-    gpu_nvlink_capacity_gbs: float | None = None
-    gpu_nvlink_direction: str = ""
-    gpu_slowdowns: str = ""
+    # what NVML saw on the serving GPUs during the level: medians over its repeats; gpu_note says why there is none
+    gpu: GpuEvidence | None = None
+    gpu_samples: list[int] = []  # NVML samples of each repeat
     gpu_note: str = ""
     plan_ceiling_tok_s: float | None = None  # the plan's decode bandwidth ceiling at this many streams
     plan_ceiling_pct: float | None = None  # measured output tok/s as a share of it
@@ -206,14 +220,110 @@ class Level(BaseModel):
     limit: str = ""  # what limits this level, from the evidence above (limit_of)
     limit_kind: LimitKind | None = None
 
+    def flat(self) -> TableRow:
+        """The levels table's row: the GPU evidence as ``gpu_*`` columns."""
+        row: TableRow = {k: v for k, v in self.model_dump(exclude={"gpu", "gpu_samples"}).items()}
+        row["gpu_samples"] = ", ".join(map(str, self.gpu_samples))
+        return row | gpu_columns(self.gpu)
 
-TEXT_FIELDS = (
-    "gpu_pcie_link",
-    "gpu_pcie_direction",
-    "gpu_nvlink_direction",
-    "gpu_slowdowns",
-    "gpu_note",
-)  # joined over repeats
+
+def gpu_columns(e: GpuEvidence | None) -> TableRow:
+    """GPU evidence as table columns (empty where there is none)."""
+    if e is None:
+        return {}
+    return {
+        "gpu_sm_util_pct": e.sm_util_mean_pct,
+        "gpu_power_pct": e.power_peak_pct,
+        "gpu_power_w": e.power_peak_w,
+        "gpu_sm_clock_min_pct": e.sm_clock_min_pct,
+        "gpu_pcie_pct": e.pcie_peak_pct,
+        "gpu_pcie_link": e.pcie_link,
+        "gpu_pcie_direction": e.pcie_peak_direction,
+        "gpu_nvlink_pct": e.nvlink_peak_pct,
+        "gpu_nvlink_gbs": e.nvlink_peak_gbs,
+        "gpu_nvlink_capacity_gbs": e.nvlink_capacity_gbs,
+        "gpu_nvlink_direction": e.nvlink_peak_direction,
+        "gpu_slowdowns": "; ".join(e.slowdowns),
+    }
+
+
+def median_evidence(found: list[GpuEvidence]) -> GpuEvidence | None:
+    """One level's GPU evidence from its repeats': numbers as medians, words joined, every slowdown seen."""
+    if not found:
+        return None
+    values: dict[str, Any] = {"samples": sum(e.samples for e in found)}
+    for name, info in GpuEvidence.model_fields.items():
+        if name == "samples":
+            continue
+        seen = [getattr(e, name) for e in found]
+        if name == "slowdowns":
+            values[name] = list(dict.fromkeys(x for e in found for x in e.slowdowns))
+        elif info.annotation in (str, "str"):
+            values[name] = "; ".join(dict.fromkeys(x for x in seen if x))
+        else:
+            numbers = [x for x in seen if x is not None]
+            values[name] = statistics.median(numbers) if numbers else None
+    return GpuEvidence(**values)
+
+
+class ServerCounters(BaseModel):
+    """What vLLM's /metrics said over one window: its counters' deltas and its gauges' peaks."""
+
+    preemptions: float = 0.0
+    prefix_cache_hits: float = 0.0
+    prefix_cache_hit_rate: float | None = None  # 0-1
+    kv_cache_usage_peak: float | None = None  # 0-1
+    running_peak: float | None = None
+    waiting_peak: float | None = None
+    server_queue_ms: float | None = None  # mean wait in vLLM's queue, from its histogram
+
+    @classmethod
+    def of(cls, before: dict[str, float], after: dict[str, float], peaks: dict[str, float]) -> ServerCounters:
+        def delta(name: str) -> float:
+            return after.get(name, 0.0) - before.get(name, 0.0)
+
+        hits, queries = delta("vllm:prefix_cache_hits_total"), delta("vllm:prefix_cache_queries_total")
+        queued = delta("vllm:request_queue_time_seconds_count")
+        return cls(
+            preemptions=delta("vllm:num_preemptions_total"),
+            prefix_cache_hits=hits,
+            prefix_cache_hit_rate=hits / queries if queries > 0 else None,
+            kv_cache_usage_peak=peaks.get("kv_cache_usage_perc"),
+            running_peak=peaks.get("num_requests_running"),
+            waiting_peak=peaks.get("num_requests_waiting"),
+            server_queue_ms=1000 * delta("vllm:request_queue_time_seconds_sum") / queued if queued > 0 else None,
+        )
+
+
+class RunRow(BaseModel):
+    """One measured window of a level: the client's numbers, the server's, both clocks, the GPUs'."""
+
+    concurrency: int
+    repeat: int
+    summary: metrics.RunSummary
+    server: ServerCounters
+    clock: metrics.EngineClock
+    prefix_cache_reset: str  # 'reset', or why not
+    client_cpu_pct: float  # the load generator's CPU over the window, % of one core per process
+    client_processes: int
+    gpu: GpuEvidence | None = None
+    gpu_note: str = ""  # why there is no GPU evidence
+
+    def flat(self) -> TableRow:
+        """The runs table's row (and the scalars a level takes medians of)."""
+        row: TableRow = {"concurrency": self.concurrency, "repeat": self.repeat, **self.summary.flat()}
+        row |= self.server.model_dump() | clock_fields(self.clock)
+        row |= {
+            "prefix_cache_reset": self.prefix_cache_reset,
+            "client_cpu_pct": self.client_cpu_pct,
+            "client_processes": self.client_processes,
+            "gpu_samples": self.gpu.samples if self.gpu else 0,
+            "gpu_note": self.gpu_note,
+        }
+        return row | gpu_columns(self.gpu)
+
+
+# what a level holds as the median of its repeats' values
 MEDIAN_FIELDS = [
     name
     for name in Level.model_fields
@@ -231,7 +341,9 @@ MEDIAN_FIELDS = [
         "limit_kind",
         "plan_ceiling_tok_s",
         "plan_ceiling_pct",
-        *TEXT_FIELDS,
+        "gpu",
+        "gpu_samples",
+        "gpu_note",
     }
 ]
 
@@ -259,7 +371,7 @@ class SweepResult(BaseModel):
     plateau_gain: float
     objectives: metrics.Objectives
     levels: list[Level]
-    runs: list[TableRow]  # one row per level and repeat, as in the runs table
+    runs: list[RunRow]  # one per level and repeat
     stopped_by: StopReason
     stop_reason: str  # the same, said for a person, with the figure that decided it
     fault: str
@@ -333,22 +445,7 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
             "the API server process (HTTP, detokenising, streaming) fell behind the engine; give the server more "
             "CPU cores, or keep this client off them"
         )
-    wall = gpu_evidence.verdict(
-        gpu_evidence.GpuEvidence(
-            samples=1,
-            power_peak_pct=level.gpu_power_pct,
-            power_peak_w=level.gpu_power_w,
-            sm_clock_min_pct=level.gpu_sm_clock_min_pct,
-            slowdowns=[x for x in level.gpu_slowdowns.split("; ") if x],
-            pcie_peak_pct=level.gpu_pcie_pct,
-            pcie_peak_direction=level.gpu_pcie_direction,
-            pcie_link=level.gpu_pcie_link,
-            nvlink_peak_pct=level.gpu_nvlink_pct,
-            nvlink_peak_gbs=level.gpu_nvlink_gbs,
-            nvlink_peak_direction=level.gpu_nvlink_direction,
-            nvlink_capacity_gbs=level.gpu_nvlink_capacity_gbs,
-        )
-    )
+    wall = gpu_evidence.verdict(level.gpu) if level.gpu else None
     if wall and (gain is None or gain < cfg.plateau_gain):  # a wall binds once throughput stops rising
         kind, words = wall
         return kind, words + (f"; throughput {gain:+.0%} over the level before" if gain is not None else "")  # type: ignore[return-value]
@@ -367,7 +464,8 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
         return "decline", (
             f"declined {gain:+.0%} with {running:.0f} of {level.concurrency} streams running and {waits}; {client}"
         )
-    sm = f"SM busy {level.gpu_sm_util_pct:.0f} %, " if level.gpu_sm_util_pct is not None else ""
+    util = level.gpu.sm_util_mean_pct if level.gpu else None
+    sm = f"SM busy {util:.0f} %, " if util is not None else ""
     return "server", (
         f"server-bound: {running:.0f} of {level.concurrency} streams run together, {waits}, and doubling "
         f"the streams gained {gain:+.0%}; the batch's compute or memory bandwidth is the wall ({sm}{client})"
@@ -400,35 +498,6 @@ def clock_fields(clock: metrics.EngineClock) -> dict[str, float | int | None]:
     }
 
 
-def _level_row(
-    concurrency: int,
-    repeat: int,
-    summary: metrics.RunSummary,
-    records: list[loadgen.RequestRecord],
-    before: dict[str, float],
-    after: dict[str, float],
-    peaks: dict[str, float],
-    reset: str,
-) -> TableRow:
-    row: TableRow = {"concurrency": concurrency, "repeat": repeat, **summary.flat()}
-
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    row["preemptions"] = delta("vllm:num_preemptions_total")
-    hits, queries = delta("vllm:prefix_cache_hits_total"), delta("vllm:prefix_cache_queries_total")
-    row["prefix_cache_hits"] = hits
-    row["prefix_cache_hit_rate"] = hits / queries if queries > 0 else None
-    row["kv_cache_usage_peak"] = peaks.get("kv_cache_usage_perc")
-    row["running_peak"] = peaks.get("num_requests_running")
-    row["waiting_peak"] = peaks.get("num_requests_waiting")
-    queued = delta("vllm:request_queue_time_seconds_count")
-    row["server_queue_ms"] = 1000 * delta("vllm:request_queue_time_seconds_sum") / queued if queued > 0 else None
-    row.update(clock_fields(metrics.engine_clock(records, before, after)))
-    row["prefix_cache_reset"] = reset
-    return row
-
-
 # beyond this the client's TPOT is not the engine's pace: tokens reached the client late or in bursts
 CLOCK_TOLERANCE_PCT = 25.0
 
@@ -457,33 +526,31 @@ def clock_disagreements(levels: list[Level]) -> str:
     )
 
 
-def _number(value: float | int | str | None) -> float:
-    return float(value) if isinstance(value, (int, float)) else 0.0
-
-
-def aggregate(rows: list[TableRow]) -> list[Level]:
+def aggregate(rows: list[RunRow]) -> list[Level]:
     """One level per concurrency: medians over repeats, and the spread of output throughput."""
     out = []
-    for c in sorted({int(_number(r["concurrency"])) for r in rows}):
-        reps = [r for r in rows if r["concurrency"] == c]
-        tps = [_number(r["output_throughput"]) for r in reps]
-        med = statistics.median(tps)
+    for c in sorted({r.concurrency for r in rows}):
+        reps = [r for r in rows if r.concurrency == c]
+        flat = [r.flat() for r in reps]
+        tps = [r.summary.output_throughput for r in reps]
         medians = {}
         for key in MEDIAN_FIELDS:
-            values = [_number(r[key]) for r in reps if r.get(key) is not None]
+            values = [float(v) for row in flat if isinstance(v := row.get(key), (int, float))]
             medians[key] = statistics.median(values) if values else None
         out.append(
             Level(
                 concurrency=c,
                 repeats=len(reps),
-                output_throughput=med,
+                output_throughput=statistics.median(tps),
                 output_throughput_min=min(tps),
                 output_throughput_max=max(tps),
                 spread_pct=spread_pct(tps),
-                failed=int(sum(_number(r["failed"]) for r in reps)),
-                preemptions=sum(_number(r["preemptions"]) for r in reps),
+                failed=sum(r.summary.failed for r in reps),
+                preemptions=sum(r.server.preemptions for r in reps),
+                gpu=median_evidence([r.gpu for r in reps if r.gpu]),
+                gpu_samples=[r.gpu.samples for r in reps if r.gpu],
+                gpu_note="; ".join(dict.fromkeys(r.gpu_note for r in reps if r.gpu_note)),
                 **medians,
-                **{k: "; ".join(dict.fromkeys(str(r[k]) for r in reps if r.get(k))) for k in TEXT_FIELDS},
             )
         )
     return out
@@ -518,220 +585,261 @@ def _client_cpu_s() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def _gpu_columns(sampler: gpu_evidence.GpuSampler) -> TableRow:
-    e = sampler.evidence
-    if e is None:
-        return {"gpu_note": f"no GPU evidence: {sampler.absent or 'no sample within the window'}"}
-    return {
-        "gpu_sm_util_pct": e.sm_util_mean_pct,
-        "gpu_power_pct": e.power_peak_pct,
-        "gpu_power_w": e.power_peak_w,
-        "gpu_sm_clock_min_pct": e.sm_clock_min_pct,
-        "gpu_pcie_pct": e.pcie_peak_pct,
-        "gpu_pcie_link": e.pcie_link,
-        "gpu_pcie_direction": e.pcie_peak_direction,
-        "gpu_nvlink_pct": e.nvlink_peak_pct,
-        "gpu_nvlink_gbs": e.nvlink_peak_gbs,
-        "gpu_nvlink_capacity_gbs": e.nvlink_capacity_gbs,
-        "gpu_nvlink_direction": e.nvlink_peak_direction,
-        "gpu_slowdowns": "; ".join(e.slowdowns),
-        "gpu_note": f"{e.samples} NVML samples",
-    }
-
-
-def _by_level(records: list[loadgen.RequestRecord]) -> dict[str, list[loadgen.RequestRecord]]:
-    runs: dict[str, list[loadgen.RequestRecord]] = {}
-    for r in records:
-        runs.setdefault(r.level, []).append(r)
-    return runs
-
-
 def _gain(throughputs: list[float]) -> float | None:
     return throughputs[-1] / throughputs[-2] - 1 if len(throughputs) >= 2 and throughputs[-2] > 0 else None
 
 
+class Stop(NamedTuple):
+    by: StopReason
+    reason: str  # said for a person, with the figure that decided it
+
+
+def stop_rule(measured: list[Level], cfg: SweepConfig) -> Stop | None:
+    """Whether the sweep stops after its newest level: a broken objective, a decline past the best level, or a
+    plateau over two doublings."""
+    level = measured[-1]
+    if broken := objective_broken(level, cfg.objectives):
+        return Stop("objective", f"latency objective broken at concurrency {level.concurrency}: {broken}")
+    if peak := declined(measured, cfg.plateau_gain):
+        return Stop(
+            "decline",
+            f"past saturation: throughput fell to {level.output_throughput:,.0f} tok/s at concurrency "
+            f"{level.concurrency}, {1 - level.output_throughput / peak.output_throughput:.0%} below its best "
+            f"({peak.output_throughput:,.0f} tok/s at {peak.concurrency}) in every repeat",
+        )
+    if plateau_reached([lv.output_throughput for lv in measured], cfg.plateau_gain):
+        return Stop(
+            "plateau",
+            f"plateau: under {cfg.plateau_gain:.0%} gain over the last two doublings "
+            f"(concurrency {measured[-3].concurrency} to {level.concurrency})",
+        )
+    return None
+
+
+def not_saturated(throughputs: list[float], cfg: SweepConfig) -> str:
+    """Why a sweep that reached max_concurrency is not a plateau, with the last doubling's gain."""
+    last_gain = _gain(throughputs)
+    if last_gain is None:
+        trend = ""
+    elif last_gain >= cfg.plateau_gain:
+        trend = f", throughput still rising ({last_gain:+.0%} over the last doubling)"
+    else:
+        trend = (
+            f", throughput flat over the last doubling ({last_gain:+.0%}); a plateau needs two such doublings: "
+            "raise bench_max_concurrency"
+        )
+    return f"reached bench_max_concurrency {cfg.max_concurrency} before a plateau{trend}: not saturated"
+
+
+class _Sweep:
+    """The sweep's state as it goes: every window measured, the levels done, how the next window is sized."""
+
+    def __init__(self, target: Target, model_path: str, cfg: SweepConfig, log: Callable[[str], None]):
+        self.target, self.cfg, self.log = target, cfg, log
+        self.maker = loadgen.PromptMaker(loadgen.load_tokenizer(model_path), cfg.workload.seed)
+        # the chat template's tokens count towards the prompt
+        self.overhead = self.maker.chat_overhead() if cfg.workload.endpoint == "chat" else 0
+        self.dataset = Cursor(cfg.dataset) if cfg.dataset else None
+        self.records: list[loadgen.RequestRecord] = []
+        self.rows: list[RunRow] = []
+        self.levels: list[Level] = []
+        self.short_windows: list[str] = []
+        self.fault = ""
+        self.rate: float | None = None  # requests/s of the last window, to size the next
+        self.rate_at = 0  # the concurrency that rate was measured at
+        self.processes = cfg.client_processes or 1
+
+    def prompts(self, c: int, expected: float | None) -> list[loadgen.PromptLike]:
+        cfg = self.cfg
+        count = cfg.prompts_for(c, expected) + (cfg.warmup or c)
+        if cfg.workload.turns > 1:  # whole conversations, at least one per stream, no warm-up requests
+            count = max(math.ceil(cfg.prompts_for(c, expected) / cfg.workload.turns), c) * cfg.workload.turns
+        if self.dataset:
+            return list(self.dataset.take(count))
+        return loadgen.synthetic_prompts(self.maker, count, cfg.workload, self.overhead)
+
+    def send(self, c: int, prompts: list[loadgen.PromptLike]) -> loadgen.Window:
+        cfg = self.cfg
+        if cfg.workload.turns > 1:
+            turns = cfg.workload.turns
+            texts = [str(t) for t in prompts]
+            chats = [texts[i : i + turns] for i in range(0, len(texts) - turns + 1, turns)]
+            return loadgen.run_conversations(self.target, cfg.workload, chats, concurrency=c)
+        return loadgen.run_level(
+            self.target, cfg.workload, prompts, concurrency=c, warmup=cfg.warmup or c,
+            min_requests=cfg.measured_requests(c), min_seconds=cfg.min_level_s, processes=self.processes,
+        )  # fmt: skip
+
+    def window(self, c: int, rep: int, expected: float | None) -> tuple[RunRow, list[loadgen.RequestRecord]]:
+        """Measure one window at ``c`` streams, with the server's counters and the GPUs around it."""
+        prompts = self.prompts(c, expected)
+        reset = reset_prefix_cache(self.target) if self.cfg.reset_prefix_cache else "not requested"
+        before = scrape_metrics(self.target.url)
+        cpu_before, wall_before = _client_cpu_s(), time.monotonic()
+        with MetricsSampler(self.target.url) as sampler, gpu_evidence.GpuSampler(self.cfg.gpu_ids) as gpus:
+            window = self.send(c, prompts)
+        wall = max(time.monotonic() - wall_before, 1e-9)
+        after = scrape_metrics(self.target.url)
+        for r in window.records:
+            r.level, r.repeat = f"c{c}r{rep}", rep
+        return RunRow(
+            concurrency=c,
+            repeat=rep,
+            summary=metrics.summarize(window.records, self.cfg.objectives),
+            server=ServerCounters.of(before, after, sampler.peaks),
+            clock=metrics.engine_clock(window.records, before, after),
+            prefix_cache_reset=reset,
+            # per client process: one near a full core paces the server instead of measuring it
+            client_cpu_pct=round(100 * (_client_cpu_s() - cpu_before) / wall / self.processes, 1),
+            client_processes=self.processes,
+            gpu=gpus.evidence,
+            gpu_note="" if gpus.evidence else f"no GPU evidence: {gpus.absent or 'no sample within the window'}",
+        ), window.records
+
+    def level(self, c: int) -> Level | None:
+        """Every repeat of one concurrency, until the spread settles; None when the server faulted."""
+        cfg, rep = self.cfg, 0
+        while True:
+            expected = self.rate * c / self.rate_at if self.rate and self.rate_at else self.rate
+            row, recs = self.window(c, rep, expected)
+            s = row.summary
+            if s.request_throughput:
+                self.rate, self.rate_at = s.request_throughput, c
+            if expected is None and cfg.min_level_s and s.duration_s < cfg.min_level_s and not s.failed:
+                self.log(
+                    f"concurrency {c:4d}: a first window of {s.duration_s:.1f} s sized the next "
+                    f"({s.request_throughput:.1f} requests/s); not counted"
+                )
+                continue
+            self.records += recs
+            self.rows.append(row)
+            self._say(row)
+            if s.failed and (fault := self._fault(row)):
+                self.fault = fault
+                return None
+            rep += 1
+            spread = spread_pct([r.summary.output_throughput for r in self.rows if r.concurrency == c])
+            if rep >= cfg.max_repeats or (rep >= cfg.repeats and (spread is None or spread <= cfg.max_spread_pct)):
+                return aggregate([r for r in self.rows if r.concurrency == c])[0]
+            if rep >= cfg.repeats:
+                self.log(
+                    f"concurrency {c:4d}: repeats spread {spread:.0f} % > {cfg.max_spread_pct:.0f} %, measuring again"
+                )
+
+    def _say(self, row: RunRow) -> None:
+        s = row.summary
+        self.log(
+            f"concurrency {row.concurrency:4d} repeat {row.repeat + 1}: {s.output_throughput:8.1f} output tok/s, "
+            f"TTFT p50 {s.ttft_ms.p50 or 0:7.1f} ms, TPOT p50 {s.tpot_ms.p50 or 0:6.1f} ms, "
+            f"{s.requests} requests in {s.duration_s:.1f} s"
+            + (f", {s.failed} failed ({row.flat()['errors']})" if s.failed else "")
+        )
+        if s.duration_s < self.cfg.min_level_s and not s.failed:
+            self.short_windows.append(f"c{row.concurrency} repeat {row.repeat + 1}: {s.duration_s:.1f} s")
+
+    def _fault(self, row: RunRow) -> str:
+        """The server's fault, when failed requests mean it stopped answering or failed them all; '' otherwise."""
+        health = client.health(self.target.url)
+        if health == "ready" and row.summary.failed < row.summary.requests:
+            return ""
+        what = "stopped answering" if health != "ready" else "failed every request"
+        return f"the server {what} at concurrency {row.concurrency} ({row.flat()['errors']}); /health: {health}"
+
+    def run(self) -> Stop:
+        for c in self.cfg.levels():
+            level = self.level(c)
+            if level is None:
+                return Stop("fault", f"server fault at concurrency {c}")
+            label_limits([*self.levels, level], self.cfg)
+            self.log(f"concurrency {c:4d}: {level.limit}")
+            self.levels.append(level)
+            if not self.cfg.client_processes and (level.client_cpu_pct or 0) >= CLIENT_SPLIT_PCT:
+                self.processes = min(2 * self.processes, MAX_CLIENT_PROCESSES)
+            if stop := stop_rule(self.levels, self.cfg):
+                return stop
+        return Stop("max_concurrency", not_saturated([lv.output_throughput for lv in self.levels], self.cfg))
+
+
 def sweep(
-    url: str,
-    model: str,
+    target: Target,
     model_path: str,
     cfg: SweepConfig,
     out_dir: Path,
-    headers: dict[str, str] | None = None,
+    *,
     log: Callable[[str], None] = print,
     table_prefix: str = "sweep",
 ) -> SweepResult:
     """Run the sweep; write per-request, per-run and per-level tables named ``<table_prefix>_*``; return the
     result (also on a fault)."""
-    headers = headers or {}
     out_dir.mkdir(parents=True, exist_ok=True)
-    maker = loadgen.PromptMaker(loadgen.load_tokenizer(model_path), cfg.workload.seed)
-    records: list[loadgen.RequestRecord] = []
-    rows: list[TableRow] = []
-    stopped_by: StopReason = "max_concurrency"
-    stop_reason, fault = "", ""
-    throughputs: list[float] = []
-    done_levels: list[int] = []
-    measured: list[Level] = []
-    short_windows: list[str] = []
-    # the chat template's tokens count towards the prompt
-    overhead = maker.chat_overhead() if cfg.workload.endpoint == "chat" else 0
-    dataset = Cursor(cfg.dataset) if cfg.dataset else None
-    rate: float | None = None  # requests/s of the last run, to size the next window
-    previous_c = 0
-    processes = cfg.client_processes or 1
-    for c in cfg.levels():
-        rep = 0
-        while True:
-            warm = cfg.warmup or c
-            expected = rate * c / previous_c if rate and previous_c else rate
-            least = cfg.measured_requests(c)
-            count = cfg.prompts_for(c, expected) + warm
-            if cfg.workload.turns > 1:  # whole conversations, at least one per stream, no warm-up requests
-                count = max(math.ceil(cfg.prompts_for(c, expected) / cfg.workload.turns), c) * cfg.workload.turns
-            prompts: list[loadgen.PromptLike] = (
-                list(dataset.take(count))
-                if dataset
-                else loadgen.synthetic_prompts(maker, count, cfg.workload, overhead)
-            )
-            reset = reset_prefix_cache(url, headers) if cfg.reset_prefix_cache else "not requested"
-            before = scrape_metrics(url)
-            cpu_before, wall_before = _client_cpu_s(), time.monotonic()
-            with MetricsSampler(url) as sampler, gpu_evidence.GpuSampler(cfg.gpu_ids) as gpus:
-                if cfg.workload.turns > 1:
-                    turns = cfg.workload.turns
-                    texts = [str(t) for t in prompts]
-                    chats = [texts[i : i + turns] for i in range(0, len(texts) - turns + 1, turns)]
-                    recs, _, _ = loadgen.run_conversations(
-                        url, model, cfg.workload, chats, c, f"c{c}r{rep}", cfg.request_timeout_s, headers
-                    )
-                else:
-                    recs, _, _ = loadgen.run_level(
-                        url,
-                        model,
-                        cfg.workload,
-                        prompts,
-                        c,
-                        f"c{c}r{rep}",
-                        warm,
-                        cfg.request_timeout_s,
-                        headers,
-                        min_requests=least,
-                        min_seconds=cfg.min_level_s,
-                        processes=processes,
-                    )
-            # per client process: one near a full core paces the server instead of measuring it
-            wall = max(time.monotonic() - wall_before, 1e-9)
-            client_cpu_pct = 100 * (_client_cpu_s() - cpu_before) / wall / processes
-            after = scrape_metrics(url)
-            summary = metrics.summarize(recs, cfg.objectives)
-            if summary.request_throughput:
-                rate, previous_c = summary.request_throughput, c
-            if expected is None and cfg.min_level_s and summary.duration_s < cfg.min_level_s and not summary.failed:
-                log(
-                    f"concurrency {c:4d}: a first window of {summary.duration_s:.1f} s sized the next "
-                    f"({summary.request_throughput:.1f} requests/s); not counted"
-                )
-                continue
-            for r in recs:
-                r.level = f"c{c}r{rep}"
-            records += recs
-            rows.append(_level_row(c, rep, summary, recs, before, after, sampler.peaks, reset))
-            rows[-1]["client_cpu_pct"] = round(client_cpu_pct, 1)
-            rows[-1]["client_processes"] = processes
-            rows[-1].update(_gpu_columns(gpus))
-            log(
-                f"concurrency {c:4d} repeat {rep + 1}: {summary.output_throughput:8.1f} output tok/s, "
-                f"TTFT p50 {summary.ttft_ms.p50 or 0:7.1f} ms, TPOT p50 {summary.tpot_ms.p50 or 0:6.1f} ms, "
-                f"{summary.requests} requests in {summary.duration_s:.1f} s"
-                + (f", {summary.failed} failed ({rows[-1]['errors']})" if summary.failed else "")
-            )
-            if summary.duration_s < cfg.min_level_s and not summary.failed:
-                short_windows.append(f"c{c} repeat {rep + 1}: {summary.duration_s:.1f} s")
-            if summary.failed:
-                health = client.health(url)
-                if health != "ready" or summary.failed == summary.requests:
-                    fault = (
-                        f"the server {'stopped answering' if health != 'ready' else 'failed every request'} at "
-                        f"concurrency {c} ({rows[-1]['errors']}); /health: {health}"
-                    )
-                    break
-            rep += 1
-            spread = spread_pct([_number(r["output_throughput"]) for r in rows if r["concurrency"] == c])
-            if rep >= cfg.max_repeats or (rep >= cfg.repeats and (spread is None or spread <= cfg.max_spread_pct)):
-                break
-            if rep >= cfg.repeats:
-                log(f"concurrency {c:4d}: repeats spread {spread:.0f} % > {cfg.max_spread_pct:.0f} %, measuring again")
-        if fault:
-            stopped_by, stop_reason = "fault", f"server fault at concurrency {c}"
-            break
-        level = aggregate([r for r in rows if r["concurrency"] == c])[0]
-        label_limits([*measured, level], cfg)
-        log(f"concurrency {c:4d}: {level.limit}")
-        done_levels.append(c)
-        measured.append(level)
-        if not cfg.client_processes and (level.client_cpu_pct or 0) >= CLIENT_SPLIT_PCT:
-            processes = min(2 * processes, MAX_CLIENT_PROCESSES)
-        throughputs.append(level.output_throughput)
-        broken = objective_broken(level, cfg.objectives)
-        if broken:
-            stopped_by, stop_reason = "objective", f"latency objective broken at concurrency {c}: {broken}"
-            break
-        peak = declined(measured, cfg.plateau_gain)
-        if peak:
-            stopped_by = "decline"
-            stop_reason = (
-                f"past saturation: throughput fell to {level.output_throughput:,.0f} tok/s at concurrency {c}, "
-                f"{1 - level.output_throughput / peak.output_throughput:.0%} below its best "
-                f"({peak.output_throughput:,.0f} tok/s at {peak.concurrency}) in every repeat"
-            )
-            break
-        if plateau_reached(throughputs, cfg.plateau_gain):
-            stopped_by = "plateau"
-            stop_reason = (
-                f"plateau: under {cfg.plateau_gain:.0%} gain over the last two doublings "
-                f"(concurrency {done_levels[-3]} to {c})"
-            )
-            break
-    last_gain = _gain(throughputs)
-    if stopped_by == "max_concurrency":
-        if last_gain is None:
-            trend = ""
-        elif last_gain >= cfg.plateau_gain:
-            trend = f", throughput still rising ({last_gain:+.0%} over the last doubling)"
-        else:
-            trend = (
-                f", throughput flat over the last doubling ({last_gain:+.0%}); a plateau needs two such doublings: "
-                "raise bench_max_concurrency"
-            )
-        stop_reason = f"reached bench_max_concurrency {cfg.max_concurrency} before a plateau{trend}: not saturated"
-    per_level = label_limits(aggregate(rows), cfg)
-    tables = {name: f"{table_prefix}_{name}.parquet" for name in ("requests", "runs", "levels")}
-    loadgen.save_records(records, out_dir / f"{table_prefix}_requests")
-    tables["vllm_format"] = f"{table_prefix}_vllm"
-    for label, run in _by_level(records).items():
-        result = vllm_format.result_json(
-            run,
-            model=model,
-            tokenizer=model_path,
-            endpoint=cfg.workload.endpoint,
-            max_concurrency=int(label[1:].split("r")[0]),
-            label=label,
-            objectives=cfg.objectives,
-        )
-        vllm_format.write(result, out_dir / tables["vllm_format"] / f"{label}.json")
-    import pandas as pd
-
-    for name, table in (("runs", rows), ("levels", [lv.model_dump() for lv in per_level])):
-        frame = pd.DataFrame(table)
-        frame.to_parquet(out_dir / tables[name], index=False)
-        frame.to_csv(out_dir / tables[name].replace(".parquet", ".csv"), index=False)
-    best = max(per_level, key=lambda lv: lv.output_throughput) if per_level else None
-    single = next((lv for lv in per_level if lv.concurrency == 1), None)
+    state = _Sweep(target, model_path, cfg, log)
+    stop = state.run()
+    per_level = label_limits(aggregate(state.rows), cfg)
+    runs: dict[str, tuple[list[loadgen.RequestRecord], dict[str, Any]]] = {}
+    for r in state.records:
+        runs.setdefault(r.level, ([], {"max_concurrency": r.concurrency}))[0].append(r)
+    tables_written = {
+        "requests": tables.write_requests(state.records, out_dir / f"{table_prefix}_requests"),
+        "runs": tables.write([r.flat() for r in state.rows], out_dir / f"{table_prefix}_runs"),
+        "levels": tables.write([lv.flat() for lv in per_level], out_dir / f"{table_prefix}_levels"),
+        "vllm_format": tables.write_vllm_results(
+            runs, out_dir / f"{table_prefix}_vllm", model=target.model, tokenizer=model_path,
+            endpoint=cfg.workload.endpoint, objectives=cfg.objectives,
+        ),
+    }  # fmt: skip
     mismatches = metrics.LengthMismatches(
-        input=sum(int(_number(r["input_len_mismatches"])) for r in rows),
-        output=sum(int(_number(r["output_len_mismatches"])) for r in rows),
-        checked=sum(int(_number(r["completed"])) for r in rows),
+        input=sum(r.summary.length_mismatches.input for r in state.rows),
+        output=sum(r.summary.length_mismatches.output for r in state.rows),
+        checked=sum(r.summary.completed for r in state.rows),
     )
+    return SweepResult(
+        url=target.url,
+        model=target.model,
+        workload=cfg.workload,
+        max_concurrency=cfg.max_concurrency,
+        repeats=cfg.repeats,
+        plateau_gain=cfg.plateau_gain,
+        objectives=cfg.objectives,
+        levels=per_level,
+        runs=state.rows,
+        stopped_by=stop.by,
+        stop_reason=stop.reason,
+        fault=state.fault,
+        plateau_concurrency=_plateau_of(state.levels, cfg) if stop.by in ("plateau", "decline") else None,
+        last_gain=_gain([lv.output_throughput for lv in state.levels]),
+        best=_best(per_level),
+        single_stream=_single_stream(per_level),
+        length_mismatches=mismatches,
+        warnings=sweep_warnings(per_level, mismatches, state.short_windows, cfg),
+        tables=tables_written,
+    )
+
+
+def _plateau_of(levels: list[Level], cfg: SweepConfig) -> int | None:
+    return plateau_level([lv.concurrency for lv in levels], [lv.output_throughput for lv in levels], cfg.plateau_gain)
+
+
+def _best(levels: list[Level]) -> Best | None:
+    best = max(levels, key=lambda lv: lv.output_throughput) if levels else None
+    return Best(concurrency=best.concurrency, output_throughput=best.output_throughput) if best else None
+
+
+def _single_stream(levels: list[Level]) -> SingleStream | None:
+    single = next((lv for lv in levels if lv.concurrency == 1), None)
+    if single is None:
+        return None
+    return SingleStream(
+        output_throughput=single.output_throughput,
+        per_user_tok_s=single.per_user_tok_s,
+        ttft_p50_ms=single.ttft_p50_ms,
+        tpot_p50_ms=single.tpot_p50_ms,
+    )
+
+
+def sweep_warnings(
+    levels: list[Level], mismatches: metrics.LengthMismatches, short_windows: list[str], cfg: SweepConfig
+) -> list[str]:
+    """What a reader of the sweep must know before trusting its numbers."""
     warnings = []
     if mismatches.output:
         warnings.append(
@@ -743,7 +851,7 @@ def sweep(
             f"{len(short_windows)} windows ended before bench_min_level_s ({cfg.min_level_s:.0f} s) for want of "
             f"prompts: {'; '.join(short_windows[:5])}"
         )
-    wide = [lv for lv in per_level if lv.spread_pct is not None and lv.spread_pct > cfg.max_spread_pct]
+    wide = [lv for lv in levels if lv.spread_pct is not None and lv.spread_pct > cfg.max_spread_pct]
     if wide:
         warnings.append(
             "spread still above bench_max_spread_pct after "
@@ -753,35 +861,6 @@ def sweep(
         )
     if mismatches.input:
         warnings.append(f"{mismatches.input} prompts were counted differently by the server than by the tokenizer")
-    if off_clock := clock_disagreements(per_level):
-        warnings.append(off_clock)
-    return SweepResult(
-        url=url,
-        model=model,
-        workload=cfg.workload,
-        max_concurrency=cfg.max_concurrency,
-        repeats=cfg.repeats,
-        plateau_gain=cfg.plateau_gain,
-        objectives=cfg.objectives,
-        levels=per_level,
-        runs=rows,
-        stopped_by=stopped_by,
-        stop_reason=stop_reason,
-        fault=fault,
-        plateau_concurrency=plateau_level(done_levels, throughputs, cfg.plateau_gain)
-        if stopped_by in ("plateau", "decline")
-        else None,
-        last_gain=last_gain,
-        best=Best(concurrency=best.concurrency, output_throughput=best.output_throughput) if best else None,
-        single_stream=SingleStream(
-            output_throughput=single.output_throughput,
-            per_user_tok_s=single.per_user_tok_s,
-            ttft_p50_ms=single.ttft_p50_ms,
-            tpot_p50_ms=single.tpot_p50_ms,
-        )
-        if single
-        else None,
-        length_mismatches=mismatches,
-        warnings=warnings,
-        tables=tables,
-    )
+    if off := clock_disagreements(levels):
+        warnings.append(off)
+    return warnings

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from pathlib import Path
-from typing import List, NoReturn
+from typing import Any, List, NoReturn
 
 import typer
 
@@ -16,9 +15,9 @@ from servebook.gpus import GPUS
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 
-def _fail(exc: ServebookError) -> NoReturn:
+def _fail(exc: ServebookError, code: int | None = None) -> NoReturn:
     typer.echo(f"servebook: {exc}", err=True)
-    raise typer.Exit(exc.exit_code)
+    raise typer.Exit(exc.exit_code if code is None else code)
 
 
 def _version(value: bool) -> None:
@@ -176,66 +175,75 @@ def download(
     _run_stages(params_file, set_, "download", suffix="download")
 
 
+def _vocabulary_default(name: str) -> Any:
+    from servebook.params import Params
+
+    return Params.model_fields[name].get_default(call_default_factory=True)
+
+
 @app.command()
 def plan(
     model: str = typer.Argument(..., help="checkpoint folder, config.json, hub repo id, or builtin:tiny-qwen3-moe"),
-    gpus_: int = typer.Option(8, "--gpus", help="number of GPUs"),
+    gpus_: int = typer.Option(8, "--gpus", help="number of GPUs (per node with --nodes)"),
     gpu: str = typer.Option("H200", help="GPU model: " + ", ".join(GPUS)),
-    max_model_len: int = typer.Option(4096, help="context length each request may reach"),
-    gpu_memory_utilization: float = typer.Option(0.90, help="share of GPU memory vLLM may use (vLLM's default)"),
-    kv_cache_dtype: str = typer.Option("auto", help="auto or fp8"),
-    batch: int = typer.Option(64, help="concurrent sequences for the throughput ranking"),
+    max_model_len: int = typer.Option(
+        _vocabulary_default("max_model_len"), help="context length each request may reach"
+    ),
+    gpu_memory_utilization: float = typer.Option(
+        _vocabulary_default("gpu_memory_utilization"), help="share of GPU memory vLLM may use (vLLM's default)"
+    ),
+    kv_cache_dtype: str = typer.Option(_vocabulary_default("kv_cache_dtype"), help="auto or fp8"),
+    batch: int = typer.Option(
+        _vocabulary_default("plan_batch"), help="concurrent sequences for the throughput ranking"
+    ),
     nodes: int = typer.Option(1, help="machines the server spans (then --gpus counts GPUs per node)"),
     interconnect: str = typer.Option(
         "", help="network between the nodes, e.g. '8x400Gb/s InfiniBand' or '100GbE' (needed with --nodes)"
     ),
-    as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON"),
+    as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON, with each node's command"),
 ) -> None:
     """Which TP/PP/DP/EP layouts vLLM accepts for a model on N GPUs, memory per GPU, KV tokens, a recommendation.
 
     A terminal answer; `servebook run PARAMS --stages reconnaissance,plan` writes it as a run folder with a report.
     """
     from servebook import gpus as gpu_specs
-    from servebook import modelspec, multinode, planner
-    from servebook.stages.plan import table
+    from servebook import params, planner
+    from servebook.stages.plan import make_plan, node_commands_text, table
 
     try:
         if nodes > 1 and not interconnect:
-            raise ValueError(
+            raise ServebookError(
                 f"--nodes {nodes} needs --interconnect, the network between the nodes "
                 "(e.g. --interconnect '8x400Gb/s InfiniBand'): the ranking charges what crosses it"
             )
+        p = params.validate(
+            {"model": model, "max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
+             "kv_cache_dtype": kv_cache_dtype, "plan_batch": batch, "nodes": nodes, "node_interconnect": interconnect,
+             "device": "cuda", "plan_gpu": gpu, "plan_gpu_count": gpus_ * nodes, "layout_from_plan": True},
+            source="servebook plan",
+        )  # fmt: skip
         link = planner.parse_interconnect(interconnect) if nodes > 1 else None
-        spec = modelspec.load(model)
         g = gpu_specs.lookup(gpu)
-        device = planner.Device.for_gpu(g, gpus_ * nodes, nodes=nodes, link=link)
-        result = planner.plan(spec, device, max_model_len, gpu_memory_utilization, kv_cache_dtype, batch=batch)
+        result = make_plan(p, planner.Device.for_gpu(g, gpus_ * nodes, nodes=nodes, link=link))
     except KeyError as exc:
-        typer.echo(f"servebook: {exc.args[0]}", err=True)
-        raise typer.Exit(2) from None
+        _fail(ServebookError(str(exc.args[0])), code=2)
     except (ServebookError, ValueError) as exc:
-        typer.echo(f"servebook: {exc}", err=True)
-        raise typer.Exit(2) from None
+        _fail(ServebookError(str(exc)), code=2)
     if as_json:
-        typer.echo(result.model_dump_json(indent=2))
+        typer.echo(result.model_dump_json(indent=2, exclude={"schema_version", "written_at"}))
         return
     where = f"{nodes} nodes of {gpus_} x {g.name} ({interconnect})" if nodes > 1 else f"{gpus_} x {g.name}"
-    typer.echo(f"{spec.architecture} on {where}; weights {result.weights_total_bytes / 1e9:,.1f} GB")
+    typer.echo(f"{result.model.architecture} on {where}; weights {result.weights_total_bytes / 1e9:,.1f} GB")
     typer.echo(table(result).drop(columns=["why not"]).to_string(index=False))
     for layout in result.layouts:
         if layout.reasons:
             typer.echo(f"{layout.name}: {layout.reasons[0]}")
     typer.echo(f"recommended: {result.why}")
     best = result.recommended
-    if best and nodes > 1:
-        typer.echo(f"  {planner.MULTINODE_STRATEGIES[best.strategy]}")
-        for warning in best.warnings:
-            typer.echo(f"  note: {warning}")
-        flags = ["--max-model-len", str(max_model_len)]
-        for rank, argv in enumerate(multinode.commands(best.parallelism, nodes, gpus_, flags, model)):
-            typer.echo(f"  node {rank}: {shlex.join(argv)}")
-    elif best:
-        typer.echo("  " + " ".join(best.flags))
+    for warning in best.warnings if best and nodes > 1 else []:
+        typer.echo(f"  note: {warning}")
+    if result.node_commands:
+        typer.echo("  " + node_commands_text(result).replace("\n", "\n  "))
 
 
 @app.command()
@@ -282,10 +290,8 @@ def compare(
         _fail(exc)
     fig, crossings = plots.compare(runs)
     for c in crossings:
-        where = (
-            f"crosses over at concurrency {c['crossover_concurrency']}" if c["crossover_concurrency"] else "never cross"
-        )
-        typer.echo(f"{c['a']} vs {c['b']}: {where}")
+        where = f"crosses over at concurrency {c.crossover_concurrency}" if c.crossover_concurrency else "never cross"
+        typer.echo(f"{c.a} vs {c.b}: {where}")
     if html:
         fig.write_html(html, include_plotlyjs=True)
         typer.echo(str(html))

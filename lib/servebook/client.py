@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -47,8 +49,23 @@ def health(url: str, timeout: float = 2.0) -> str:
 
 
 def headers(api_key_env: str = "") -> dict[str, str]:
+    """The request headers for a server whose API key is in the variable ``api_key_env`` (none without one)."""
     key = os.environ.get(api_key_env) if api_key_env else None
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where requests go: the server, the model name it serves, the headers every request carries (its API key)
+    and how long one request may take. Every path that talks to a server takes one, so none can forget the key."""
+
+    url: str
+    model: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    timeout_s: float = 600.0
+
+    def with_timeout(self, timeout_s: float) -> Target:
+        return Target(self.url, self.model, self.headers, timeout_s)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -78,11 +95,23 @@ def key_gauges(values: dict[str, float]) -> dict[str, float]:
     return shown
 
 
-def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = client.post(path, json=body)
+def _answered(r: httpx.Response, what: str) -> dict[str, Any]:
+    if r.status_code == 401:
+        raise SmokeTestFailed(
+            f"{what} answered 401: the server wants an API key this client did not send or that differs; export the "
+            "variable api_key_env names with the server's key"
+        )
     if r.status_code != 200:
-        raise SmokeTestFailed(f"POST {path} answered {r.status_code}: {r.text[:500]}")
+        raise SmokeTestFailed(f"{what} answered {r.status_code}: {r.text[:500]}")
     return r.json()
+
+
+def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    return _answered(client.post(path, json=body), f"POST {path}")
+
+
+def _get(client: httpx.Client, path: str) -> dict[str, Any]:
+    return _answered(client.get(path), f"GET {path}")
 
 
 class Check(BaseModel):
@@ -190,81 +219,63 @@ def answer_check(what: str, text: str, usage: dict | None) -> Check:
     return Check(check=name, ok=False, detail=f"no text and no completion_tokens in usage ({usage})")
 
 
-def smoke_test(
-    url: str, model: str, max_tokens: int = 32, api_key_env: str = "", timeout: float = 120.0
-) -> SmokeResult:
+def _deterministic_pair(
+    client: httpx.Client, what: str, path: str, body: dict[str, Any], text_of: Any
+) -> tuple[Answer, list[Check]]:
+    """The same request twice at temperature 0: did it generate, did it answer alike, did it report usage?"""
+    answers = [_post(client, path, body) for _ in range(2)]
+    texts = [text_of(a["choices"][0]) or "" for a in answers]
+    first, usage = answers[0]["choices"][0], answers[0].get("usage")
+    same = texts[0] == texts[1]
+    checks = [
+        answer_check(what, texts[0], usage),
+        Check(
+            check=f"{what} is deterministic at temperature 0",
+            ok=same,
+            detail="two identical answers" if same else f"{texts[0][:60]!r} != {texts[1][:60]!r}",
+        ),
+        Check(
+            check=f"{what} has a finish reason and usage",
+            ok=bool(first["finish_reason"]) and bool((usage or {}).get("completion_tokens")),
+            detail=str(usage),
+        ),
+    ]
+    return Answer(text=texts[0], finish_reason=first["finish_reason"], usage=usage), checks
+
+
+def smoke_test(target: Target, max_tokens: int = 32) -> SmokeResult:
     """Does the server answer, correctly and deterministically, and how fast is one stream?
 
     Every check is recorded, failed or not; :func:`raise_on_failure` is the gate.
     """
-    checks: list[Check] = []
-
-    def check(name: str, ok: bool, detail: str) -> None:
-        checks.append(Check(check=name, ok=bool(ok), detail=detail))
-
-    with httpx.Client(base_url=url, headers=headers(api_key_env), timeout=timeout) as client:
-        listed = client.get("/v1/models").json()
-        names = [m["id"] for m in listed.get("data", [])]
-        check("models lists the served name", model in names, f"/v1/models: {names}")
-
-        chat_body = {
-            "model": model,
-            "messages": SMOKE_CHAT,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "min_tokens": MIN_TOKENS,
-        }
-        chats = [_post(client, "/v1/chat/completions", chat_body) for _ in range(2)]
-        texts = [c["choices"][0]["message"]["content"] or "" for c in chats]
-        chat = Answer(text=texts[0], finish_reason=chats[0]["choices"][0]["finish_reason"], usage=chats[0].get("usage"))
-        checks.append(answer_check("chat completion", texts[0], chats[0].get("usage")))
-        check(
-            "chat completion is deterministic at temperature 0",
-            texts[0] == texts[1],
-            "two identical answers" if texts[0] == texts[1] else f"{texts[0][:60]!r} != {texts[1][:60]!r}",
+    url, model = target.url, target.model
+    common = {"model": model, "max_tokens": max_tokens, "temperature": 0, "min_tokens": MIN_TOKENS}
+    with httpx.Client(base_url=url, headers=dict(target.headers), timeout=target.timeout_s) as client:
+        names = [m["id"] for m in _get(client, "/v1/models").get("data", [])]
+        checks = [Check(check="models lists the served name", ok=model in names, detail=f"/v1/models: {names}")]
+        chat, chat_checks = _deterministic_pair(
+            client, "chat completion", "/v1/chat/completions", {**common, "messages": SMOKE_CHAT},
+            lambda choice: choice["message"]["content"],
+        )  # fmt: skip
+        completion, completion_checks = _deterministic_pair(
+            client, "completion", "/v1/completions", {**common, "prompt": SMOKE_PROMPT}, lambda choice: choice["text"]
         )
-        check(
-            "chat completion has a finish reason and usage",
-            bool(chats[0]["choices"][0]["finish_reason"]) and bool(chats[0].get("usage", {}).get("completion_tokens")),
-            str(chats[0].get("usage")),
-        )
-
-        comp_body = {
-            "model": model,
-            "prompt": SMOKE_PROMPT,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "min_tokens": MIN_TOKENS,
-        }
-        comps = [_post(client, "/v1/completions", comp_body) for _ in range(2)]
-        ctexts = [c["choices"][0]["text"] or "" for c in comps]
-        completion = Answer(
-            text=ctexts[0], finish_reason=comps[0]["choices"][0]["finish_reason"], usage=comps[0].get("usage")
-        )
-        checks.append(answer_check("completion", ctexts[0], comps[0].get("usage")))
-        check(
-            "completion is deterministic at temperature 0",
-            ctexts[0] == ctexts[1],
-            "two identical answers" if ctexts[0] == ctexts[1] else f"{ctexts[0][:60]!r} != {ctexts[1][:60]!r}",
-        )
-        check(
-            "completion has a finish reason and usage",
-            bool(comps[0]["choices"][0]["finish_reason"]) and bool(comps[0].get("usage", {}).get("completion_tokens")),
-            str(comps[0].get("usage")),
-        )
-
+        checks += chat_checks + completion_checks
         stream = stream_timing(client, model, max_tokens)
-        check(
-            "stream honours max_tokens",
-            stream.completion_tokens == max_tokens,
-            f"{stream.completion_tokens} of {max_tokens} tokens",
+        checks.append(
+            Check(
+                check="stream honours max_tokens",
+                ok=stream.completion_tokens == max_tokens,
+                detail=f"{stream.completion_tokens} of {max_tokens} tokens",
+            )
         )
-
         gauges = key_gauges(metrics(url))
-        check(
-            "metrics expose the running/waiting gauges",
-            "requests running" in gauges and "requests waiting" in gauges,
-            ", ".join(gauges),
+        checks.append(
+            Check(
+                check="metrics expose the running/waiting gauges",
+                ok="requests running" in gauges and "requests waiting" in gauges,
+                detail=", ".join(gauges),
+            )
         )
     return SmokeResult(
         url=url,

@@ -16,7 +16,7 @@ import pynvml
 
 from servebook import nvml
 from servebook.errors import NvmlUnavailable
-from servebook.units import MiB
+from servebook.units import MiB, gib
 
 VLLM_TITLE_PREFIX = "VLLM::"
 # Memory (v2 "used", which excludes the driver's reservation) above this with no
@@ -222,3 +222,42 @@ def holders(inv: Inventory, gpu_indices: list[int] | None = None) -> list[tuple[
     """(gpu index, process) for every process on the given GPUs (all GPUs when None)."""
     wanted = set(gpu_indices) if gpu_indices is not None else None
     return [(g.index, p) for g in inv.gpus if wanted is None or g.index in wanted for p in g.processes]
+
+
+@dataclass
+class Blocker:
+    """Something on a GPU a new server would collide with: a process (vLLM's or another's), or memory in use
+    that no process NVML lists accounts for."""
+
+    gpu: int
+    used_bytes: int | None
+    process: GpuProcess | None = None  # None: memory no visible process accounts for
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.process is not None and self.process.is_vllm
+
+    def describe(self) -> str:
+        p = self.process
+        if p is None:
+            return (
+                f"GPU {self.gpu} has {gib(self.used_bytes)} in use by no process NVML can list (a container without "
+                "--pid=host, or another user); find it with nvidia-smi on the host"
+            )
+        who = p.title if p.visible else f"{p.title} (not visible from here: another PID namespace or user)"
+        kind = "an orphaned " if p.orphan else ("a leftover " if p.is_vllm else "")
+        return f"GPU {self.gpu} holds {gib(p.used_bytes)} for {kind}{who} (pid {p.pid})"
+
+
+def blockers(inv: Inventory, gpu_indices: list[int] | None = None) -> list[Blocker]:
+    """Everything on the given GPUs (all when None) that would stop a new server: the one GPU-holder rule that
+    reconnaissance, the launch's preflight, a unit's pre-start check and a stop's verification share."""
+    wanted = set(gpu_indices) if gpu_indices is not None else None
+    found = []
+    for g in inv.gpus:
+        if wanted is not None and g.index not in wanted:
+            continue
+        found += [Blocker(gpu=g.index, used_bytes=p.used_bytes, process=p) for p in g.processes]
+        if g.unattributed_bytes:
+            found.append(Blocker(gpu=g.index, used_bytes=g.unattributed_bytes))
+    return found

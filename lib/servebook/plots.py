@@ -8,6 +8,7 @@ edge), so every label on such an axis goes through :func:`_mark`.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -137,7 +138,15 @@ def crossover(a: pd.DataFrame, b: pd.DataFrame, metric: str = "output_throughput
     return None
 
 
-def compare(runs: list[tuple[str, pd.DataFrame]]) -> tuple[go.Figure, list[dict[str, str | int | None]]]:
+class Crossing(NamedTuple):
+    """Two runs compared: where the second's throughput overtakes the first's (None: never)."""
+
+    a: str
+    b: str
+    crossover_concurrency: int | None
+
+
+def compare(runs: list[tuple[str, pd.DataFrame]]) -> tuple[go.Figure, list[Crossing]]:
     """Throughput, per-user speed and TTFT of labelled runs on shared axes, and every pairwise crossover."""
     fig = make_subplots(rows=1, cols=3, subplot_titles=("output tok/s", "per-user tok/s", "TTFT p50 (ms)"))
     for label, lv in runs:
@@ -149,11 +158,11 @@ def compare(runs: list[tuple[str, pd.DataFrame]]) -> tuple[go.Figure, list[dict[
             )
     for col in (1, 2, 3):
         fig.update_xaxes(type="log", title="concurrent streams", row=1, col=col)
-    crossings: list[dict[str, str | int | None]] = []
+    crossings: list[Crossing] = []
     for i in range(len(runs)):
         for j in range(i + 1, len(runs)):
             c = crossover(runs[i][1], runs[j][1])
-            crossings.append({"a": runs[i][0], "b": runs[j][0], "crossover_concurrency": c})
+            crossings.append(Crossing(runs[i][0], runs[j][0], c))
             if c:
                 _mark(fig, c, f"crossover c={c}", row=1, col=1)
     fig.update_layout(title="Runs compared", height=450)
@@ -199,8 +208,8 @@ def rates(result: RateSweepResult) -> go.Figure:
             row=1,
             col=2,
         )
-    if result.objectives.get("ttft_ms"):
-        fig.add_hline(y=result.objectives["ttft_ms"], line_dash="dot", line_color="red", row=1, col=2)
+    if result.objectives.ttft_ms:
+        fig.add_hline(y=result.objectives.ttft_ms, line_dash="dot", line_color="red", row=1, col=2)
     fig.update_xaxes(title="offered requests/s", rangemode="tozero")
     fig.update_yaxes(title="completed requests/s", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title="ms", rangemode="tozero", row=1, col=2)

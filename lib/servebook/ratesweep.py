@@ -11,15 +11,16 @@ queue.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel
 
-from servebook import bench, loadgen, metrics, vllm_format
+from servebook import bench, loadgen, metrics, tables
+from servebook.client import Target
 from servebook.datasets import Cursor, Prompt
 from servebook.loadgen import Arrival, RequestRecord, Workload
 
@@ -78,7 +79,7 @@ class RateLevel(BaseModel):
 class RateSweepResult(BaseModel):
     arrival: Arrival
     burstiness: float
-    objectives: dict[str, float]
+    objectives: metrics.Objectives
     goodput_target: float
     levels: list[RateLevel]
     best_rate: float | None  # the highest rate kept up with (and meeting the objectives, where there are any)
@@ -184,23 +185,21 @@ def _level(
 
 
 def sweep_rates(
-    url: str,
-    model: str,
+    target: Target,
     model_path: str,
     cfg: RateSweepConfig,
     out_dir: Path,
-    headers: dict[str, str] | None = None,
+    *,
     log: Callable[[str], None] = print,
     table_prefix: str = "rates",
 ) -> RateSweepResult:
     """Each rate in turn, lowest first, until one the server cannot keep up with or that breaks the objectives;
     writes ``<table_prefix>_requests`` and ``<table_prefix>_levels`` tables."""
-    headers = headers or {}
     out_dir.mkdir(parents=True, exist_ok=True)
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(model_path), cfg.workload.seed)
     overhead = maker.chat_overhead() if cfg.workload.endpoint == "chat" else 0
     levels: list[RateLevel] = []
-    records: list[RequestRecord] = []
+    runs: dict[str, tuple[list[RequestRecord], dict[str, Any]]] = {}
     dataset = Cursor(cfg.dataset) if cfg.dataset else None
     stop_reason = f"every rate up to {max(cfg.rates):g} requests/s measured"
     for i, rate in enumerate(sorted(cfg.rates)):
@@ -209,31 +208,14 @@ def sweep_rates(
         prompts: list[loadgen.PromptLike] = (
             list(dataset.take(count)) if dataset else loadgen.synthetic_prompts(maker, count, cfg.workload, overhead)
         )
-        if cfg.reset_prefix_cache:
-            bench.reset_prefix_cache(url, headers)
-        started, before = time.monotonic(), bench.scrape_metrics(url)
-        with bench.MetricsSampler(url) as sampler:
-            recs, _, _ = loadgen.run_open_level(
-                url,
-                model,
-                cfg.workload,
-                prompts,
-                offsets,
-                f"r{rate:g}",
-                cfg.warmup,
-                cfg.request_timeout_s,
-                headers,
-                cfg.max_concurrency,
-            )
-        summary = metrics.summarize(recs, cfg.objectives)
-        clock = metrics.engine_clock(recs, before, bench.scrape_metrics(url))
-        level = _level(rate, offsets, summary, recs, sampler.peaks, cfg, clock)
+        level, recs = measure_rate(target, prompts, offsets, rate, cfg)
         levels.append(level)
-        records += recs
+        runs[f"r{rate:g}"] = (recs, {"max_concurrency": cfg.max_concurrency or None, "request_rate": level.rate,
+                                     "burstiness": cfg.burstiness if cfg.arrival == "gamma" else 1.0})  # fmt: skip
         log(
-            f"rate {rate:7.2f}/s: achieved {level.achieved_rate:6.2f}/s, {level.output_throughput:8.1f} output tok/s, "
-            f"TTFT p50 {level.ttft_p50_ms or 0:7.1f} ms p99 {level.ttft_p99_ms or 0:7.1f} ms, "
-            f"{level.requests} requests in {time.monotonic() - started:.1f} s; {level.verdict}"
+            f"rate {rate:7.2f}/s: offered {level.offered_rate:6.2f}/s, achieved {level.achieved_rate:6.2f}/s, "
+            f"{level.output_throughput:8.1f} output tok/s, TTFT p50 {level.ttft_p50_ms or 0:7.1f} ms "
+            f"p99 {level.ttft_p99_ms or 0:7.1f} ms, {level.requests} requests; {level.verdict}"
         )
         if not level.kept_up:
             stop_reason = f"the server could not keep up with {rate:g} requests/s"
@@ -242,38 +224,38 @@ def sweep_rates(
             stop_reason = f"objectives broken at {rate:g} requests/s"
             break
     good = [lv for lv in levels if lv.kept_up and lv.meets_objectives is not False]
-    tables = {
-        "requests": f"{table_prefix}_requests.parquet",
-        "levels": f"{table_prefix}_levels.parquet",
-        "vllm_format": f"{table_prefix}_vllm",
-    }
-    loadgen.save_records(records, out_dir / f"{table_prefix}_requests")
-    for lv in levels:
-        label = f"r{lv.rate:g}"
-        result = vllm_format.result_json(
-            [r for r in records if r.level == label],
-            model=model,
-            tokenizer=model_path,
-            endpoint=cfg.workload.endpoint,
-            max_concurrency=cfg.max_concurrency or None,
-            request_rate=lv.rate,
-            burstiness=cfg.burstiness if cfg.arrival == "gamma" else 1.0,
-            label=label,
-            objectives=cfg.objectives,
-        )
-        vllm_format.write(result, out_dir / tables["vllm_format"] / f"{label}.json")
-    import pandas as pd
-
-    frame = pd.DataFrame([lv.model_dump() for lv in levels])
-    frame.to_parquet(out_dir / tables["levels"], index=False)
-    frame.to_csv(out_dir / tables["levels"].replace(".parquet", ".csv"), index=False)
+    tables_written = {
+        "requests": tables.write_requests([r for recs, _ in runs.values() for r in recs], out_dir / f"{table_prefix}_requests"),
+        "levels": tables.write([lv.model_dump() for lv in levels], out_dir / f"{table_prefix}_levels"),
+        "vllm_format": tables.write_vllm_results(
+            runs, out_dir / f"{table_prefix}_vllm", model=target.model, tokenizer=model_path,
+            endpoint=cfg.workload.endpoint, objectives=cfg.objectives,
+        ),
+    }  # fmt: skip
     return RateSweepResult(
         arrival=cfg.arrival,
         burstiness=cfg.burstiness if cfg.arrival == "gamma" else 1.0,
-        objectives={k: v for k, v in vars(cfg.objectives).items() if v},
+        objectives=cfg.objectives,
         goodput_target=cfg.goodput_target,
         levels=levels,
         best_rate=max(lv.rate for lv in good) if good else None,
         stop_reason=stop_reason,
-        tables=tables,
+        tables=tables_written,
     )
+
+
+def measure_rate(
+    target: Target, prompts: list[loadgen.PromptLike], offsets: list[float], rate: float, cfg: RateSweepConfig
+) -> tuple[RateLevel, list[RequestRecord]]:
+    """One rate's window, with vLLM's counters and gauges around it."""
+    if cfg.reset_prefix_cache:
+        bench.reset_prefix_cache(target)
+    before = bench.scrape_metrics(target.url)
+    with bench.MetricsSampler(target.url) as sampler:
+        window = loadgen.run_open_level(
+            target, cfg.workload, prompts, offsets=offsets, level=f"r{rate:g}", warmup=cfg.warmup,
+            max_concurrency=cfg.max_concurrency,
+        )  # fmt: skip
+    summary = metrics.summarize(window.records, cfg.objectives)
+    clock = metrics.engine_clock(window.records, before, bench.scrape_metrics(target.url))
+    return _level(rate, offsets, summary, window.records, sampler.peaks, cfg, clock), window.records

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ def new_run_dir(run_name: str, root: Path | None = None) -> Path:
             return path
         except FileExistsError:
             continue
-    raise RuntimeError(f"could not create a new run folder under {root}")
+    raise ServebookError(f"could not create a new run folder under {root}: 999 runs this second; try again")
 
 
 def _scrub_notebook(path: Path, secrets: list[str]) -> None:
@@ -100,7 +101,7 @@ def _stage_error(exc: BaseException) -> tuple[str, int]:
         known = getattr(errors, exc.ename, None)
         code = known.exit_code if isinstance(known, type) and issubclass(known, errors.ServebookError) else 1
         return f"{exc.ename}: {exc.evalue}", code
-    return f"{type(exc).__name__}: {exc}", 1
+    return f"{type(exc).__name__}: {exc}", exc.exit_code if isinstance(exc, errors.ServebookError) else 1
 
 
 class _Indented:
@@ -142,6 +143,72 @@ def stop_started_server(run_dir: Path, log: Callable[[str], None]) -> str:
     return outcome.summary
 
 
+@dataclass
+class _Pipeline:
+    """One run in progress: its params, folder, what each notebook declares, and how it reports."""
+
+    params: params_mod.Params
+    run_dir: Path
+    selected: list[Stage]
+    declared: dict[str, dict[str, Any]]
+    secrets: list[str]
+    log: Callable[[str], None]
+    stream_output: bool
+
+    def run_stage(self, n: int, stage: Stage) -> tuple[StageRun, int]:
+        """Execute one stage's notebook; (how it ended, its exit code). A stage that finished without writing
+        its record failed: nothing later could read what it found."""
+        values = params_mod.notebook_values(self.params, set(self.declared[stage.name]))
+        if "run_dir" in self.declared[stage.name]:
+            values["run_dir"] = str(self.run_dir)
+        out = self.run_dir / stage.notebook
+        total = len(self.selected)
+        self.log(f"[{n}/{total}] {stage.record.FILE} ...")
+        start = time.monotonic()
+        entry, exit_code = StageRun(name=stage.record.FILE, status="ok"), 0
+        try:
+            pm.execute_notebook(
+                str(notebook_of(stage)), str(out), parameters=values, kernel_name="python3",
+                cwd=str(notebooks_dir()), progress_bar=False, log_output=False, report_mode=False,
+                kernel_manager_class=IpcKernelManager,
+                stdout_file=_Indented(sys.stdout) if self.stream_output else None,
+            )  # fmt: skip
+            if not results.path_of(self.run_dir, stage.record).is_file():
+                raise errors.MissingRecord(
+                    f"stage {stage.name} finished without writing {stage.record.FILE}.json; its notebook must call "
+                    f"servebook.stages.{stage.name}.run(), which writes the record later stages read"
+                )
+        except Exception as exc:  # papermill has saved the notebook with the failing cell marked
+            entry.status = "failed"
+            error, exit_code = _stage_error(exc)
+            entry.error = mask(error, self.secrets)
+            print(f"servebook: stage {stage.name} failed: {entry.error}", file=sys.stderr)
+        entry.seconds = round(time.monotonic() - start, 2)
+        entry.summary = mask(stage_summary(stage, self.run_dir), self.secrets)
+        _scrub_notebook(out, self.secrets)
+        first_line = entry.error.splitlines()[0] if entry.error else ""
+        said = f": {first_line}" if entry.status == "failed" else (f": {entry.summary}" if entry.summary else "")
+        self.log(f"[{n}/{total}] {stage.record.FILE} {entry.status} in {entry.seconds:.1f} s{said}")
+        return entry, exit_code
+
+
+def _manifest(
+    params: params_mod.Params, params_path: str | Path, overrides: list[str] | tuple[str, ...], run_dir: Path
+) -> Manifest:
+    return Manifest(
+        run_name=params.run_name,
+        run_dir=str(run_dir),
+        params_file=str(params_path),
+        overrides=list(overrides),
+        params=params.model_dump(mode="json"),
+        command=" ".join(sys.argv),
+        started_at=datetime.now(timezone.utc).isoformat(),
+        host=environment.host(params.model_store).model_copy(update={"hostname": socket.gethostname()}),
+        versions=environment.versions(),
+        git_commit=environment.git_commit(repo_root()),
+    )
+
+
 def run(
     params_path: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
@@ -159,56 +226,13 @@ def run(
     selected = stages.select(wanted)
     declared = {stage.name: declared_parameters(notebook_of(stage)) for stage in selected}
     run_dir = new_run_dir(f"{params.run_name}-{suffix}" if suffix else params.run_name)
-    secrets = secret_values()
-    manifest = Manifest(
-        run_name=params.run_name,
-        run_dir=str(run_dir),
-        params_file=str(params_path),
-        overrides=list(overrides),
-        params=params.model_dump(mode="json"),
-        command=" ".join(sys.argv),
-        started_at=datetime.now(timezone.utc).isoformat(),
-        host=environment.host(params.model_store).model_copy(update={"hostname": socket.gethostname()}),
-        versions=environment.versions(),
-        git_commit=environment.git_commit(repo_root()),
-    )
+    pipeline = _Pipeline(params, run_dir, selected, declared, secret_values(), log, stream_output)
+    manifest = _manifest(params, params_path, overrides, run_dir)
     exit_code = 0
     try:
         for n, stage in enumerate(selected, 1):
-            values = params_mod.notebook_values(params, set(declared[stage.name]))
-            if "run_dir" in declared[stage.name]:
-                values["run_dir"] = str(run_dir)
-            out = run_dir / stage.notebook
-            log(f"[{n}/{len(selected)}] {stage.record.FILE} ...")
-            start = time.monotonic()
-            entry = StageRun(name=stage.record.FILE, status="ok")
-            try:
-                pm.execute_notebook(
-                    str(notebook_of(stage)),
-                    str(out),
-                    parameters=values,
-                    kernel_name="python3",
-                    cwd=str(notebooks_dir()),
-                    progress_bar=False,
-                    log_output=False,
-                    report_mode=False,
-                    kernel_manager_class=IpcKernelManager,
-                    stdout_file=_Indented(sys.stdout) if stream_output else None,
-                )
-            except Exception as exc:  # papermill has saved the notebook with the failing cell marked
-                entry.status = "failed"
-                error, exit_code = _stage_error(exc)
-                entry.error = mask(error, secrets)
-                print(f"servebook: stage {stage.name} failed: {entry.error}", file=sys.stderr)
-            entry.seconds = round(time.monotonic() - start, 2)
-            entry.summary = mask(stage_summary(stage, run_dir), secrets)
-            _scrub_notebook(out, secrets)
+            entry, exit_code = pipeline.run_stage(n, stage)
             manifest.stages.append(entry)
-            first_line = entry.error.splitlines()[0] if entry.error else ""
-            log(
-                f"[{n}/{len(selected)}] {stage.record.FILE} {entry.status} in {entry.seconds:.1f} s"
-                + (f": {first_line}" if entry.status == "failed" else (f": {entry.summary}" if entry.summary else ""))
-            )
             if exit_code:
                 manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
                 break

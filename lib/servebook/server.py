@@ -2,23 +2,19 @@
 
 Every server runs in its own session (process group) with its log in the run
 folder, and is recorded in a registry under the servebook cache so that
-``servebook status`` and ``servebook stop`` find it from any shell.  vLLM renames
-its processes ``VLLM::APIServer``, ``VLLM::EngineCore``, ``VLLM::Worker_TP<n>``;
-killing the API server with SIGKILL leaves the others alive, so a stop signals
-the whole group and then looks for survivors by group and by title.
+``servebook status`` and ``servebook stop`` find it from any shell.  What a server
+is made of lives in :mod:`servebook.server_config`; how its processes are found
+and stopped, in :mod:`servebook.processes`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
-import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -28,154 +24,20 @@ from pydantic import BaseModel
 from servebook import hardware, models, remote, vllm_compat
 from servebook.client import health
 from servebook.errors import CleanupError, LaunchError, PreflightError
-from servebook.params import Params
-from servebook.planner import Parallelism
+from servebook.processes import (
+    STOP_GRACE_S,
+    Terminated,
+    describe,
+    group_members,
+    port_holder,
+    terminate,
+    vllm_orphans,
+)
 from servebook.secrets import mask, mask_env
-from servebook.units import gib
+from servebook.server_config import BASE_BUDGET_S, ServerConfig, load_budget_s
 from servebook.vllm_log import ANSI_ESCAPE, UNRECOGNISED, LoadProgress, LogValues, root_cause, tail
 
-STOP_GRACE_S = 20.0  # vLLM's worker shutdown timeout is 5 s; leave room for the engine and API server
-SECONDS_PER_GB = 6.0  # load-budget slope: 547 GB took 36 minutes in the story
-BASE_BUDGET_S = 300.0  # imports, torch.compile warm-up and graph capture on a small model
-
-
-def load_budget_s(checkpoint_bytes: float | None, load_timeout_s: float = 0.0) -> float:
-    """How long a load may take before it counts as failed: ``load_timeout_s``, or grown with the checkpoint."""
-    if load_timeout_s:
-        return float(load_timeout_s)
-    return BASE_BUDGET_S + SECONDS_PER_GB * (checkpoint_bytes or 0) / 1e9
-
-
-# ---------------------------------------------------------------- configuration
-
-
-@dataclass
-class ServerConfig:
-    """Everything that determines a server's behaviour; its hash decides reuse."""
-
-    model: str  # what the params named
-    model_path: str  # what vLLM loads
-    served_model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device: str = "cpu"
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    gpu_ids: list[int] = field(default_factory=list)
-    max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
-    cpu_kv_cache_gib: float = 1.0
-    enforce_eager: bool = False
-    max_num_seqs: int = 0
-    api_key_env: str = ""
-    extra_args: list[str] = field(default_factory=list)
-    extra_env: dict[str, str] = field(default_factory=dict)
-    load_timeout_s: float = 0.0
-    node_flags: list[str] = field(default_factory=list)  # the head's part of a multi-node server (multinode.py)
-    nodes: int = 1  # machines the server spans; this one holds world_size / nodes of its GPUs
-
-    @classmethod
-    def from_params(
-        cls, params: Params, device: str, layout: Parallelism | None = None, model_path: str | None = None
-    ) -> ServerConfig:
-        """Build from parameters; a plan's recommended layout overrides the layout keys, a download's folder the model."""
-        keys = {f for f in cls.__dataclass_fields__ if f not in {"model_path", "device"}}
-        chosen = {k: v for k, v in params.model_dump().items() if k in keys}
-        if layout:
-            chosen.update(layout.params())
-        model = chosen["model"]
-        chosen["served_model_name"] = chosen.get("served_model_name") or models.default_served_name(model)
-        return cls(model_path=model_path or models.resolve(model), device=device, **chosen)
-
-    @property
-    def parallelism(self) -> Parallelism:
-        return Parallelism(
-            tp=self.tensor_parallel_size,
-            pp=self.pipeline_parallel_size,
-            dp=self.data_parallel_size,
-            ep=self.enable_expert_parallel,
-        )
-
-    @property
-    def world_size(self) -> int:
-        return self.parallelism.world_size
-
-    @property
-    def target_gpus(self) -> list[int]:
-        return hardware.target_gpus(self.gpu_ids, self.world_size // self.nodes) if self.device == "cuda" else []
-
-    @property
-    def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{host}:{self.port}"
-
-    def serve_args(self) -> list[str]:
-        """vLLM flags after the model, in the order a person would write them."""
-        args = [
-            "--served-model-name",
-            self.served_model_name,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            str(self.max_model_len),
-            *self.parallelism.flags(),
-        ]
-        if self.device == "cuda":
-            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-        if self.kv_cache_dtype != "auto":
-            args += ["--kv-cache-dtype", self.kv_cache_dtype]
-        if self.enforce_eager:
-            args.append("--enforce-eager")
-        if self.max_num_seqs:
-            args += ["--max-num-seqs", str(self.max_num_seqs)]
-        return args + list(self.node_flags) + list(self.extra_args)
-
-    def command(self) -> list[str]:
-        return vllm_compat.serve_prefix(self.model_path) + self.serve_args()
-
-    def load_budget_s(self) -> float:
-        size, _ = models.checkpoint_bytes(self.model_path)
-        return load_budget_s(size, self.load_timeout_s)
-
-    def environment(self, base: dict[str, str] | None = None, with_secrets: bool = True) -> dict[str, str]:
-        """The server's environment: ours, plus what vLLM needs, plus extra_env. The API key stays out of argv."""
-        env = dict(os.environ if base is None else base)
-        # The launcher must not cut a long load short: vLLM's own default is 600 s.
-        env["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(self.load_budget_s()))
-        # Jupyter kernels advertise colour; a log file wants plain text.
-        env["VLLM_LOGGING_COLOR"] = "0"
-        env["NO_COLOR"] = "1"
-        env.pop("FORCE_COLOR", None)
-        if self.device == "cpu":
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.cpu_kv_cache_gib)))
-            env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        else:
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's device N is NVML's index N
-            if self.gpu_ids:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
-        env.pop("VLLM_API_KEY", None)
-        if self.api_key_env and with_secrets:
-            if self.api_key_env not in os.environ:
-                raise PreflightError(
-                    f"api_key_env names {self.api_key_env}, which is not set; export it or set api_key_env: ''"
-                )
-            env["VLLM_API_KEY"] = os.environ[self.api_key_env]
-        env.update(self.extra_env)
-        return env
-
-    def fingerprint(self) -> str:
-        data = asdict(self)
-        data.pop("load_timeout_s")
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-    def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
-
+__all__ = ["BASE_BUDGET_S", "STOP_GRACE_S", "ServerConfig", "Terminated", "describe", "group_members", "load_budget_s"]
 
 # ---------------------------------------------------------------- registry
 
@@ -225,113 +87,6 @@ def register(record: Registration) -> None:
 
 def unregister(port: int) -> None:
     _registry_path(port).unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------- processes
-
-
-def group_members(pgid: int) -> list[psutil.Process]:
-    members = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                members.append(proc)
-        except (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return members
-
-
-def vllm_orphans() -> list[psutil.Process]:
-    """``VLLM::`` processes whose launcher is gone (re-parented to init or a subreaper)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if hardware.title(proc).startswith(hardware.VLLM_TITLE_PREFIX) and hardware.is_orphan(proc.pid):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-def describe(proc: psutil.Process) -> str:
-    try:
-        return f"pid {proc.pid} '{hardware.title(proc)[:80]}' (user {proc.username()})"
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return f"pid {proc.pid}"
-
-
-def port_holder(host: str, port: int) -> psutil.Process | None | bool:
-    """The process listening on the port, True when something listens but cannot be named, None when free."""
-    for conn in psutil.net_connections(kind="inet"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
-            if conn.laddr.ip in (host, "0.0.0.0", "::", "127.0.0.1", "::1") or host in ("0.0.0.0", "::"):
-                if conn.pid:
-                    try:
-                        return psutil.Process(conn.pid)
-                    except psutil.NoSuchProcess:
-                        continue
-                return True
-    return None
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def _signal(procs: list[psutil.Process], sig: int) -> None:
-    for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-
-
-def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-class Terminated(BaseModel):
-    signalled: list[str]
-    killed_after_grace: list[str]
-    remaining: list[str]
-    seconds: float
-    port: int | None = None
-
-
-def terminate(pgid: int | None, extra: Sequence[psutil.Process] = (), grace_s: float = STOP_GRACE_S) -> Terminated:
-    """SIGTERM our group (and extra processes), wait, SIGKILL what remains, and say what happened.
-
-    ``pgid`` is only ever a group servebook created; processes found by title are
-    signalled one by one, never through a group they may share with a shell.
-    """
-    start = time.monotonic()
-    targets = {p.pid: p for p in [*(group_members(pgid) if pgid else []), *extra]}
-    described = [describe(p) for p in targets.values()]
-    if pgid:
-        _signal_group(pgid, signal.SIGTERM)
-    _signal(list(extra), signal.SIGTERM)
-    alive = _wait_gone(list(targets.values()), grace_s)
-    killed = [describe(p) for p in alive]
-    if alive:
-        if pgid:
-            _signal_group(pgid, signal.SIGKILL)
-        _signal(alive, signal.SIGKILL)
-        alive = _wait_gone(alive, 10)
-    late = group_members(pgid) if pgid else []  # a child forked during shutdown
-    if late:
-        _signal(late, signal.SIGKILL)
-        alive += _wait_gone(late, 5)
-    return Terminated(
-        signalled=described,
-        killed_after_grace=killed,
-        remaining=[describe(p) for p in alive],
-        seconds=round(time.monotonic() - start, 2),
-    )
 
 
 # ---------------------------------------------------------------- preflight
@@ -418,12 +173,10 @@ def _check_gpus(cfg: ServerConfig, stop_leftovers: bool, log: Callable[[str], No
     inv = hardware.inventory()
     if not inv.available:
         raise PreflightError(f"device is cuda but {inv.error}")
-    targets = cfg.target_gpus
-    held = hardware.holders(inv, targets)
-    foreign = [(i, p) for i, p in held if not p.is_vllm]
-    leftovers = [(i, p) for i, p in held if p.is_vllm]
-    lines = [f"GPU {i}: pid {p.pid} {p.title} {gib(p.used_bytes)}" for i, p in held]
-    if foreign:
+    found = hardware.blockers(inv, cfg.target_gpus)
+    lines = [b.describe() for b in found]
+    leftovers = [b for b in found if b.is_vllm]
+    if any(b.process is not None and not b.is_vllm for b in found):
         raise PreflightError(
             "target GPUs are held by processes that are not vLLM's; servebook will not touch them:\n  "
             + "\n  ".join(lines)
@@ -435,16 +188,15 @@ def _check_gpus(cfg: ServerConfig, stop_leftovers: bool, log: Callable[[str], No
             + "\n  ".join(lines)
             + "\nrun `servebook stop --orphans` or set stop_leftovers: true"
         )
-    for i, p in leftovers:
-        log(f"stopping leftover vLLM process on GPU {i}: pid {p.pid} {p.title}")
+    for b in leftovers:
+        assert b.process is not None
+        log(f"stopping leftover vLLM process: {b.describe()}")
         with contextlib.suppress(psutil.NoSuchProcess):
-            psutil.Process(p.pid).terminate()
-    invisible = [g for g in inv.gpus if g.index in targets and g.unattributed_bytes]
-    if invisible:
+            psutil.Process(b.process.pid).terminate()
+    if any(b.process is None for b in found):
         raise PreflightError(
-            "target GPUs hold memory no visible process accounts for: "
-            + ", ".join(f"GPU {g.index} {gib(g.unattributed_bytes)}" for g in invisible)
-            + "; another container or user holds them"
+            "target GPUs hold memory no visible process accounts for; another container or user holds them:\n  "
+            + "\n  ".join(b.describe() for b in found if b.process is None)
         )
     return lines
 
@@ -494,43 +246,48 @@ def launch(
     if pre.reuse:
         rec = pre.reuse
         return Launch(
-            cfg,
-            rec.pid,
-            rec.pgid,
-            rec.url,
-            rec.log_path,
-            True,
-            False,
-            rec.command,
-            environment_record(cfg, env),
-            0.0,
-            {},
-            rec.values,
-            pre,
-        )
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / "server.log"
-    if log_path.exists():  # never overwrite an earlier server's log
-        log_path = log_dir / f"server-{datetime.now().strftime('%H%M%S')}.log"
+            config=cfg, pid=rec.pid, pgid=rec.pgid, url=rec.url, log_path=rec.log_path, reused=True,
+            started_by_this_run=False, command=rec.command, environment=environment_record(cfg, env),
+            seconds_to_ready=0.0, phases={}, values=rec.values, preflight=pre,
+        )  # fmt: skip
+    log_path = _new_log_path(Path(log_dir))
     command = cfg.command()
     budget = cfg.load_budget_s()
-    log(
-        f"starting vLLM ({'module entry point' if '-m' in command else 'console script'}), load budget {budget:.0f} s, log {log_path}"
-    )
+    log(f"starting vLLM ({' '.join(command[:3])}), load budget {budget:.0f} s, log {log_path}")
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
-            command,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            command, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
-        )
-    pgid = proc.pid  # start_new_session makes the child a group leader
-    record = Registration(
-        pid=proc.pid,
-        pgid=pgid,
+        )  # fmt: skip
+    record = _registration(cfg, proc.pid, command, log_path)
+    register(record)
+    try:
+        _start_workers(cfg, record, workers, log)
+        phases, values, seconds = _wait_ready(proc, cfg, log_path, budget, on_progress, record.workers)
+    except BaseException:
+        stop(port=cfg.port)
+        raise
+    record.values = values
+    register(record)
+    return Launch(
+        config=cfg, pid=proc.pid, pgid=record.pgid, url=cfg.url, log_path=str(log_path), reused=False,
+        started_by_this_run=True, command=command, environment=environment_record(cfg, env),
+        seconds_to_ready=seconds, phases=phases, values=values, preflight=pre,
+    )  # fmt: skip
+
+
+def _new_log_path(log_dir: Path) -> Path:
+    """``server.log`` in the folder, or a timestamped name beside it: an earlier server's log is never overwritten."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / "server.log"
+    return path if not path.exists() else log_dir / f"server-{datetime.now().strftime('%H%M%S')}.log"
+
+
+def _registration(cfg: ServerConfig, pid: int, command: list[str], log_path: Path) -> Registration:
+    """The registry entry of a server just started (``start_new_session`` made it its group's leader)."""
+    return Registration(
+        pid=pid,
+        pgid=pid,
         port=cfg.port,
         host=cfg.host,
         url=cfg.url,
@@ -543,44 +300,27 @@ def launch(
         gpu_ids=cfg.target_gpus,
         started_at=datetime.now(timezone.utc).isoformat(),
     )
-    register(record)
-    try:
-        node_env = cfg.environment(base={}, with_secrets=False)  # the API key stays on the head, which serves
-        for worker in workers:
-            own = {"VLLM_HOST_IP": worker.address} if worker.address else {}
-            try:
-                pid = remote.start(worker.ssh, worker.command, node_env | own, worker.log_path, worker.ssh_config)
-            except remote.RemoteError as exc:
-                done = remote.stop_unanswered(worker.ssh, worker.log_path, worker.ssh_config)
-                raise LaunchError(
-                    f"could not start vLLM on {worker.node}: {exc}; {done}. Check that the node answers over SSH "
-                    "(`servebook reconnaissance` probes every node), then launch again",
-                    cause=str(exc),
-                ) from None
-            record.workers.append(worker.model_copy(update={"pid": pid}))
-            register(record)
-            log(f"started vLLM on {worker.node} (pid {pid} there), log {worker.log_path} there")
-        phases, values, seconds = _wait_ready(proc, cfg, log_path, budget, on_progress, record.workers)
-    except BaseException:
-        stop(port=cfg.port)
-        raise
-    record.values = values
-    register(record)
-    return Launch(
-        cfg,
-        proc.pid,
-        pgid,
-        cfg.url,
-        str(log_path),
-        False,
-        True,
-        command,
-        environment_record(cfg, env),
-        seconds,
-        phases,
-        values,
-        pre,
-    )
+
+
+def _start_workers(
+    cfg: ServerConfig, record: Registration, workers: Sequence[remote.WorkerRecord], log: Callable[[str], None]
+) -> None:
+    """Start each other node's vLLM, registering it as it starts so a stop reaches it."""
+    node_env = cfg.environment(base={}, with_secrets=False)  # the API key stays on the head, which serves
+    for worker in workers:
+        own = {"VLLM_HOST_IP": worker.address} if worker.address else {}
+        try:
+            pid = remote.start(worker.ssh, worker.command, node_env | own, worker.log_path, worker.ssh_config)
+        except remote.RemoteError as exc:
+            done = remote.stop_unanswered(worker.ssh, worker.log_path, worker.ssh_config)
+            raise LaunchError(
+                f"could not start vLLM on {worker.node}: {exc}; {done}. Check that the node answers over SSH "
+                "(`servebook reconnaissance` probes every node), then launch again",
+                cause=str(exc),
+            ) from None
+        record.workers.append(worker.model_copy(update={"pid": pid}))
+        register(record)
+        log(f"started vLLM on {worker.node} (pid {pid} there), log {worker.log_path} there")
 
 
 def _wait_ready(
@@ -677,20 +417,6 @@ def workers_gone(workers: Sequence[remote.WorkerRecord]) -> list[str]:
     return gone
 
 
-@contextlib.contextmanager
-def running(
-    cfg: ServerConfig, log_dir: str | Path, stop_leftovers: bool = False, log: Callable[[str], None] = print
-) -> Iterator[Launch]:
-    """``with running(cfg, folder) as launch:``: a ready server for the block, stopped afterwards if this call
-    started it (a reused server is left as it was)."""
-    launched = launch(cfg, log_dir, stop_leftovers=stop_leftovers, log=log)
-    try:
-        yield launched
-    finally:
-        if launched.started_by_this_run:
-            stop(port=cfg.port, host=cfg.host)
-
-
 # ---------------------------------------------------------------- stop and status
 
 
@@ -754,7 +480,7 @@ def _gpu_leftovers(records: list[Registration]) -> list[str]:
     inv = hardware.inventory()
     if not inv.available:
         return []
-    return [f"GPU {i}: pid {p.pid} {p.title}" for i, p in hardware.holders(inv) if p.is_vllm]
+    return [b.describe() for b in hardware.blockers(inv) if b.is_vllm]
 
 
 class ServerStatus(BaseModel):
@@ -852,13 +578,7 @@ def resources_held(port: int, host: str = "127.0.0.1", gpu_ids: list[int] | None
         if not inv.available:
             problems.append(f"GPUs {gpu_ids} requested but {inv.error}")
         else:
-            for i, p in hardware.holders(inv, gpu_ids):
-                problems.append(f"GPU {i} holds {gib(p.used_bytes)} for pid {p.pid} {p.title}")
-            problems += [
-                f"GPU {g.index} has {gib(g.unattributed_bytes)} in use by no visible process"
-                for g in inv.gpus
-                if g.index in gpu_ids and g.unattributed_bytes
-            ]
+            problems += [b.describe() for b in hardware.blockers(inv, gpu_ids)]
     return problems
 
 

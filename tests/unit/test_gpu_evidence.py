@@ -39,13 +39,16 @@ def test_a_gpu_wall_labels_a_level_that_stopped_rising_and_not_one_still_rising(
     cfg = bench.SweepConfig()
     level = bench.Level(
         concurrency=64, repeats=2, output_throughput=4000.0, output_throughput_min=3950.0,
-        output_throughput_max=4050.0, spread_pct=2.5, running_peak=64, gpu_pcie_pct=91.0, gpu_pcie_link="Gen5 x16",
-        gpu_pcie_direction="from the GPU", gpu_sm_util_pct=55.0,
+        output_throughput_max=4050.0, spread_pct=2.5, running_peak=64,
+        gpu=gpu_evidence.GpuEvidence(
+            samples=20, pcie_peak_pct=91.0, pcie_link="Gen5 x16", pcie_peak_direction="from the GPU",
+            sm_util_mean_pct=55.0,
+        ),
     )  # fmt: skip
     kind, words = bench.limit_of(level, gain=0.02, cfg=cfg)
     assert kind == "pcie" and words.startswith("PCIe at 91 % of Gen5 x16 (from the GPU)")
     assert bench.limit_of(level, gain=0.4, cfg=cfg)[0] == "rising"
-    calm = level.model_copy(update={"gpu_pcie_pct": 30.0})
+    calm = level.model_copy(update={"gpu": level.gpu.model_copy(update={"pcie_peak_pct": 30.0})})
     kind, words = bench.limit_of(calm, gain=0.02, cfg=cfg)
     assert kind == "server" and "SM busy 55 %" in words
 
@@ -83,7 +86,7 @@ def test_the_sampler_reads_the_fake_nvml_and_says_why_a_cpu_server_has_no_eviden
     with gpu_evidence.GpuSampler([]) as cpu:
         pass
     assert cpu.evidence is None and cpu.absent == "no GPU serves this model"
-    assert bench._gpu_columns(cpu) == {"gpu_note": "no GPU evidence: no GPU serves this model"}
+    assert bench.gpu_columns(cpu.evidence) == {}
 
 
 def nvlink(gpu, t_s, tx_gb, rx_gb, capacity=450.0):
@@ -118,7 +121,7 @@ def test_the_sampler_reads_nvlink_counters_and_link_speed_from_the_fake_nvml(mon
     assert e.nvlink_peak_gbs == pytest.approx(405, rel=0.02) and e.nvlink_peak_direction == "sent"
     kind, words = gpu_evidence.verdict(e)
     assert kind == "nvlink" and words.startswith("NVLink at 90 % of 450 GB/s")
-    row = bench._gpu_columns(sampler)
+    row = bench.gpu_columns(sampler.evidence)
     assert row["gpu_nvlink_pct"] == pytest.approx(90, abs=2) and row["gpu_nvlink_direction"] == "sent"
     # an H200 board whose scenario gives no link speed: no bandwidth to measure against, so no NVLink evidence
     monkeypatch.setenv("SERVEBOOK_FAKE_NVML", "h200x8-nvlink")
@@ -130,8 +133,11 @@ def test_the_sampler_reads_nvlink_counters_and_link_speed_from_the_fake_nvml(mon
 def test_an_nvlink_wall_labels_a_level_once_throughput_stops_rising():
     level = bench.Level(
         concurrency=128, repeats=2, output_throughput=9000.0, output_throughput_min=8900.0,
-        output_throughput_max=9100.0, spread_pct=2.2, running_peak=128, gpu_nvlink_pct=92.0,
-        gpu_nvlink_gbs=414.0, gpu_nvlink_capacity_gbs=450.0, gpu_nvlink_direction="sent",
+        output_throughput_max=9100.0, spread_pct=2.2, running_peak=128,
+        gpu=gpu_evidence.GpuEvidence(
+            samples=20, nvlink_peak_pct=92.0, nvlink_peak_gbs=414.0, nvlink_capacity_gbs=450.0,
+            nvlink_peak_direction="sent",
+        ),
     )  # fmt: skip
     kind, words = bench.limit_of(level, gain=0.01, cfg=bench.SweepConfig())
     assert kind == "nvlink" and words.startswith("NVLink at 92 % of 450 GB/s (414 GB/s sent)")
@@ -153,7 +159,8 @@ def test_the_limits_table_is_rounded_under_readable_headers_with_shared_notes_be
             "kv_cache_usage_peak": [3.39e-05, 0.008359],
             "gpu_sm_util_pct": [36.45, 23.49],
             "gpu_slowdowns": ["", "power cap"],
-            "gpu_note": ["10 NVML samples", "24 NVML samples; 25 NVML samples"],
+            "gpu_note": ["", ""],
+            "gpu_samples": ["10", "24, 25"],
             "plan_ceiling_tok_s": [4997.38, 66147.57],
             "output_throughput": [562.0, 12670.0],
         }
@@ -168,7 +175,9 @@ def test_the_limits_table_is_rounded_under_readable_headers_with_shared_notes_be
     assert shown.loc[1, "plan's decode ceiling, tok/s"] == 4997 and shown.loc[1, "clock slowdowns"] == ""
     assert note == "NVML sampled each measurement 10–25 times"
 
-    cpu = levels.assign(gpu_note="no GPU evidence: no GPU serves this model").drop(columns="gpu_slowdowns")
+    cpu = levels.assign(gpu_note="no GPU evidence: no GPU serves this model", gpu_samples="").drop(
+        columns="gpu_slowdowns"
+    )
     shown, note = benchmark.limits_table(cpu)
     assert note == "no GPU evidence: no GPU serves this model" and "GPU note" not in shown
 

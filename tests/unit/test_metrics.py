@@ -124,10 +124,38 @@ def test_broken_objective_names_the_metric():
     assert bench.objective_broken(level, metrics.Objectives(tpot_ms=20)) == ""
 
 
+def run_row(concurrency: int, repeat: int, output_throughput: float, **fields) -> bench.RunRow:
+    """A measured window as the sweep records it, with only the figures a test names."""
+    clock = metrics.EngineClock(
+        requests=0, vllm_requests=0, client_ttft_mean_ms=None, vllm_ttft_mean_ms=None, client_tpot_mean_ms=None,
+        vllm_tpot_mean_ms=None,
+    )  # fmt: skip
+    summary = metrics.summarize([]).model_copy(update={"output_throughput": output_throughput})
+    return bench.RunRow(
+        concurrency=concurrency, repeat=repeat, summary=summary, server=bench.ServerCounters(), clock=clock,
+        prefix_cache_reset="reset", client_cpu_pct=10.0, client_processes=1, **fields,
+    )  # fmt: skip
+
+
 def test_aggregate_reports_median_and_spread():
-    rows = [{"concurrency": 4, "output_throughput": t, "failed": 0, "preemptions": 0} for t in (90.0, 100.0, 110.0)]
+    rows = [run_row(4, rep, t) for rep, t in enumerate((90.0, 100.0, 110.0))]
     (level,) = bench.aggregate(rows)
     assert level.output_throughput == 100 and level.spread_pct == pytest.approx(20.0)
+    assert level.client_cpu_pct == 10.0 and level.gpu is None
+
+
+def test_a_levels_gpu_evidence_is_the_median_of_its_repeats_and_names_every_slowdown():
+    from servebook.gpu_evidence import GpuEvidence
+
+    seen = [
+        GpuEvidence(samples=10, sm_util_mean_pct=40.0, pcie_peak_pct=80.0, pcie_link="Gen5 x16", slowdowns=[]),
+        GpuEvidence(samples=12, sm_util_mean_pct=60.0, pcie_peak_pct=90.0, pcie_link="Gen5 x16", slowdowns=["power cap"]),
+    ]
+    (level,) = bench.aggregate([run_row(8, rep, 1000.0, gpu=e) for rep, e in enumerate(seen)])
+    assert level.gpu.sm_util_mean_pct == 50 and level.gpu.pcie_peak_pct == 85 and level.gpu.pcie_link == "Gen5 x16"
+    assert level.gpu.slowdowns == ["power cap"] and level.gpu_samples == [10, 12]
+    row = level.flat()  # the levels table keeps its columns
+    assert row["gpu_sm_util_pct"] == 50 and row["gpu_slowdowns"] == "power cap" and row["gpu_samples"] == "10, 12"
 
 
 def test_crossover_between_two_layouts():
@@ -185,7 +213,7 @@ def test_compare_labels_layouts_and_finds_the_crossover(tmp_path):
     a = run("tp2", dict(tensor_parallel_size=2, data_parallel_size=4, enable_expert_parallel=True), [90, 170, 300, 420])
     b = run("tp8", dict(tensor_parallel_size=8, enable_expert_parallel=True), [80, 150, 320, 600])
     fig, crossings = plots.compare([benchmark.load_run(a), benchmark.load_run(b)])
-    assert crossings == [{"a": "TP=2+DP=4+EP (tp2)", "b": "TP=8+EP (tp8)", "crossover_concurrency": 4}]
+    assert crossings == [plots.Crossing("TP=2+DP=4+EP (tp2)", "TP=8+EP (tp8)", 4)]
     assert len(fig.data) == 6
 
 

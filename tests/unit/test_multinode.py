@@ -1,6 +1,7 @@
 """Several nodes without starting any: the plan across nodes, each node's vLLM command (parsed by vLLM's own
 parser), the checks between nodes, and the params that describe them."""
 
+import dataclasses
 import inspect
 import json
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from servebook import gpus, modelspec, multinode, params, planner, remote
+from servebook import gpus, modelspec, multinode, params, planner, remote, server_config, vllm_compat
 from servebook.errors import ParamsError
 from servebook.planner import Parallelism
 
@@ -83,12 +84,19 @@ def test_each_nodes_command_is_accepted_by_vllms_parser(tmp_path):
     node (the head --data-parallel-address, the worker --headless --data-parallel-start-rank), parsed and turned
     into vLLM's engine arguments by the installed vLLM."""
     model = str(tmp_path)  # a local folder: vLLM's engine arguments look a hub name up
+
+    def commands(layout, port=29500, **serving):
+        cfg = server_config.ServerConfig(model=model, model_path=model, served_model_name="m", device="cuda", **serving)
+        cfg = dataclasses.replace(cfg, **layout.params())
+        prefix = len(vllm_compat.serve_prefix(model))
+        return [argv[prefix:] for argv in multinode.commands(cfg, 2, 8, "10.0.0.1", port, sys.executable)]
+
     cases = {
-        "mp": multinode.commands(Parallelism(tp=16, ep=True), 2, 8, ["--max-model-len", "8192"], model, "10.0.0.1"),
-        "pp": multinode.commands(Parallelism(tp=8, pp=2), 2, 8, [], model, "10.0.0.1"),
-        "dp": multinode.commands(Parallelism(tp=8, dp=2, ep=True), 2, 8, [], model, "10.0.0.1", 29600),
+        "mp": commands(Parallelism(tp=16, ep=True), max_model_len=8192),
+        "pp": commands(Parallelism(tp=8, pp=2)),
+        "dp": commands(Parallelism(tp=8, dp=2, ep=True), port=29600),
     }
-    assert cases["mp"][1][-1] == "--headless" and cases["mp"][0].count("--node-rank") == 1
+    assert "--headless" in cases["mp"][1] and cases["mp"][0].count("--node-rank") == 1
     assert "--data-parallel-start-rank" in cases["dp"][1] and "--headless" not in cases["dp"][0]
     script = r"""
 import json, sys
@@ -98,7 +106,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 out = []
 for argv in json.loads(sys.argv[1]):
-    ns = parser.parse_args(["--model", argv[2], *argv[3:]])
+    ns = parser.parse_args(["--model", sys.argv[2], *argv])
     args = AsyncEngineArgs.from_cli_args(ns)
     out.append({"tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size, "dp": args.data_parallel_size,
                 "nnodes": args.nnodes, "rank": args.node_rank, "master": args.master_addr, "headless": ns.headless,
@@ -107,7 +115,9 @@ for argv in json.loads(sys.argv[1]):
 print(json.dumps(out))
 """
     flat = [argv for lines in cases.values() for argv in lines]
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(flat)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(flat), model], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     mp_head, mp_worker, pp_head, pp_worker, dp_head, dp_worker = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (mp_head["tp"], mp_head["nnodes"], mp_head["rank"], mp_head["master"]) == (16, 2, 0, "10.0.0.1")

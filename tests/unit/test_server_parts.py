@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from servebook import client, server, vllm_compat
+from servebook import client, server, server_config, vllm_compat
 from servebook.errors import PreflightError
 
 CPU_LOG = """\
@@ -118,7 +118,7 @@ def test_missing_api_key_variable_is_a_preflight_error(monkeypatch):
 
 def test_load_budget_grows_with_checkpoint_size(monkeypatch):
     monkeypatch.setattr(server.models, "checkpoint_bytes", lambda path: (547e9, True))
-    assert cfg().load_budget_s() == pytest.approx(server.BASE_BUDGET_S + 547 * server.SECONDS_PER_GB)
+    assert cfg().load_budget_s() == pytest.approx(server_config.BASE_BUDGET_S + 547 * server_config.SECONDS_PER_GB)
     assert cfg().load_budget_s() > 36 * 60  # the story's load fits
     assert cfg(load_timeout_s=60).load_budget_s() == 60
 

@@ -2,36 +2,22 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from servebook import bench, client, datasets, metrics, planner, ratesweep, results, server, vllm_format
+from servebook import bench, datasets, planner, ratesweep, results, server, vllm_format
 from servebook.errors import ServebookError, SweepAborted
-from servebook.loadgen import Workload
 from servebook.params import Params
 from servebook.records import BenchmarkRecord, LaunchRecord, PlanRecord
-
-
-def workload(p: Params) -> Workload:
-    return Workload(
-        p.bench_input_len,
-        p.bench_output_len,
-        p.bench_endpoint,
-        p.bench_shared_prefix_len,
-        turns=p.bench_turns,
-        long_input_len=p.bench_long_input_len,
-        long_share=p.bench_long_share,
-    )
 
 
 def sweep_config(p: Params, max_num_seqs: int = 0) -> bench.SweepConfig:
     return bench.SweepConfig(
         max_num_seqs=max_num_seqs,
-        workload=workload(p),
+        workload=bench.workload_for(p),
         max_concurrency=p.bench_max_concurrency,
         repeats=p.bench_repeats,
         prompts_per_level=p.bench_prompts_per_level,
@@ -39,7 +25,7 @@ def sweep_config(p: Params, max_num_seqs: int = 0) -> bench.SweepConfig:
         max_spread_pct=p.bench_max_spread_pct,
         max_repeats=max(p.bench_max_repeats, p.bench_repeats),
         plateau_gain=p.bench_plateau_gain,
-        objectives=metrics.Objectives(p.bench_ttft_slo_ms, p.bench_tpot_slo_ms, p.bench_e2el_slo_ms),
+        objectives=bench.objectives_for(p),
         request_timeout_s=p.bench_request_timeout_s,
         client_processes=p.bench_client_processes,
     )
@@ -66,15 +52,8 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     cfg.decode_ceiling = dict(planned.decode_ceiling) if planned else {}
     cfg.dataset = dataset.prompts if dataset else None
     cfg.gpu_ids = list(launch.config.target_gpus) if launch.config.device == "cuda" else []
-    swept = bench.sweep(
-        launch.url,
-        launch.served_model_name,
-        launch.model_path,
-        cfg,
-        run_dir,
-        client.headers(launch.api_key_env),
-        table_prefix=BenchmarkRecord.FILE,
-    )
+    target = launch.config.target(p.bench_request_timeout_s)
+    swept = bench.sweep(target, launch.model_path, cfg, run_dir, table_prefix=BenchmarkRecord.FILE)
     record = BenchmarkRecord(**dict(swept), dataset=dataset.summary() if dataset else "")
     if record.fault and launch.workers:  # a multi-node server: which node took it down, in that node's words
         gone = server.workers_gone(launch.workers)
@@ -84,13 +63,7 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
         rates_cfg = rate_config(p)
         rates_cfg.dataset = cfg.dataset
         record.rates = ratesweep.sweep_rates(
-            launch.url,
-            launch.served_model_name,
-            launch.model_path,
-            rates_cfg,
-            run_dir,
-            client.headers(launch.api_key_env),
-            table_prefix=f"{BenchmarkRecord.FILE}_rates",
+            target, launch.model_path, rates_cfg, run_dir, table_prefix=f"{BenchmarkRecord.FILE}_rates"
         )
         results.write(run_dir, record)
     return record
@@ -115,10 +88,10 @@ def rate_config(p: Params) -> ratesweep.RateSweepConfig:
         rates=list(p.bench_request_rates),
         arrival=p.bench_arrival,
         burstiness=p.bench_burstiness,
-        workload=workload(p),  # open-loop requests are single turns: the sweep ignores turns
+        workload=bench.workload_for(p),  # open-loop requests are single turns: the sweep ignores turns
         min_requests=p.bench_rate_requests,
         min_seconds=p.bench_min_level_s,
-        objectives=metrics.Objectives(p.bench_ttft_slo_ms, p.bench_tpot_slo_ms, p.bench_e2el_slo_ms),
+        objectives=bench.objectives_for(p),
         goodput_target=p.bench_goodput_target_pct / 100,
         request_timeout_s=p.bench_request_timeout_s,
     )
@@ -145,7 +118,7 @@ def summary(record: BenchmarkRecord) -> str:
 
 
 def levels(record: BenchmarkRecord) -> pd.DataFrame:
-    return pd.DataFrame([level.model_dump() for level in record.levels])
+    return pd.DataFrame([level.flat() for level in record.levels])
 
 
 # what limits each level, as the notebook shows it: source column -> (header, decimals; None: text as it is)
@@ -166,7 +139,6 @@ LIMIT_COLUMNS: dict[str, tuple[str, int | None]] = {
     "plan_ceiling_pct": ("% of that ceiling", 0),
     "limit": ("what limits it", None),
 }
-SAMPLES = re.compile(r"^(\d+) NVML samples$")
 
 
 def limits_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
@@ -176,17 +148,14 @@ def limits_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     if "kv_cache_usage_peak" in table:
         table["kv_cache_used_pct"] = 100 * table["kv_cache_usage_peak"]
     notes: list[str] = []
-    if "gpu_note" in table:
-        parts = table["gpu_note"].fillna("").map(lambda n: [p for p in str(n).split("; ") if p])
-        counts = [int(m[1]) for ps in parts for p in ps if (m := SAMPLES.match(p))]
-        rest = parts.map(lambda ps: "; ".join(p for p in ps if not SAMPLES.match(p)))
+    if "gpu_samples" in table:
+        counts = [int(n) for text in table["gpu_samples"].fillna("") for n in str(text).split(", ") if n]
         if counts:
             lo, hi = min(counts), max(counts)
             notes.append(f"NVML sampled each measurement {lo if lo == hi else f'{lo}–{hi}'} times")
-        if rest.nunique() == 1:
-            notes.insert(0, rest.iloc[0])
-            rest[:] = ""
-        table["gpu_note"] = rest
+    if "gpu_note" in table and table["gpu_note"].nunique() == 1:
+        notes.insert(0, str(table["gpu_note"].iloc[0]))
+        table["gpu_note"] = ""
     shown = table[[c for c in LIMIT_COLUMNS if c in table]].replace("", np.nan).dropna(axis=1, how="all")
     for column in shown:
         decimals = LIMIT_COLUMNS[column][1]

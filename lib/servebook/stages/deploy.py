@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from servebook import client, models, remote, results, server, systemd
+from servebook import client, models, remote, results, server, server_config, systemd
 from servebook.errors import DeployFailed
 from servebook.params import Params
 from servebook.records import Command, DeployRecord, DryRun, LaunchRecord, NcclTuningRecord, NodeUnitRecord
@@ -36,7 +36,7 @@ def unit_spec(
 ) -> systemd.UnitSpec:
     """A unit from the launch record: its exact command, its environment, its measured load time."""
     measured = launch.started_by_this_run and launch.seconds_to_ready > 0
-    load = launch.seconds_to_ready if measured else float(predicted_load_s or server.BASE_BUDGET_S)
+    load = launch.seconds_to_ready if measured else float(predicted_load_s or server_config.BASE_BUDGET_S)
     env = {k: v for k, v in launch.environment.items() if v != MASK and k not in systemd.SECRET_VARS}
     env.update(nccl_env or {})
     cfg = launch.config
@@ -45,7 +45,7 @@ def unit_spec(
         description=f"vLLM serving {cfg.served_model_name} (servebook)",
         command=list(launch.command),
         environment=env,
-        secret_vars=["VLLM_API_KEY"] if cfg.api_key_env else [],
+        secret_sources={server_config.SERVER_KEY_VAR: cfg.api_key_env} if cfg.api_key_env else {},
         url=cfg.url,
         port=cfg.port,
         gpu_ids=cfg.target_gpus,
@@ -78,9 +78,10 @@ def pre_start_check(unit: systemd.UnitSpec) -> Command:
     return _run(args, timeout=120)
 
 
-def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, model: str) -> DryRun:
-    """Do what systemd would: the pre-start check, the exact ExecStart in its own group, the post-start wait,
-    a smoke test against it, then a stop of the whole group."""
+def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, target: client.Target) -> DryRun:
+    """Do what systemd would: the pre-start check, the exact ExecStart in its own group with the unit's
+    environment and its environment file's secrets (no other), the post-start wait, a smoke test against it with
+    the key the unit carries, then a stop of the whole group."""
     out = DryRun(pre_start=pre_start_check(unit))
     if out.pre_start.returncode != 0:
         out.skipped = "the pre-start check refused, as systemd would"
@@ -89,7 +90,7 @@ def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, model: str) -> DryRun:
     with open(log, "w") as fh:
         proc = subprocess.Popen(
             unit.command,
-            env={**os.environ, **unit.environment},
+            env=_unit_environment(unit),
             stdout=fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -99,12 +100,19 @@ def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, model: str) -> DryRun:
         wait = [*unit.servebook, "wait-ready", "--url", unit.url, "--timeout", str(unit.timeout_start_s)]
         out.post_start = _run(wait, timeout=unit.timeout_start_s + 60)
         if out.post_start.returncode == 0:
-            out.smoke_test = client.smoke_test(unit.url, model, max_tokens=8)
+            out.smoke_test = client.smoke_test(target, max_tokens=8)
     finally:
         out.stop = server.terminate(proc.pid)
         proc.wait(timeout=30)
     out.log = str(log)
     return out
+
+
+def _unit_environment(unit: systemd.UnitSpec) -> dict[str, str]:
+    """The process environment the unit gives: this shell's, with no secret of its own, the unit's variables, and
+    the environment file's values as install would write them."""
+    base = {k: v for k, v in os.environ.items() if k not in systemd.SECRET_VARS}
+    return {**base, **unit.environment, **systemd.secret_values(unit)}
 
 
 def _node_units(unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> list[NodeUnitRecord]:
@@ -118,7 +126,7 @@ def _node_units(unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> 
             description=f"{unit.description}, node {rank} of {len(launch.workers) + 1}",
             command=list(worker.command),
             environment={**unit.environment, "VLLM_HOST_IP": worker.address} if worker.address else unit.environment,
-            secret_vars=[],
+            secret_sources={},
             role="worker",
             worker_units=[],
         )
@@ -138,7 +146,7 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     tuned = results.read(run_dir, NcclTuningRecord)
     name = p.deploy_name or launch.served_model_name.replace("/", "-")
     size, _ = models.checkpoint_bytes(launch.model_path)
-    unit = unit_spec(name, launch, tuned.recommended_env if tuned else None, server.load_budget_s(size), p.deploy_user)
+    unit = unit_spec(name, launch, tuned.recommended_env if tuned else None, server_config.load_budget_s(size), p.deploy_user)
     node_units = _node_units(unit, launch, run_dir)
     unit_text = systemd.render_unit(unit)
     unit_path = run_dir / unit.unit_name
@@ -174,14 +182,14 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
         ok, message, _ = server.wait_ready(unit.url, unit.timeout_start_s)
         record.service_ready = message
         if ok:
-            record.smoke_test = client.smoke_test(unit.url, launch.served_model_name, 8, launch.api_key_env)
+            record.smoke_test = client.smoke_test(launch.config.target(timeout_s=120), 8)
     elif node_units:
         record.dry_run_skipped = (
             "the dry run starts one process as systemd would; a multi-node server's units start each other over "
             "SSH, so they are rendered and verified here and proven by installing them (deploy_install: true)"
         )
     else:
-        record.dry_run = dry_run_start(unit, run_dir, launch.served_model_name)
+        record.dry_run = dry_run_start(unit, run_dir, launch.config.target(timeout_s=120))
     results.write(run_dir, record)
     return record
 

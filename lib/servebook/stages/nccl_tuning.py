@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from servebook import ab, loadgen, multinode, nccl, results, server
+from servebook import ab, bench, multinode, nccl, results, server
 from servebook.params import Params
 from servebook.records import LaunchRecord, NcclTuningRecord
 
@@ -56,17 +56,19 @@ def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> N
     if p.ab_variants:
         launch = results.require(run_dir, LaunchRecord, "nccl_tuning")
         base: server.ServerConfig = launch.config
-        workload = loadgen.Workload(p.bench_input_len, p.bench_output_len)
+        plan = ab.AbPlan(
+            workload=bench.workload_for(p),
+            concurrencies=sorted({1, p.ab_concurrency}),
+            requests=p.ab_requests,
+            repeats=p.ab_repeats,
+            min_seconds=p.bench_min_level_s,
+        )
         nodes = multinode.NodeSet.from_params(p) if p.nodes > 1 else None
         compared = ab.run(
             base,
             p.ab_variants,
             run_dir,
-            workload,
-            sorted({1, p.ab_concurrency}),
-            p.ab_requests,
-            p.ab_repeats,
-            p.bench_min_level_s,
+            plan,
             log=log,
             across_nodes=(lambda cfg, folder: multinode.prepare(cfg, nodes, folder)) if nodes else None,
         )

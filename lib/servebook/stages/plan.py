@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from servebook import gpus, hardware, modelspec, multinode, planner, results
+from servebook import gpus, hardware, modelspec, multinode, planner, results, server_config
 from servebook.errors import LayoutRejected, ServebookError
 from servebook.params import Params
 from servebook.records import PlanRecord, ReconRecord
@@ -52,50 +53,51 @@ def device_for(p: Params, run_dir: Path) -> planner.Device:
     )
 
 
-def run(p: Params, run_dir: str | Path) -> PlanRecord:
-    run_dir = results.run_folder(run_dir)
-    spec = modelspec.load(p.model)
+def make_plan(p: Params, device: planner.Device) -> PlanRecord:
+    """The plan for these params on this hardware, with the exact command each node would run for the layout
+    the launch will use: the launch's own :class:`ServerConfig`, so what the plan prints is what starts."""
     planned = planner.plan(
-        spec,
-        device_for(p, run_dir),
+        modelspec.load(p.model),
+        device,
         p.max_model_len,
         p.gpu_memory_utilization,
         p.kv_cache_dtype,
         p.plan_reserve_gib or None,
         p.plan_batch,
     ).rank_by(p.plan_rank_by)
-    own = planner.Parallelism(
-        tp=p.tensor_parallel_size, pp=p.pipeline_parallel_size, dp=p.data_parallel_size, ep=p.enable_expert_parallel
-    )
     launch_layout = "recommended" if p.layout_from_plan and planned.recommended else "params"
-    record = PlanRecord(**dict(planned), requested=planned.find(own), launch_layout=launch_layout)
+    record = PlanRecord(**dict(planned), requested=planned.find(p.layout), launch_layout=launch_layout)
     chosen = record.recommended if launch_layout == "recommended" else record.requested
-    if planned.device.nodes > 1 and chosen and chosen.accepted:
-        head = p.node_addresses[0] if p.node_addresses else multinode.HEAD_ADDRESS
-        record.node_commands = multinode.commands(
-            chosen.parallelism, planned.device.nodes, planned.device.per_node, serve_flags(p), p.model, head,
-            p.node_master_port,
-        )  # fmt: skip
+    if chosen and chosen.accepted:
+        record.node_commands = launch_commands(p, planned.device, chosen.parallelism)
+    return record
+
+
+def launch_commands(p: Params, device: planner.Device, layout: planner.Parallelism) -> list[list[str]]:
+    """What the launch stage runs for this layout: one command, or each node's, head first."""
+    model = str(Path(p.model).parent) if p.model.endswith("config.json") else p.model  # vLLM loads the folder
+    cfg = server_config.ServerConfig.from_params(p.model_copy(update={"model": model}), device.kind, layout)
+    if device.nodes <= 1:
+        return [cfg.command()]
+    head = p.node_addresses[0] if p.node_addresses else multinode.HEAD_ADDRESS
+    python = p.node_python or sys.executable
+    return multinode.commands(cfg, device.nodes, device.per_node, head, p.node_master_port, python)
+
+
+def run(p: Params, run_dir: str | Path) -> PlanRecord:
+    run_dir = results.run_folder(run_dir)
+    record = make_plan(p, device_for(p, run_dir))
     results.write(run_dir, record)
     return record
 
 
-def serve_flags(p: Params) -> list[str]:
-    """The serving flags beside the layout's, as a person would type them on each node."""
-    flags = ["--max-model-len", str(p.max_model_len)]
-    if p.device != "cpu":
-        flags += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
-    if p.kv_cache_dtype != "auto":
-        flags += ["--kv-cache-dtype", p.kv_cache_dtype]
-    return flags + list(p.extra_args)
-
-
 def node_commands_text(record: PlanRecord) -> str:
-    """Each node's command line, head first, for a reader to compare with what the launch stage runs."""
+    """Each node's command line, head first, as the launch stage will run it."""
     chosen = record.recommended if record.launch_layout == "recommended" else record.requested
     lines = [f"# {chosen.name}: {planner.MULTINODE_STRATEGIES[chosen.strategy]}"] if chosen and chosen.strategy else []
     for rank, argv in enumerate(record.node_commands):
-        lines.append(f"# node {rank}{' (head: serves the API)' if rank == 0 else ''}")
+        if len(record.node_commands) > 1:
+            lines.append(f"# node {rank}{' (head: serves the API)' if rank == 0 else ''}")
         lines.append(shlex.join(argv))
     return "\n".join(lines)
 

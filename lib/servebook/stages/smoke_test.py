@@ -12,7 +12,7 @@ from servebook.records import LaunchRecord, SmokeTestRecord
 def run(p: Params, run_dir: str | Path) -> SmokeTestRecord:
     run_dir = results.run_folder(run_dir)
     launch = results.require(run_dir, LaunchRecord, "smoke_test")
-    found = client.smoke_test(launch.url, launch.served_model_name, p.smoke_max_tokens, launch.api_key_env)
+    found = client.smoke_test(launch.config.target(timeout_s=120), p.smoke_max_tokens)
     record = SmokeTestRecord(**dict(found))
     results.write(run_dir, record)
     return record

@@ -1,0 +1,49 @@
+"""Every table a measurement writes, one way: parquet for code, CSV beside it for people, and each run also as
+``vllm bench serve``'s result JSON, so its tools read servebook's runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from servebook import vllm_format
+from servebook.loadgen import RequestRecord, records_frame
+from servebook.metrics import Objectives
+
+
+def write(rows: Sequence[Mapping[str, Any]], path: Path) -> str:
+    """``path``.parquet and ``path``.csv from rows of scalars; returns the parquet file's name."""
+    import pandas as pd
+
+    frame = pd.DataFrame(list(rows))
+    frame.to_parquet(path.with_suffix(".parquet"), index=False)
+    frame.to_csv(path.with_suffix(".csv"), index=False)
+    return path.with_suffix(".parquet").name
+
+
+def write_requests(records: list[RequestRecord], path: Path) -> str:
+    """Every request's timeline, one row each (its chunk times relative to its send)."""
+    frame = records_frame(records)
+    frame.to_parquet(path.with_suffix(".parquet"), index=False)
+    frame.to_csv(path.with_suffix(".csv"), index=False)
+    return path.with_suffix(".parquet").name
+
+
+def write_vllm_results(
+    runs: Mapping[str, tuple[list[RequestRecord], dict[str, Any]]],
+    folder: Path,
+    *,
+    model: str,
+    tokenizer: str,
+    endpoint: str,
+    objectives: Objectives,
+) -> str:
+    """One ``vllm bench serve --save-result`` file per run: label -> (its records, what the run was:
+    ``max_concurrency``, ``request_rate``, ``burstiness``)."""
+    for label, (records, shape) in runs.items():
+        result = vllm_format.result_json(
+            records, model=model, tokenizer=tokenizer, endpoint=endpoint, label=label, objectives=objectives, **shape
+        )
+        vllm_format.write(result, folder / f"{label}.json")
+    return folder.name
