@@ -57,10 +57,12 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 SERVEBOOK = r"""
 import json, resource, sys, time
 from servebook import loadgen, metrics
+from servebook.client import Target
 url, n, c, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 prompts = [f"prompt {i}" for i in range(n + c)]
 cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-recs, start, end = loadgen.run_level(url, "emitter", loadgen.Workload(128, tokens), prompts, c, warmup=c)
+window = loadgen.run_level(Target(url, "emitter"), loadgen.Workload(128, tokens), prompts, concurrency=c, warmup=c)
+recs, start, end = window.records, window.start, window.end
 cpu1 = resource.getrusage(resource.RUSAGE_SELF)
 s = metrics.summarize(recs)
 print("RESULT " + json.dumps({"tokens": s.output_tokens, "seconds": end - start, "failed": s.failed,

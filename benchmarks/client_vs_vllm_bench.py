@@ -27,13 +27,14 @@ from servebook import client, metrics, params, server
 SERVEBOOK_CLIENT = r"""
 import json, sys
 from servebook import loadgen, metrics
+from servebook.client import Target
 url, model, path, n, c, inp, out = sys.argv[1:8]
 n, c, inp, out = int(n), int(c), int(inp), int(out)
 maker = loadgen.PromptMaker(loadgen.load_tokenizer(path), seed=int(sys.argv[8]))
 prompts = maker.prompts(n + c, inp)
 import resource, time
 cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-recs, _, _ = loadgen.run_level(url, model, loadgen.Workload(inp, out), prompts, c, warmup=c)
+recs = loadgen.run_level(Target(url, model), loadgen.Workload(inp, out), prompts, concurrency=c, warmup=c).records
 cpu1 = resource.getrusage(resource.RUSAGE_SELF)
 s = metrics.summarize(recs).flat()
 s["client_cpu_s"] = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)

@@ -65,6 +65,7 @@ gpus_per_node: int = 0  # GPUs each node gives the server; 0 means world size / 
 node_interconnect: str = ""  # the network between nodes, e.g. '8x400Gb/s InfiniBand' or '100GbE' (plan's ranking)
 node_addresses: list[str] = []  # each node's IP on the network the nodes share; empty means node_hosts
 node_master_port: int = 29500  # the head's port for torch.distributed (or the DP RPC port)
+node_python: str = ""  # Python with vLLM on the other nodes; empty means this one's path
 max_model_len: int = 4096  # longest request (prompt + output) in tokens
 gpu_memory_utilization: float = 0.9  # share of each GPU's memory vLLM may use
 kv_cache_dtype: str = "auto"  # auto, fp8, ... (fp8 halves KV memory)

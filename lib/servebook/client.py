@@ -68,6 +68,15 @@ class Target:
         return Target(self.url, self.model, self.headers, timeout_s)
 
 
+def keyless_status(url: str, timeout: float = 10.0) -> int | None:
+    """What ``/v1/models`` answers a request that carries no key: 401 from a server that requires one, 200 from
+    one that does not; None when it does not answer."""
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=timeout).status_code
+    except httpx.HTTPError:
+        return None
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Sum each vLLM metric over its label sets (one engine, one model: the sum is the value)."""
     values: dict[str, float] = {}

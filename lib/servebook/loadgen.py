@@ -17,7 +17,6 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
@@ -636,9 +635,3 @@ def records_frame(records: list[RequestRecord]):
         row["chunk_tokens"] = json.dumps(r.chunk_tokens)
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-def save_records(records: list[RequestRecord], path: Path) -> None:
-    frame = records_frame(records)
-    frame.to_parquet(path.with_suffix(".parquet"), index=False)
-    frame.to_csv(path.with_suffix(".csv"), index=False)

@@ -405,38 +405,46 @@ def place(spec: ModelSpec, layout: Layout, device: Device) -> None:
     layout.strategy = layout.parallelism.strategy(per_node)
 
 
-def check_rules(spec: ModelSpec, layout: Layout) -> None:
-    """vLLM's acceptance rules, in the reference checklist's order; each failure adds vLLM's message."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    # 1. expert parallelism spans TP x DP and needs an MoE model
-    if layout.ep:
-        if not spec.is_moe:
-            _reject(
-                layout,
-                "ValueError: Number of experts in the model must be greater than 0 when expert parallelism is enabled.",
-            )
-        elif tp * dp == 1:
-            # vLLM accepts the flag and runs as without it: a warning, not a refusal
-            layout.warnings.append("expert parallelism has no effect at TP x DP = 1 (EP size = TP x DP = 1)")
-    # 2. attention heads and KV heads
+def _expert_parallel_rule(spec: ModelSpec, layout: Layout) -> None:
+    """1. Expert parallelism spans TP x DP and needs an MoE model."""
+    if not layout.ep:
+        return
+    if not spec.is_moe:
+        _reject(
+            layout,
+            "ValueError: Number of experts in the model must be greater than 0 when expert parallelism is enabled.",
+        )
+    elif layout.tp * layout.dp == 1:
+        # vLLM accepts the flag and runs as without it: a warning, not a refusal
+        layout.warnings.append("expert parallelism has no effect at TP x DP = 1 (EP size = TP x DP = 1)")
+
+
+def _head_rules(spec: ModelSpec, layout: Layout) -> None:
+    """2. Attention heads and KV heads against the tensor-parallel size."""
+    tp = layout.tp
     if spec.heads % tp:
         _reject(
             layout,
             f"ValueError: Total number of attention heads ({spec.heads}) must be divisible by tensor parallel size ({tp}).",
         )
-    if not spec.mla:
-        if spec.model_type == "gpt_oss" and tp > spec.kv_heads:
-            _reject(
-                layout,
-                f"gpt-oss shards {spec.kv_heads} KV heads without replication: tensor_parallel_size must be <= {spec.kv_heads}",
-            )
-        elif spec.kv_heads % tp and tp % spec.kv_heads:
-            bigger, smaller = (spec.kv_heads, tp) if spec.kv_heads > tp else (tp, spec.kv_heads)
-            _reject(
-                layout,
-                f"AssertionError: {bigger} is not divisible by {smaller} (KV heads {spec.kv_heads} vs tensor parallel size {tp})",
-            )
-    # 3. vocabulary padding and pipeline support
+    if spec.mla:
+        return
+    if spec.model_type == "gpt_oss" and tp > spec.kv_heads:
+        _reject(
+            layout,
+            f"gpt-oss shards {spec.kv_heads} KV heads without replication: tensor_parallel_size must be <= {spec.kv_heads}",
+        )
+    elif spec.kv_heads % tp and tp % spec.kv_heads:
+        bigger, smaller = (spec.kv_heads, tp) if spec.kv_heads > tp else (tp, spec.kv_heads)
+        _reject(
+            layout,
+            f"AssertionError: {bigger} is not divisible by {smaller} (KV heads {spec.kv_heads} vs tensor parallel size {tp})",
+        )
+
+
+def _vocabulary_and_pipeline_rules(spec: ModelSpec, layout: Layout) -> None:
+    """3. Vocabulary padding, and pipeline support."""
+    tp, pp = layout.tp, layout.pp
     padded_vocab = math.ceil(spec.vocab / VOCAB_PAD) * VOCAB_PAD
     if padded_vocab % tp:
         _reject(
@@ -447,89 +455,127 @@ def check_rules(spec: ModelSpec, layout: Layout) -> None:
         _reject(layout, "NotImplementedError: Pipeline parallelism is not supported for this model.")
     if pp > spec.layers:
         _reject(layout, f"pipeline_parallel_size {pp} exceeds the model's {spec.layers} layers")
+
+
+def _moe_rules(spec: ModelSpec, layout: Layout) -> None:
+    """4. The MoE tensor-parallel size (EP keeps experts whole; otherwise they are sliced over TP x DP), then what
+    the experts' quantization and count require of it."""
+    tp, dp = layout.tp, layout.dp
     if not spec.is_moe:
         layout.moe_tp = 1
+        return
+    layout.moe_tp = 1 if layout.ep else tp * dp
+    layout.ep_size = tp * dp if layout.ep else 1
+    per_rank = spec.expert_intermediate // layout.moe_tp if spec.expert_intermediate % layout.moe_tp == 0 else None
+    if spec.model_type in ("minimax_m2", "qwen3_moe") and tp > spec.experts:
+        _reject(layout, f"ValueError: Tensor parallel size {tp} is greater than the number of experts {spec.experts}.")
+    if per_rank is None:
+        _reject(
+            layout,
+            f"AssertionError: intermediate_size {spec.expert_intermediate} % moe tensor-parallel size {layout.moe_tp} != 0",
+        )
     else:
-        # 4. MoE tensor-parallel size: EP keeps experts whole; otherwise they are sliced over TP x DP
-        layout.moe_tp = 1 if layout.ep else tp * dp
-        layout.ep_size = tp * dp if layout.ep else 1
-        per_rank = spec.expert_intermediate // layout.moe_tp if spec.expert_intermediate % layout.moe_tp == 0 else None
-        if spec.model_type in ("minimax_m2", "qwen3_moe") and tp > spec.experts:
-            _reject(
-                layout, f"ValueError: Tensor parallel size {tp} is greater than the number of experts {spec.experts}."
-            )
-        if per_rank is None:
-            _reject(
-                layout,
-                f"AssertionError: intermediate_size {spec.expert_intermediate} % moe tensor-parallel size {layout.moe_tp} != 0",
-            )
-        q = spec.quant
-        # 5. FP8 block alignment, experts then linear layers
-        if q.method == "fp8" and per_rank is not None:
-            bn, bk = q.block or (128, 128)
-            if per_rank % bn:
-                _reject(
-                    layout,
-                    f"ValueError: The output_size of gate's and up's weight = {per_rank} is not divisible by "
-                    f"weight quantization block_n = {bn}.",
-                )
-            elif tp > 1 and per_rank % bk:
-                _reject(
-                    layout,
-                    f"ValueError: The input_size of down's weight = {per_rank} is not divisible by "
-                    f"weight quantization block_k = {bk}.",
-                )
-        # 6. INT4 Marlin MoE
-        if q.method == "int4" and per_rank is not None:
-            g = q.group_size or 128
-            if g not in MARLIN_GROUPS:
-                _reject(layout, f"INT4 group_size {g} is not one Marlin supports {MARLIN_GROUPS}")
-            elif spec.hidden % 128 or per_rank % max(64, g):
-                if q.actorder in ("group", "dynamic"):
-                    _reject(layout, "ValueError: WNA16MoE is not supported with actorder=group/dynamic.")
-                else:
-                    layout.warnings.append(
-                        f"Marlin MoE needs hidden % 128 == 0 and intermediate per rank ({per_rank}) % "
-                        f"{max(64, g)} == 0: vLLM falls back to the slower Triton WNA16 kernel"
-                    )
-            if not q.symmetric:
-                _reject(layout, "Only symmetric quantization is supported for MoE")
-        # 7. experts per rank
-        if layout.ep:
-            layout.experts_per_gpu = math.ceil(spec.experts / layout.ep_size)
-            if spec.experts < layout.ep_size:
-                layout.warnings.append(f"{layout.ep_size - spec.experts} of {layout.ep_size} EP ranks hold no expert")
-            elif spec.experts % layout.ep_size:
-                layout.warnings.append(
-                    f"{spec.experts} experts over {layout.ep_size} ranks: uneven ({layout.experts_per_gpu} on the "
-                    f"first {spec.experts % layout.ep_size}); --enable-eplb would refuse this split"
-                )
+        _fp8_expert_rule(spec, layout, per_rank)
+        _int4_expert_rule(spec, layout, per_rank)
+    _experts_per_rank(spec, layout)
+
+
+def _fp8_expert_rule(spec: ModelSpec, layout: Layout, per_rank: int) -> None:
+    """5. FP8 block alignment of the experts' slices."""
+    if spec.quant.method != "fp8":
+        return
+    bn, bk = spec.quant.block or (128, 128)
+    if per_rank % bn:
+        _reject(
+            layout,
+            f"ValueError: The output_size of gate's and up's weight = {per_rank} is not divisible by "
+            f"weight quantization block_n = {bn}.",
+        )
+    elif layout.tp > 1 and per_rank % bk:
+        _reject(
+            layout,
+            f"ValueError: The input_size of down's weight = {per_rank} is not divisible by "
+            f"weight quantization block_k = {bk}.",
+        )
+
+
+def _int4_expert_rule(spec: ModelSpec, layout: Layout, per_rank: int) -> None:
+    """6. INT4 Marlin MoE: its group sizes, its alignment (else the slower Triton kernel), symmetric weights."""
+    q = spec.quant
+    if q.method != "int4":
+        return
+    g = q.group_size or 128
+    if g not in MARLIN_GROUPS:
+        _reject(layout, f"INT4 group_size {g} is not one Marlin supports {MARLIN_GROUPS}")
+    elif spec.hidden % 128 or per_rank % max(64, g):
+        if q.actorder in ("group", "dynamic"):
+            _reject(layout, "ValueError: WNA16MoE is not supported with actorder=group/dynamic.")
         else:
-            layout.experts_per_gpu = spec.experts
-    if spec.quant.method == "fp8" and not spec.quant.experts_only and tp > 1:
-        bn, bk = spec.quant.block or (128, 128)
-        if spec.mla:
-            row_in = spec.heads * spec.v_head_dim // tp
-            col_out = spec.heads * (spec.qk_nope_head_dim + spec.v_head_dim) // tp
-        else:
-            row_in = spec.heads * spec.head_dim // tp
-            col_out = None
-        if row_in % bk:
-            _reject(
-                layout,
-                f"ValueError: Weight input_size_per_partition = {row_in} is not divisible by weight quantization block_k = {bk}.",
+            layout.warnings.append(
+                f"Marlin MoE needs hidden % 128 == 0 and intermediate per rank ({per_rank}) % "
+                f"{max(64, g)} == 0: vLLM falls back to the slower Triton WNA16 kernel"
             )
-        if col_out is not None and col_out % bn:
-            _reject(
-                layout,
-                f"ValueError: Weight output_partition_size = {col_out} is not divisible by weight quantization block_n = {bn}.",
-            )
-        if spec.dense_layers and spec.dense_intermediate and (spec.dense_intermediate // tp) % bk:
-            _reject(
-                layout,
-                f"ValueError: Weight input_size_per_partition = {spec.dense_intermediate // tp} is not divisible by "
-                f"weight quantization block_k = {bk}.",
-            )
+    if not q.symmetric:
+        _reject(layout, "Only symmetric quantization is supported for MoE")
+
+
+def _experts_per_rank(spec: ModelSpec, layout: Layout) -> None:
+    """7. Experts per rank: every expert on every GPU without EP; an even split with it."""
+    if not layout.ep:
+        layout.experts_per_gpu = spec.experts
+        return
+    layout.experts_per_gpu = math.ceil(spec.experts / layout.ep_size)
+    if spec.experts < layout.ep_size:
+        layout.warnings.append(f"{layout.ep_size - spec.experts} of {layout.ep_size} EP ranks hold no expert")
+    elif spec.experts % layout.ep_size:
+        layout.warnings.append(
+            f"{spec.experts} experts over {layout.ep_size} ranks: uneven ({layout.experts_per_gpu} on the "
+            f"first {spec.experts % layout.ep_size}); --enable-eplb would refuse this split"
+        )
+
+
+def _fp8_linear_rule(spec: ModelSpec, layout: Layout) -> None:
+    """8. FP8 block alignment of the attention and dense layers' slices."""
+    tp = layout.tp
+    if spec.quant.method != "fp8" or spec.quant.experts_only or tp == 1:
+        return
+    bn, bk = spec.quant.block or (128, 128)
+    if spec.mla:
+        row_in = spec.heads * spec.v_head_dim // tp
+        col_out: int | None = spec.heads * (spec.qk_nope_head_dim + spec.v_head_dim) // tp
+    else:
+        row_in, col_out = spec.heads * spec.head_dim // tp, None
+    if row_in % bk:
+        _reject(
+            layout,
+            f"ValueError: Weight input_size_per_partition = {row_in} is not divisible by weight quantization block_k = {bk}.",
+        )
+    if col_out is not None and col_out % bn:
+        _reject(
+            layout,
+            f"ValueError: Weight output_partition_size = {col_out} is not divisible by weight quantization block_n = {bn}.",
+        )
+    if spec.dense_layers and spec.dense_intermediate and (spec.dense_intermediate // tp) % bk:
+        _reject(
+            layout,
+            f"ValueError: Weight input_size_per_partition = {spec.dense_intermediate // tp} is not divisible by "
+            f"weight quantization block_k = {bk}.",
+        )
+
+
+RULES = (
+    _expert_parallel_rule,
+    _head_rules,
+    _vocabulary_and_pipeline_rules,
+    _moe_rules,
+    _fp8_linear_rule,
+)
+
+
+def check_rules(spec: ModelSpec, layout: Layout) -> None:
+    """vLLM's acceptance rules, in the reference checklist's order; each failure adds vLLM's message."""
+    for rule in RULES:
+        rule(spec, layout)
 
 
 # ---------------------------------------------------------------- the reserve: what vLLM keeps that is neither
@@ -579,73 +625,100 @@ def reserve_for(spec: ModelSpec, layout: Layout, device: Device, gpu_memory_util
     )
 
 
-def size(
-    spec: ModelSpec,
-    layout: Layout,
-    device: Device,
-    weights: Weights,
-    max_model_len: int,
-    gpu_memory_utilization: float,
-    kv_dtype_bytes: int,
-    reserve_bytes: float | None,
-    batch: int,
-) -> None:
-    """Memory per GPU, KV capacity, communication and a bandwidth ceiling for decode; ``reserve_bytes`` fixes
-    the reserve, None models it per layout."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    stage_layers = max(pp_split(spec.layers, pp))
+@dataclass(frozen=True)
+class Sizing:
+    """What every layout of one plan is sized against: the checkpoint's bytes and the serving settings."""
+
+    weights: Weights
+    max_model_len: int
+    gpu_memory_utilization: float
+    kv_dtype_bytes: int
+    reserve_bytes: float | None  # a fixed reserve per GPU; None models it per layout
+    batch: int
+
+
+def size(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing) -> None:
+    """Memory per GPU, KV capacity, communication and a bandwidth ceiling for decode."""
+    stage_layers = max(pp_split(spec.layers, layout.pp))
     moe_share = spec.moe_layers / spec.layers if spec.layers else 0
-    moe_stage, dense_stage = stage_layers * moe_share, stage_layers * (1 - moe_share)
+    moe_stage = stage_layers * moe_share
+    parts = _weights_per_gpu(spec, layout, sizing.weights, stage_layers, moe_stage)
+    layout.weight_breakdown = parts
+    layout.weight_bytes_per_gpu = sum(parts.values())
+    _size_kv_cache(spec, layout, device, sizing, stage_layers)
+    _rate_decode(spec, layout, device, sizing, stage_layers, moe_stage)
+
+
+def _expert_fraction(spec: ModelSpec, layout: Layout) -> float:
+    """The share of each MoE layer's experts one GPU holds."""
     if layout.ep and spec.experts:
-        expert_fraction = layout.experts_per_gpu / spec.experts
-    else:
-        expert_fraction = 1 / (tp * dp) if spec.is_moe else 0
+        return layout.experts_per_gpu / spec.experts
+    return 1 / (layout.tp * layout.dp) if spec.is_moe else 0
+
+
+def _weights_per_gpu(
+    spec: ModelSpec, layout: Layout, weights: Weights, stage_layers: int, moe_stage: float
+) -> dict[str, float]:
+    """The bytes of each part of the model one GPU of the largest pipeline stage holds."""
+    tp, pp = layout.tp, layout.pp
+    dense_stage = stage_layers - moe_stage
     emb = (weights.embedding + weights.lm_head) / tp if pp == 1 else max(weights.embedding, weights.lm_head) / tp
-    parts = {
+    return {
         "attention": stage_layers * (weights.attention / tp + weights.attention_replicated),
-        "experts": moe_stage * weights.experts * expert_fraction,
+        "experts": moe_stage * weights.experts * _expert_fraction(spec, layout),
         "shared_and_dense": moe_stage * (weights.shared / tp + weights.router) + dense_stage * weights.dense_mlp / tp,
         "embeddings": emb,
     }
-    layout.weight_breakdown = parts
-    layout.weight_bytes_per_gpu = sum(parts.values())
+
+
+def _size_kv_cache(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, stage_layers: int) -> None:
+    """KV bytes per token, the memory left for them beside weights and vLLM's reserve, the tokens and requests of
+    max_model_len that fit, and vLLM's refusal where not one does."""
+    max_model_len, utilization = sizing.max_model_len, sizing.gpu_memory_utilization
     if spec.mla:
-        per_layer = (spec.kv_lora_rank + spec.qk_rope_head_dim) * kv_dtype_bytes
+        per_layer = (spec.kv_lora_rank + spec.qk_rope_head_dim) * sizing.kv_dtype_bytes
     else:
-        per_layer = 2 * max(1, spec.kv_heads // tp) * spec.head_dim * kv_dtype_bytes
+        per_layer = 2 * max(1, spec.kv_heads // layout.tp) * spec.head_dim * sizing.kv_dtype_bytes
     layout.kv_bytes_per_token_per_gpu = stage_layers * per_layer
     if device.kind == "cpu":
-        available = float(device.cpu_kv_bytes)
-        reserve_bytes = 0.0
+        available, reserve_bytes = float(device.cpu_kv_bytes), 0.0
     else:
-        if reserve_bytes is None:
-            layout.reserve = reserve_for(spec, layout, device, gpu_memory_utilization)
+        if sizing.reserve_bytes is None:
+            layout.reserve = reserve_for(spec, layout, device, utilization)
         else:
             layout.reserve = Reserve(
-                cuda_hidden=0.0, non_torch=0.0, activation=reserve_bytes, cuda_graphs=0.0, tokens=0, flat=True
+                cuda_hidden=0.0, non_torch=0.0, activation=sizing.reserve_bytes, cuda_graphs=0.0, tokens=0, flat=True
             )
         reserve_bytes = layout.reserve.total
-        available = device.memory_bytes * gpu_memory_utilization - layout.weight_bytes_per_gpu - reserve_bytes
+        available = device.memory_bytes * utilization - layout.weight_bytes_per_gpu - reserve_bytes
     layout.available_kv_bytes_per_gpu = max(0.0, available)
     page = BLOCK_SIZE * per_layer
     blocks = int(layout.available_kv_bytes_per_gpu // page // stage_layers) if page and stage_layers else 0
     layout.max_kv_tokens = blocks * BLOCK_SIZE
-    layout.max_concurrency = dp * layout.max_kv_tokens / max_model_len if max_model_len else 0.0
-    if layout.accepted and layout.max_kv_tokens < max_model_len:
-        layout.fits = False
-        need = max_model_len * layout.kv_bytes_per_token_per_gpu / GiB
-        if available <= 0:
-            layout.reasons.append(
-                f"ValueError: No available memory for the cache blocks: weights {layout.weight_bytes_per_gpu / GiB:.1f} GiB "
-                f"+ reserve {reserve_bytes / GiB:.1f} GiB exceed {gpu_memory_utilization:.0%} of "
-                f"{device.memory_bytes / GiB:.0f} GiB per GPU"
-            )
-        else:
-            layout.reasons.append(
-                f"ValueError: To serve at least one request with the model's max seq len ({max_model_len}), "
-                f"({need:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
-                f"({available / GiB:.2f} GiB)."
-            )
+    layout.max_concurrency = layout.dp * layout.max_kv_tokens / max_model_len if max_model_len else 0.0
+    if not layout.accepted or layout.max_kv_tokens >= max_model_len:
+        return
+    layout.fits = False
+    need = max_model_len * layout.kv_bytes_per_token_per_gpu / GiB
+    if available <= 0:
+        layout.reasons.append(
+            f"ValueError: No available memory for the cache blocks: weights {layout.weight_bytes_per_gpu / GiB:.1f} GiB "
+            f"+ reserve {reserve_bytes / GiB:.1f} GiB exceed {utilization:.0%} of "
+            f"{device.memory_bytes / GiB:.0f} GiB per GPU"
+        )
+    else:
+        layout.reasons.append(
+            f"ValueError: To serve at least one request with the model's max seq len ({max_model_len}), "
+            f"({need:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
+            f"({available / GiB:.2f} GiB)."
+        )
+
+
+def _rate_decode(
+    spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, stage_layers: int, moe_stage: float
+) -> None:
+    """Collectives per token and the decode bandwidth ceiling, at one stream and at the batch the layout holds."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
     # Collectives per decode step (per token of one sequence): two all-reduces per layer under TP; MoE layers
     # spanning DP add an all-gather/reduce-scatter (no EP) or a dispatch/combine all-to-all (EP) each.
     layout.allreduces_per_token = 2 * spec.layers if tp > 1 else 0
@@ -654,10 +727,10 @@ def size(
     # Bandwidth ceiling: bytes each GPU of a stage reads per step (weights of the experts the batch touches,
     # everything else, the batch's KV), plus a fixed latency per collective. Stages run in sequence for one
     # sequence; with a batch, vLLM keeps PP micro-batches in flight, so stages overlap.
+    parts = layout.weight_breakdown
     non_expert = parts["attention"] + parts["shared_and_dense"] + parts["embeddings"]
-    expert_per_layer_gpu = weights.experts * expert_fraction
-    context = min(max_model_len, 2048)
-
+    expert_per_layer_gpu = sizing.weights.experts * _expert_fraction(spec, layout)
+    context = min(sizing.max_model_len, 2048)
     network = _network_seconds(spec, layout, device, stage_layers, moe_stage)
 
     def step_seconds(b: float) -> float:
@@ -669,6 +742,7 @@ def size(
         read = non_expert + experts + b * context * layout.kv_bytes_per_token_per_gpu
         return read / device.bandwidth_bytes_s + stage_collectives * device.collective_latency_s + network(b)
 
+    batch = sizing.batch
     layout.batch = batch
     # a layout is ranked at the batch it can hold at full context: one whose KV cache takes 20 requests of
     # max_model_len serves a batch of 64 long ones 20 at a time, however fast its steps
@@ -755,6 +829,7 @@ class Plan(BaseModel):
 def plan(
     spec: ModelSpec,
     device: Device,
+    *,
     max_model_len: int = 4096,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     kv_cache_dtype: str = "auto",
@@ -767,16 +842,21 @@ def plan(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"{spec.max_position_embeddings}; vLLM refuses it"
         )
-    kv_bytes = 1 if kv_cache_dtype.startswith("fp8") else 2
-    reserve = reserve_gib * GiB if reserve_gib is not None and device.kind != "cpu" else None
-    weights = weight_bytes(spec)
+    sizing = Sizing(
+        weights=weight_bytes(spec),
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_dtype_bytes=1 if kv_cache_dtype.startswith("fp8") else 2,
+        reserve_bytes=reserve_gib * GiB if reserve_gib is not None and device.kind != "cpu" else None,
+        batch=batch,
+    )
     layouts = []
     for tp, pp, dp in enumerate_layouts(device.count):
         for ep in (False, True) if spec.is_moe else (False,):
             layout = Layout(tp, pp, dp, ep)
             check_rules(spec, layout)
             place(spec, layout, device)
-            size(spec, layout, device, weights, max_model_len, gpu_memory_utilization, kv_bytes, reserve, batch)
+            size(spec, layout, device, sizing)
             layouts.append(layout)
     usable = [candidate for candidate in layouts if candidate.usable]
     for candidate in usable:
@@ -798,9 +878,9 @@ def plan(
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
         kv_cache_dtype=kv_cache_dtype,
-        activation_reserve_bytes=reserve,
-        weights_total_bytes=weights.total(spec),
-        weights_scaled_to_checkpoint=weights.scaled_to_checkpoint,
+        activation_reserve_bytes=sizing.reserve_bytes,
+        weights_total_bytes=sizing.weights.total(spec),
+        weights_scaled_to_checkpoint=sizing.weights.scaled_to_checkpoint,
         batch=batch,
         layouts=layouts,
         recommended=recommended,

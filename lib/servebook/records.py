@@ -285,6 +285,8 @@ class DryRun(BaseModel):
     skipped: str = ""
     post_start: Command | None = None
     smoke_test: client.SmokeResult | None = None
+    # a keyed unit: what a request without the key got (401 when the unit's environment file holds the key)
+    keyless_status: int | None = None
     stop: server.Terminated | None = None
     log: str = ""
 

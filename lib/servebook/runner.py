@@ -31,6 +31,7 @@ from servebook import params as params_mod
 from servebook.errors import ParamsError, ServebookError
 from servebook.records import LaunchRecord
 from servebook.results import Manifest, StageRun, outputs_root, repo_root
+from servebook.secrets import declare as declare_secret
 from servebook.secrets import mask, secret_values
 from servebook.stages import Stage
 
@@ -223,6 +224,7 @@ def run(
     what a stage prints (load phases, benchmark levels, NCCL sets) appears as it happens, indented under the stage.
     """
     params = params_mod.load(params_path, overrides)  # raises before anything exists
+    declare_secret(params.api_key_env)  # its value is masked in every notebook, record and report, as the key it is
     selected = stages.select(wanted)
     declared = {stage.name: declared_parameters(notebook_of(stage)) for stage in selected}
     run_dir = new_run_dir(f"{params.run_name}-{suffix}" if suffix else params.run_name)

@@ -13,14 +13,27 @@ import re
 SECRET_NAME = re.compile(r"(token|secret|password|api[_-]?key)", re.IGNORECASE)
 MASK = "***"
 MIN_SECRET_LEN = 6  # shorter values would mask ordinary words
+# variables declared secret whatever their names (api_key_env may name MY_KEY); inherited by every child process,
+# so a stage's kernel masks what the runner does
+DECLARED = "SERVEBOOK_MASKED_VARS"  # not a secret-looking name: its value, variable names, stays readable
+
+
+def _declared() -> set[str]:
+    return set(filter(None, os.environ.get(DECLARED, "").split(",")))
+
+
+def declare(name: str) -> None:
+    """Treat the variable ``name`` as a secret in this process and every process it starts."""
+    if name and name not in _declared():
+        os.environ[DECLARED] = ",".join(sorted(_declared() | {name}))
 
 
 def is_secret_name(name: str) -> bool:
-    return bool(SECRET_NAME.search(name))
+    return bool(SECRET_NAME.search(name)) or name in _declared()
 
 
 def secret_values() -> list[str]:
-    """Values of environment variables whose names look secret, longest first."""
+    """Values of environment variables whose names look secret or were declared so, longest first."""
     values = {v for k, v in os.environ.items() if is_secret_name(k) and len(v) >= MIN_SECRET_LEN}
     return sorted(values, key=len, reverse=True)
 

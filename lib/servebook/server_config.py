@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from servebook import hardware, models, vllm_compat
+from servebook import hardware, models, secrets, vllm_compat
 from servebook.client import Target
 from servebook.errors import PreflightError
 from servebook.params import Params
@@ -164,6 +164,7 @@ class ServerConfig:
         keyless, or a client sending no key, would each fail later and less clearly."""
         if not self.api_key_env:
             return None
+        secrets.declare(self.api_key_env)  # masked wherever servebook writes, whatever the variable is called
         if self.api_key_env not in os.environ:
             raise PreflightError(
                 f"api_key_env names {self.api_key_env}, which is not set; export it or set api_key_env: ''"

@@ -26,7 +26,7 @@ def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path)
         prompts_per_level=8,
         objectives=metrics.Objectives(ttft_ms=60_000),
     )
-    data = bench.sweep(shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path)
+    data = bench.sweep(shared_server.config.target(), shared_server.config.model_path, cfg, tmp_path)
     assert data.fault == "" and [level.concurrency for level in data.levels] == [1, 2, 4]
     # a 2-core machine's API server may deliver answers in bursts, which the sweep rightly warns of; nothing else
     others = [w for w in data.warnings if not w.startswith("the client's mean TPOT is off vLLM's own clock")]
@@ -64,9 +64,7 @@ def test_windows_last_their_seconds_and_a_broken_objective_ends_the_sweep(shared
         objectives=metrics.Objectives(ttft_ms=0.001),
     )
     lines: list[str] = []
-    data = bench.sweep(
-        shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path, log=lines.append
-    )
+    data = bench.sweep(shared_server.config.target(), shared_server.config.model_path, cfg, tmp_path, log=lines.append)
     assert data.stopped_by == "objective" and "TTFT" in data.stop_reason and "concurrency 1" in data.stop_reason
     assert [level.concurrency for level in data.levels] == [1] and data.levels[0].repeats == 3
     # closed loop: a request is ready when its slot frees, so its client queue is the client's own delay only
@@ -91,13 +89,13 @@ def test_a_server_killed_mid_level_stops_the_sweep_and_keeps_results(tmp_path):
     killer = threading.Timer(25.0, lambda: os.killpg(launched.pgid, signal.SIGKILL))
     killer.start()
     try:
-        data = bench.sweep(launched.url, "tiny-qwen3-moe", launched.config.model_path, cfg, tmp_path)
+        data = bench.sweep(launched.config.target(), launched.config.model_path, cfg, tmp_path)
     finally:
         killer.cancel()
         server.stop(port=8136)
     assert data.stopped_by == "fault" and "concurrency" in data.fault
-    assert data.runs and data.runs[-1]["failed"] > 0
-    assert "connection" in data.runs[-1]["errors"]
+    assert data.runs and data.runs[-1].summary.failed > 0
+    assert "connection" in data.runs[-1].flat()["errors"]
     reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
     assert (reqs.error != "").any() and (reqs.error == "").any()  # what was measured before the fault is kept
 
@@ -108,7 +106,7 @@ def test_a_level_past_max_num_seqs_is_labelled_a_batch_limit(tmp_path):
     # a fresh CPU server stalls for seconds the first time it meets each batch shape, and a stalled level's
     # gauges miss the full batch: one uncounted level at 8 streams shows it every shape first
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(launched.config.model_path), seed=8)
-    loadgen.run_level(launched.url, "tiny-qwen3-moe", loadgen.Workload(32, 64), maker.prompts(24, 32), 8)
+    loadgen.run_level(launched.config.target(), loadgen.Workload(32, 64), maker.prompts(24, 32), concurrency=8)
     cfg = bench.SweepConfig(
         # answers long enough for the half-second /metrics sampler to catch the full batch several times
         workload=loadgen.Workload(input_len=32, output_len=128),
@@ -121,7 +119,7 @@ def test_a_level_past_max_num_seqs_is_labelled_a_batch_limit(tmp_path):
         max_num_seqs=4,
     )
     try:
-        data = bench.sweep(launched.url, "tiny-qwen3-moe", launched.config.model_path, cfg, tmp_path)
+        data = bench.sweep(launched.config.target(), launched.config.model_path, cfg, tmp_path)
     finally:
         server.stop(port=8137)
     by_c = {level.concurrency: level for level in data.levels}
@@ -159,7 +157,7 @@ def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_
     )
     lines: list[str] = []
     result = ratesweep.sweep_rates(
-        shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path, log=lines.append
+        shared_server.config.target(), shared_server.config.model_path, cfg, tmp_path, log=lines.append
     )
     low, high = result.levels
     errors = pd.read_parquet(tmp_path / "rates_requests.parquet").error.str[:120].value_counts().to_dict()
@@ -185,7 +183,7 @@ def test_a_dataset_sweep_sends_each_request_with_its_own_lengths(shared_server, 
     tok = loadgen.load_tokenizer(shared_server.config.model_path)
     ds = datasets.load(path, tok, max_model_len=shared_server.config.max_model_len, output_len=32)
     cfg = bench.SweepConfig(max_concurrency=2, repeats=1, max_repeats=1, prompts_per_level=8, dataset=ds.prompts)
-    data = bench.sweep(shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path)
+    data = bench.sweep(shared_server.config.target(), shared_server.config.model_path, cfg, tmp_path)
     assert data.fault == "" and data.length_mismatches.checked > 0
     assert data.length_mismatches.input == data.length_mismatches.output == 0
     reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
@@ -207,7 +205,7 @@ def test_multi_turn_conversations_send_their_history_and_hit_the_prefix_cache(sh
         max_repeats=1,
         prompts_per_level=6,
     )
-    data = bench.sweep(shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path)
+    data = bench.sweep(shared_server.config.target(), shared_server.config.model_path, cfg, tmp_path)
     assert data.fault == "" and [lv.concurrency for lv in data.levels] == [1, 2]
     assert all(lv.failed == 0 and (lv.prefix_cache_hit_rate or 0) > 0.2 for lv in data.levels)
     reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
@@ -222,15 +220,15 @@ def test_two_client_processes_share_the_streams_and_open_their_windows_together(
     under its own index, and both windows start within a moment of each other."""
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(shared_server.config.model_path), seed=5)
     prompts = maker.prompts(4 + 12, 32)
-    recs, start, end = loadgen.run_level(
-        shared_server.url,
-        "tiny-qwen3-moe",
+    window = loadgen.run_level(
+        shared_server.config.target(),
         loadgen.Workload(input_len=32, output_len=8),
         prompts,
         concurrency=4,
         warmup=4,
         processes=2,
     )
+    recs, start, end = window.records, window.start, window.end
     assert sorted(r.index for r in recs) == list(range(16)) and all(r.ok for r in recs)
     assert sum(r.warmup for r in recs) == 4 and {r.completion_tokens for r in recs} == {8}
     measured = [r for r in recs if not r.warmup]
@@ -249,7 +247,7 @@ def test_a_long_context_mix_sends_its_share_at_its_length(shared_server, tmp_pat
         max_spread_pct=1000.0,
         prompts_per_level=8,
     )
-    data = bench.sweep(shared_server.url, "tiny-qwen3-moe", shared_server.config.model_path, cfg, tmp_path)
+    data = bench.sweep(shared_server.config.target(), shared_server.config.model_path, cfg, tmp_path)
     assert data.fault == "" and data.length_mismatches.input == data.length_mismatches.output == 0
     reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
     assert set(reqs.prompt_tokens) == {48, 800} and set(reqs.completion_tokens) == {8}
@@ -263,15 +261,17 @@ def test_a_connection_idle_past_vllms_keep_alive_is_not_reused(shared_server):
     behind did in CI (9 of 400 requests at 200 requests/s)."""
     import asyncio
 
-    path, body = loadgen._body(loadgen.Workload(16, 4), "tiny-qwen3-moe", "an idle pause between two requests")
+    workload = loadgen.Workload(16, 4)
+    path, body = loadgen._body(workload, "tiny-qwen3-moe", "an idle pause between two requests")
 
     async def two_requests_six_seconds_apart() -> list[loadgen.RequestRecord]:
         records = [loadgen.RequestRecord(index=i, level="idle", warmup=False, arrival=0.0) for i in range(2)]
         async with loadgen._session() as session:
-            await loadgen._send(session, shared_server.url, path, body, records[0], 60, {})
+            sender = loadgen._Client(session, shared_server.config.target(timeout_s=60), workload)
+            await sender.send(path, body, records[0])
             # a busy client: its event loop does not run, so it has not yet read the server's close
             time.sleep(6)
-            await loadgen._send(session, shared_server.url, path, body, records[1], 60, {})
+            await sender.send(path, body, records[1])
         return records
 
     first, second = asyncio.run(two_requests_six_seconds_apart())

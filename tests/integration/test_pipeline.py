@@ -15,10 +15,12 @@ from .conftest import vllm_titles
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
+KEY = "sk-pipeline-key-7f3a9c"  # in a variable of its own name: api_key_env is not VLLM_API_KEY
 
 
 def run(tmp_path, *extra):
     env = {**os.environ, "SERVEBOOK_OUTPUTS": str(tmp_path / "outputs"), "HF_TOKEN": "hf_pipelinesecret123"}
+    env |= {"SERVEBOOK_TEST_KEY": KEY, "VLLM_API_KEY": "sk-not-this-one"}
     proc = subprocess.run(
         [sys.executable, "-m", "servebook.cli", "run", str(REPO / "params" / "ci.yaml"), *extra],
         capture_output=True,
@@ -31,8 +33,11 @@ def run(tmp_path, *extra):
     return proc
 
 
-def test_pipeline_runs_every_stage_and_stops_its_server(tmp_path):
-    proc = run(tmp_path, "--set", "port=8141")
+def test_pipeline_runs_every_stage_against_a_keyed_server_and_stops_it(tmp_path):
+    """The story's own shape: a server that requires a key, from a variable of the params' choosing. Every stage's
+    requests carry it (the A/B's and the deploy dry run's too), the unit's environment file is filled from that
+    variable, and the key itself is written nowhere."""
+    proc = run(tmp_path, "--set", "port=8141", "--set", "api_key_env=SERVEBOOK_TEST_KEY")
     assert proc.returncode == 0
     run_dir = Path(proc.stdout.strip().splitlines()[-1])
     assert run_dir.parent == tmp_path / "outputs" and run_dir.name.endswith("-ci")
@@ -88,7 +93,16 @@ def test_pipeline_runs_every_stage_and_stops_its_server(tmp_path):
     assert "All stages completed" in html and "03_launch" in html
     assert html.count("Plotly.newPlot") >= 6 and html.count("plotly.js v") == 1  # plan, benchmark and NCCL plots
     for path in (p for p in run_dir.rglob("*") if p.is_file()):
-        assert "hf_pipelinesecret123" not in path.read_text(errors="replace"), path.name
+        text = path.read_text(errors="replace")
+        assert "hf_pipelinesecret123" not in text and KEY not in text and "sk-not-this-one" not in text, path.name
+    # every request was answered: none of a stage's records or the server's log holds a refusal
+    launched_log = Path(launch["log_path"]).read_text()
+    assert launched_log.count("401 Unauthorized") == 0 and "--api-key" not in launched_log
+    for record in run_dir.glob("0*.json"):
+        assert "http 401" not in record.read_text() and "answered 401" not in record.read_text(), record.name
+    assert deploy["dry_run"]["keyless_status"] == 401  # the service holds the key, from its environment file
+    env_file = Path(deploy["env_file"]).read_text()
+    assert "# VLLM_API_KEY= (filled at install from $SERVEBOOK_TEST_KEY)" in env_file and "HF_TOKEN" not in env_file
     # as its reader opens it, air-gapped: no request beyond file://, every figure drawn, no axis stretched
     if report_check.find_browser():
         seen = report_check.check(run_dir / "report.html")

@@ -31,7 +31,7 @@ def test_good_launch_is_ready_and_passes_the_smoke_test(shared_server):
     cpu = planner.Device("CPU", 1, 0, 0.0, kind="cpu", cpu_kv_bytes=2**30)
     plan = planner.plan(spec, cpu, max_model_len=1024)
     assert plan.find(planner.Parallelism()).max_kv_tokens == v.kv_cache_tokens
-    result = client.smoke_test(shared_server.url, "tiny-qwen3-moe", max_tokens=16)
+    result = client.smoke_test(shared_server.config.target(), max_tokens=16)
     assert result.passed, result.checks
     assert result.stream.completion_tokens == 16 and result.stream.ttft_ms > 0
     assert len(server.group_members(shared_server.pgid)) >= 2  # API server and engine core

@@ -149,7 +149,9 @@ def test_a_levels_gpu_evidence_is_the_median_of_its_repeats_and_names_every_slow
 
     seen = [
         GpuEvidence(samples=10, sm_util_mean_pct=40.0, pcie_peak_pct=80.0, pcie_link="Gen5 x16", slowdowns=[]),
-        GpuEvidence(samples=12, sm_util_mean_pct=60.0, pcie_peak_pct=90.0, pcie_link="Gen5 x16", slowdowns=["power cap"]),
+        GpuEvidence(
+            samples=12, sm_util_mean_pct=60.0, pcie_peak_pct=90.0, pcie_link="Gen5 x16", slowdowns=["power cap"]
+        ),
     ]
     (level,) = bench.aggregate([run_row(8, rep, 1000.0, gpu=e) for rep, e in enumerate(seen)])
     assert level.gpu.sm_util_mean_pct == 50 and level.gpu.pcie_peak_pct == 85 and level.gpu.pcie_link == "Gen5 x16"

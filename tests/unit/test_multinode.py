@@ -20,7 +20,7 @@ IB = planner.parse_interconnect("8x400Gb/s InfiniBand")
 
 def two_by_eight(model: str, link: planner.NodeLink = IB, gpu: str = "H100") -> planner.Plan:
     device = planner.Device.for_gpu(gpus.lookup(gpu), 16, nodes=2, link=link)
-    return planner.plan(modelspec.load(str(CONFIGS / f"{model}.json")), device, 8192)
+    return planner.plan(modelspec.load(str(CONFIGS / f"{model}.json")), device, max_model_len=8192)
 
 
 def test_interconnects_are_read_as_bandwidth_per_node_and_latency():
@@ -38,7 +38,9 @@ def test_kimi_k25_needs_two_nodes_and_the_plan_says_how_to_launch_them():
     """547 GB of INT4 weights leave 8 x 80 GB no KV cache; on 2 x 8 every layout with fewer than 16 ways of
     expert sharding is checked, where its groups fall, how vLLM is launched, what crosses the network."""
     one = planner.plan(
-        modelspec.load(str(CONFIGS / "kimi-k2.5.json")), planner.Device.for_gpu(gpus.lookup("H100"), 8), 8192
+        modelspec.load(str(CONFIGS / "kimi-k2.5.json")),
+        planner.Device.for_gpu(gpus.lookup("H100"), 8),
+        max_model_len=8192,
     )
     assert one.recommended is None
     two = two_by_eight("kimi-k2.5")
@@ -61,7 +63,7 @@ def test_kimi_k25_needs_two_nodes_and_the_plan_says_how_to_launch_them():
 def test_one_node_plans_are_unchanged_by_the_multinode_fields():
     """The single-node behaviour stays exactly as it was: no crossings, no strategy, the same ranking."""
     device = planner.Device.for_gpu(gpus.lookup("H200"), 8)
-    result = planner.plan(modelspec.load(str(CONFIGS / "minimax-m2.5.json")), device, 8192)
+    result = planner.plan(modelspec.load(str(CONFIGS / "minimax-m2.5.json")), device, max_model_len=8192)
     assert all(not layout.crosses and not layout.strategy for layout in result.layouts)
     assert result.recommended is not None and result.recommended.network_collectives_per_token == 0
 

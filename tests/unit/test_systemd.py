@@ -20,7 +20,13 @@ def story_unit(params_name: str, config_name: str, gpu: str) -> tuple[systemd.Un
     from servebook import gpus
 
     g = gpus.lookup(gpu)
-    plan = planner.plan(spec, planner.Device.for_gpu(g, 8), p.max_model_len, p.gpu_memory_utilization, p.kv_cache_dtype)
+    plan = planner.plan(
+        spec,
+        planner.Device.for_gpu(g, 8),
+        max_model_len=p.max_model_len,
+        gpu_memory_utilization=p.gpu_memory_utilization,
+        kv_cache_dtype=p.kv_cache_dtype,
+    )
     predicted = server_config.load_budget_s(plan.weights_total_bytes)
     cfg = server.ServerConfig.from_params(p, "cuda")
     unit = deploy.unit_spec(p.run_name, LaunchRecord.planned(cfg), predicted_load_s=predicted)

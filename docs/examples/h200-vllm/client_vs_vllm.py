@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from servebook import client, loadgen, metrics
+from servebook import client, loadgen, metrics, tables
 from servebook.datasets import Prompt
 from servebook.loadgen import Workload
 
@@ -81,19 +81,17 @@ def servebook_run(a: argparse.Namespace, prompts: list[str] | list[Prompt], c: i
 
         loadgen._run_loop = asyncio.run  # this process only: it was spawned for this one measurement
     cpu = time.process_time()
-    recs, _, _ = loadgen.run_level(
-        a.url,
-        a.model,
+    recs = loadgen.run_level(
+        client.Target(a.url, a.model),
         Workload(a.input_len, a.output_len, usage_each_chunk=each_chunk),
         prompts,
-        c,
-        f"c{c}",
-        c,
+        concurrency=c,
+        warmup=c,
         min_requests=least,
         min_seconds=a.seconds,
-    )
+    ).records
     cpu = time.process_time() - cpu
-    loadgen.save_records(recs, a.out / f"{name}-{tag}")  # every request's timeline, to study TTFT
+    tables.write_requests(recs, a.out / f"{name}-{tag}")  # every request's timeline, to study TTFT
     s = metrics.summarize(recs)
     return {
         "client": CLIENTS[name],

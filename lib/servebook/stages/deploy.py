@@ -101,6 +101,8 @@ def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, target: client.Target) 
         out.post_start = _run(wait, timeout=unit.timeout_start_s + 60)
         if out.post_start.returncode == 0:
             out.smoke_test = client.smoke_test(target, max_tokens=8)
+            if unit.secret_sources:  # the key reached the service through its environment file, as install writes it
+                out.keyless_status = client.keyless_status(unit.url)
     finally:
         out.stop = server.terminate(proc.pid)
         proc.wait(timeout=30)
@@ -146,7 +148,9 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     tuned = results.read(run_dir, NcclTuningRecord)
     name = p.deploy_name or launch.served_model_name.replace("/", "-")
     size, _ = models.checkpoint_bytes(launch.model_path)
-    unit = unit_spec(name, launch, tuned.recommended_env if tuned else None, server_config.load_budget_s(size), p.deploy_user)
+    unit = unit_spec(
+        name, launch, tuned.recommended_env if tuned else None, server_config.load_budget_s(size), p.deploy_user
+    )
     node_units = _node_units(unit, launch, run_dir)
     unit_text = systemd.render_unit(unit)
     unit_path = run_dir / unit.unit_name
@@ -211,6 +215,11 @@ def check(record: DeployRecord, p: Params) -> None:
         problems.append("the pre-start check refused: " + dry.pre_start.output)
     if dry and dry.smoke_test and not dry.smoke_test.passed:
         problems.append("the smoke test against the dry-run service failed")
+    if dry and dry.keyless_status not in (None, 401):
+        problems.append(
+            f"the dry-run service answered a request without the API key with {dry.keyless_status}: the unit's "
+            "environment file did not give vLLM its key"
+        )
     if record.installed and not record.installed.enabled:
         problems.append("systemctl enable --now failed: " + record.installed.output[-300:])
     if problems:
@@ -228,6 +237,8 @@ def summary(record: DeployRecord) -> str:
             record.dry_run.post_start.returncode == 0 and record.dry_run.smoke_test and record.dry_run.smoke_test.passed
         )
         proven = "; dry run ready and answering" if ok else "; **dry run failed**"
+        if ok and record.dry_run.keyless_status == 401:
+            proven += " with its key (401 without it)"
     installed = "; installed" if record.installed and record.installed.enabled else ""
     nodes = ""
     if record.node_units:

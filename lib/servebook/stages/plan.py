@@ -59,11 +59,11 @@ def make_plan(p: Params, device: planner.Device) -> PlanRecord:
     planned = planner.plan(
         modelspec.load(p.model),
         device,
-        p.max_model_len,
-        p.gpu_memory_utilization,
-        p.kv_cache_dtype,
-        p.plan_reserve_gib or None,
-        p.plan_batch,
+        max_model_len=p.max_model_len,
+        gpu_memory_utilization=p.gpu_memory_utilization,
+        kv_cache_dtype=p.kv_cache_dtype,
+        reserve_gib=p.plan_reserve_gib or None,
+        batch=p.plan_batch,
     ).rank_by(p.plan_rank_by)
     launch_layout = "recommended" if p.layout_from_plan and planned.recommended else "params"
     record = PlanRecord(**dict(planned), requested=planned.find(p.layout), launch_layout=launch_layout)

@@ -1,0 +1,204 @@
+"""The hand-offs between stages: one owner per fact, checked where a second owner would drift.
+
+What the plan prints is what the launch runs; a server's configuration is made of the params' own fields; a
+stage reads only the parameters its notebook declares; the API key's variable is the one the params name."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from servebook import multinode, params, results, runner, server_config, stages, systemd
+from servebook.params import AbVariant, Params
+from servebook.records import LaunchRecord
+from servebook.stages import deploy, launch, plan
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "lib" / "servebook"
+
+
+def test_the_plans_command_is_the_launchs_command_argument_for_argument(tmp_path):
+    p = params.load(REPO / "params" / "ci.yaml", ["max_num_seqs=8", "extra_args=['--seed', '3']"])
+    planned = plan.make_plan(p, plan.device_for(p, tmp_path))
+    (command,) = planned.node_commands
+    assert command == launch.config_for(p, tmp_path).command()
+    # the flags that drifted before: each is in the plan's command, and no GPU flag on a CPU
+    for flag in ("--enforce-eager", "--max-num-seqs", "--served-model-name", "--host", "--port", "--seed"):
+        assert flag in command, flag
+    assert "--gpu-memory-utilization" not in command
+
+
+def test_a_two_node_plan_prints_each_nodes_launch_command(tmp_path):
+    p = params.load(
+        REPO / "params" / "ci.yaml",
+        ["nodes=2", "tensor_parallel_size=2", "node_hosts=['local', 'node-b']", "node_addresses=['127.0.0.1', '127.0.0.3']",
+         "node_interconnect=100GbE", "max_num_seqs=8"],
+    )  # fmt: skip
+    planned = plan.make_plan(p, plan.device_for(p, tmp_path))
+    head_cfg, workers = multinode.prepare(launch.config_for(p, tmp_path), multinode.NodeSet.from_params(p), tmp_path)
+    assert planned.node_commands == [head_cfg.command(), *(w.command for w in workers)]
+    head, worker = planned.node_commands
+    assert "--headless" in worker and "--headless" not in head and "--max-num-seqs" in worker
+
+
+def test_servebook_plan_json_carries_each_nodes_command():
+    import json
+
+    from typer.testing import CliRunner
+
+    from servebook.cli import app
+
+    out = CliRunner().invoke(
+        app, ["plan", str(REPO / "tests/fixtures/configs/minimax-m2.5.json"), "--gpus", "8", "--nodes", "2",
+              "--interconnect", "8x400Gb/s InfiniBand", "--json"],
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    record = json.loads(out.output)
+    head, worker = record["node_commands"]
+    assert "--headless" in worker and "--headless" not in head and "--data-parallel-start-rank" in worker
+    for flag in record["recommended"]["flags"]:
+        assert flag in head and flag in worker
+
+
+def test_a_servers_configuration_is_made_of_the_params_own_fields():
+    fields = server_config.serving_fields()
+    assert set(fields) <= set(Params.model_fields), set(fields) - set(Params.model_fields)
+    # an A/B variant changes serving fields only, and never one a server does not have
+    assert set(AbVariant.model_fields) - {"name"} <= set(fields)
+    # the defaults are the vocabulary's own
+    defaults = server_config.ServerConfig(model="m", model_path="/m", served_model_name="m")
+    for name in fields:
+        if name not in ("model", "served_model_name"):
+            assert getattr(defaults, name) == Params.model_fields[name].get_default(call_default_factory=True), name
+    # every field is read from the params: a value set there reaches the server
+    p = Params(port=8765, max_num_seqs=7, api_key_env="MY_KEY", extra_env={"NCCL_ALGO": "Ring"}, load_timeout_s=99)
+    cfg = server_config.ServerConfig.from_params(p, "cpu", model_path="/m")
+    assert (cfg.port, cfg.max_num_seqs, cfg.api_key_env, cfg.extra_env, cfg.load_timeout_s) == (
+        8765, 7, "MY_KEY", {"NCCL_ALGO": "Ring"}, 99
+    )  # fmt: skip
+
+
+def test_the_key_travels_from_the_variable_the_params_name(monkeypatch):
+    monkeypatch.setenv("MY_KEY", "sk-the-right-one")
+    monkeypatch.setenv("VLLM_API_KEY", "sk-the-wrong-one")
+    cfg = server_config.ServerConfig(model="m", model_path="/m", served_model_name="m", api_key_env="MY_KEY")
+    assert cfg.environment()["VLLM_API_KEY"] == "sk-the-right-one"
+    assert cfg.target().headers == {"Authorization": "Bearer sk-the-right-one"}
+    unit = deploy.unit_spec("m", LaunchRecord.planned(cfg))
+    assert unit.secret_sources == {"VLLM_API_KEY": "MY_KEY"}
+    assert systemd.secret_values(unit) == {"VLLM_API_KEY": "sk-the-right-one"}
+    assert "# VLLM_API_KEY= (filled at install from $MY_KEY)" in systemd.render_env_file(unit)
+    assert "sk-the-right-one" not in systemd.render_unit(unit)
+    monkeypatch.delenv("MY_KEY")
+    with pytest.raises(Exception, match="MY_KEY"):
+        systemd.secret_values(unit)
+
+
+def test_a_stage_that_writes_no_record_fails_the_run_by_name(tmp_path, monkeypatch):
+    import nbformat
+
+    from servebook.records import ReconRecord
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    kernel = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    nb = nbformat.v4.new_notebook(metadata=kernel)
+    nb.cells = [
+        nbformat.v4.new_code_cell(params.parameters_cell(["run_dir"]), metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("print('looked, wrote nothing')"),
+    ]
+    nbformat.write(nb, notebooks / "00_reconnaissance.ipynb")
+    monkeypatch.setenv("SERVEBOOK_NOTEBOOKS", str(notebooks))
+    monkeypatch.setenv("SERVEBOOK_OUTPUTS", str(tmp_path / "outputs"))
+    run_dir, code = runner.run(REPO / "params" / "ci.yaml", wanted="reconnaissance", log=lambda _: None)
+    assert code != 0 and results.read(run_dir, ReconRecord) is None
+    (entry,) = results.Manifest.model_validate_json((run_dir / "manifest.json").read_text()).stages
+    assert entry.status == "failed" and "MissingRecord" in entry.error
+    assert "stage reconnaissance finished without writing 00_reconnaissance.json" in entry.error
+
+
+# ---------------------------------------------------------------- which parameters a stage reads
+
+
+def _functions() -> dict[str, list[ast.FunctionDef]]:
+    """Every function and method of the package by name (``name`` and ``Class.name``)."""
+    found: dict[str, list[ast.FunctionDef]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                found.setdefault(node.name, []).append(node)
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef):
+                        found.setdefault(f"{node.name}.{item.name}", []).append(item)
+    return found
+
+
+FUNCTIONS = _functions()
+# what a Params property reads, and what reads every serving field by name (ServerConfig.from_params's getattr)
+PROPERTIES = {
+    "layout": {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel"},
+    "world_size": {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"},
+    "per_node": {"gpus_per_node", "nodes", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"},
+}
+DYNAMIC = {"ServerConfig.from_params": set(server_config.serving_fields()) | {"model"}}
+
+
+def _params_args(fn: ast.FunctionDef) -> list[str]:
+    args = [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
+    return [a.arg for a in args if a.annotation is not None and "Params" in ast.unparse(a.annotation)]
+
+
+def _callee(call: ast.Call) -> str:
+    parts = ast.unparse(call.func).split(".")
+    return ".".join(parts[-2:]) if len(parts) > 1 and parts[-2][:1].isupper() else parts[-1]
+
+
+def fields_read(fn: ast.FunctionDef, seen: set[int] | None = None) -> set[str]:
+    """The Params fields a function reads through its Params arguments, following the calls it passes them to."""
+    seen = seen if seen is not None else set()
+    if id(fn) in seen:
+        return set()
+    seen.add(id(fn))
+    names, out = set(_params_args(fn)), set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in names:
+            out |= PROPERTIES.get(node.attr, {node.attr} & set(Params.model_fields))
+        if isinstance(node, ast.Call) and any(isinstance(a, ast.Name) and a.id in names for a in node.args):
+            callee = _callee(node)
+            out |= DYNAMIC.get(callee, set())
+            for target in FUNCTIONS.get(callee, []):
+                out |= fields_read(target, seen)
+    return out
+
+
+@pytest.mark.parametrize("stage", stages.STAGES, ids=lambda s: s.name)
+def test_each_stage_reads_only_the_parameters_its_notebook_declares(stage):
+    tree = ast.parse(Path(stage.module.__file__).read_text())
+    read = set().union(*(fields_read(fn) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)))
+    declared = set(runner.declared_parameters(runner.notebook_of(stage)))
+    assert read, "no Params field read: the analysis lost the stage's parameter"
+    assert read <= declared, f"{stage.notebook} must declare {sorted(read - declared)}, which {stage.name} reads"
+
+
+def test_the_parameter_analysis_sees_a_read_through_a_helper():
+    tree = ast.parse(
+        "def helper(q: Params):\n    return q.bench_input_len\n"
+        "def run(p: Params, run_dir):\n    return helper(p), p.layout, p.port\n"
+    )
+    FUNCTIONS.setdefault("helper", []).append(tree.body[0])
+    try:
+        assert fields_read(tree.body[1]) == {"bench_input_len", "port", *PROPERTIES["layout"]}
+    finally:
+        FUNCTIONS["helper"].remove(tree.body[0])
+
+
+def test_the_variable_api_key_env_names_is_masked_whatever_its_name(monkeypatch):
+    from servebook import secrets
+
+    monkeypatch.setenv("MY_KEY", "sk-plain-named-key")
+    monkeypatch.delenv(secrets.DECLARED, raising=False)
+    assert "sk-plain-named-key" not in secrets.secret_values()  # MY_KEY does not look secret by its name
+    server_config.ServerConfig(model="m", model_path="/m", served_model_name="m", api_key_env="MY_KEY").api_key()
+    assert secrets.mask("key sk-plain-named-key, from MY_KEY") == "key ***, from MY_KEY"
