@@ -127,13 +127,11 @@ display(stage.table(planned))
 # activation per stage boundary, DP+EP the MoE layers' all-to-all. The ranking charges each crossing
 # collective the link's latency and its bytes at `node_interconnect`'s bandwidth. Where every replica fits in a
 # node, vLLM runs one data-parallel group per node (`--data-parallel-start-rank`); otherwise one engine spans
-# the nodes (`--nnodes`, `--node-rank`, `--master-addr`). Below: the command each node runs, head first.
+# the nodes (`--nnodes`, `--node-rank`, `--master-addr`). Below: the command the launch stage will run for
+# the layout it uses, built from the same configuration (each node's, head first, where there are several).
 
 # %%
-if planned.device.nodes > 1 and planned.node_commands:
-    print(stage.node_commands_text(planned))
-else:
-    print("one node: nothing crosses a network")
+print(stage.node_commands_text(planned) if planned.node_commands else "no command: the launch's layout is refused")
 
 # %% [markdown]
 # ## Memory per GPU

@@ -42,8 +42,9 @@
 #    nothing about NCCL.
 # 2. **The whole server, A/B.** Each variant in `ab_variants` (environment and/or serving flags) is launched through
 #    the launch stage and measured at one stream and at `ab_concurrency`; the baseline is measured before and after
-#    the variants, across a relaunch, and its spread is the noise band; each measurement lasts at least
-#    `ab_requests` requests and `bench_min_level_s` seconds. A variant is better or worse only beyond that band,
+#    the variants, across a relaunch, and its spread is the noise band; each measurement sends the benchmark's own
+#    requests (`bench_*`: lengths, endpoint, shared prefix, long-context share; single turns), with the server's
+#    API key, for at least `ab_requests` requests and `bench_min_level_s` seconds. A variant is better or worse only beyond that band,
 #    or when none of its samples falls inside the baseline's range (one cold baseline window must not hide a
 #    real slowdown). A variant whose server fails to start is reported with the cause, and the sweep goes on.
 #

@@ -7,10 +7,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture
-def fake_nvml(monkeypatch):
-    """Select a fake NVML scenario for the code under test (the only thing tests may fake)."""
+def fake_nvml():
+    """Answer the code under test's NVML calls from a scenario (NVML is the only thing tests may fake)."""
+    from servebook import nvml
+
+    from .support.fake_nvml import FakeNvml, load_scenario
 
     def use(name: str) -> None:
-        monkeypatch.setenv("SERVEBOOK_FAKE_NVML", name)
+        scenario = load_scenario(name)
+        nvml.use_backend(lambda: FakeNvml(scenario))
 
-    return use
+    yield use
+    nvml.use_backend(None)

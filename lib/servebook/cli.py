@@ -225,10 +225,8 @@ def plan(
         link = planner.parse_interconnect(interconnect) if nodes > 1 else None
         g = gpu_specs.lookup(gpu)
         result = make_plan(p, planner.Device.for_gpu(g, gpus_ * nodes, nodes=nodes, link=link))
-    except KeyError as exc:
-        _fail(ServebookError(str(exc.args[0])), code=2)
-    except (ServebookError, ValueError) as exc:
-        _fail(ServebookError(str(exc)), code=2)
+    except ServebookError as exc:
+        _fail(exc, code=2)
     if as_json:
         typer.echo(result.model_dump_json(indent=2, exclude={"schema_version", "written_at"}))
         return

@@ -21,13 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from servebook.errors import ServebookError
+from servebook.errors import DatasetError
 
 Format = Literal["auto", "sharegpt", "jsonl"]
-
-
-class DatasetError(ServebookError):
-    """A dataset file that cannot be benchmarked as it is."""
+__all__ = ["DatasetError", "Dataset", "Prompt", "check", "load"]
 
 
 @dataclass
@@ -125,6 +122,7 @@ def check(path: str | Path, fmt: Format = "auto") -> None:
 def load(
     path: str | Path,
     tokenizer: Any,
+    *,
     max_model_len: int,
     output_len: int,
     fmt: Format = "auto",

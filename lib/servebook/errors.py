@@ -38,8 +38,22 @@ class ModelConfigError(ServebookError):
         )
 
 
+class PlanInputError(ServebookError):
+    """The hardware or context to plan for cannot be planned: an interconnect that is no link speed, GPUs that do
+    not split over the nodes, an unknown GPU model, a context longer than the model allows."""
+
+    exit_code = 2
+
+
+class DatasetError(ServebookError):
+    """A dataset file that cannot be benchmarked as it is."""
+
+    exit_code = 2
+
+
 class MissingRecord(ServebookError):
-    """A stage needs an earlier stage's results file, which this run folder lacks."""
+    """A stage needs an earlier stage's results file, which this run folder lacks, or a stage finished without
+    writing its own."""
 
 
 # ---------------------------------------------------------------- stage gates (go / no-go)
@@ -126,6 +140,12 @@ class LaunchError(ServebookError):
         if log_tail:
             text += "\n--- last lines of the server log ---\n" + log_tail
         super().__init__(text)
+
+
+class RemoteError(ServebookError):
+    """A command that could not run on a node (unreachable, refused, timed out)."""
+
+    exit_code = 4
 
 
 class CleanupError(ServebookError):

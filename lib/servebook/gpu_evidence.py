@@ -12,7 +12,6 @@ story's PCIe box hit.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,10 +268,3 @@ class GpuSampler:
     @property
     def evidence(self) -> GpuEvidence | None:
         return summarize(self.samples) if self.samples else None
-
-
-def wait_a_sample(sampler: GpuSampler, timeout_s: float = 2.0) -> None:
-    """For tests: until the sampler has read once (or gave up)."""
-    end = time.monotonic() + timeout_s
-    while not sampler.samples and not sampler.absent and time.monotonic() < end:
-        time.sleep(0.01)

@@ -1,15 +1,16 @@
 """Memory and memory bandwidth of the GPUs servebook plans for, with where each number comes from.
 
 Memory is what NVML reports as total (MiB, converted to bytes) where a reading exists, else
-the datasheet capacity; bandwidth is the datasheet's peak HBM/GDDR bandwidth. Datasheet
-figures below were collected in ../shared/research/gpu-ops.md section 8 from secondary
-sources; confirm against nvidia.com before quoting them to a customer.
+the datasheet capacity; bandwidth is the datasheet's peak HBM/GDDR bandwidth. The datasheet
+figures below come from secondary sources; confirm them against nvidia.com before quoting
+them to a customer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servebook.errors import PlanInputError
 from servebook.units import GiB
 
 
@@ -98,4 +99,4 @@ def lookup(name: str) -> GpuModel:
     ) in ALIASES.items():  # NVML names: "NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell Server Edition"
         if alias in key.replace("-", " ") or alias.replace("-", " ") in key:
             return GPUS[canonical]
-    raise KeyError(f"unknown GPU '{name}'; known: {', '.join(GPUS)}")
+    raise PlanInputError(f"unknown GPU '{name}'; known: {', '.join(GPUS)}")

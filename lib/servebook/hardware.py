@@ -186,10 +186,10 @@ def _status(backend: Any, a: Any, b: Any, cap: nvml.P2PCap) -> str | None:
     return None if code is None else P2P_STATUS.get(code, str(code))
 
 
-def inventory(fake: str | None = None) -> Inventory:
+def inventory() -> Inventory:
     """Everything NVML can tell about this host's GPUs; ``available=False`` without a driver."""
     try:
-        with nvml.session(fake) as backend:
+        with nvml.session() as backend:
             cuda = backend.nvmlSystemGetCudaDriverVersion_v2()
             inv = Inventory(
                 available=True,

@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from servebook.errors import ParamsError
+
 BUILTIN_PREFIX = "builtin:"
 TINY_NAME = "tiny-qwen3-moe"
 # Bump when anything below changes what gets built; the cache key follows it.
@@ -148,7 +150,7 @@ def resolve(model: str) -> str:
     if is_builtin(model):
         name = model[len(BUILTIN_PREFIX) :]
         if name != TINY_NAME:
-            raise ValueError(f"model: unknown builtin '{name}'; the only builtin is {BUILTIN_PREFIX}{TINY_NAME}")
+            raise ParamsError("model", [f"unknown builtin '{name}'; the only builtin is {BUILTIN_PREFIX}{TINY_NAME}"])
         return str(build_tiny_model())
     path = Path(model).expanduser()
     return str(path.resolve()) if path.exists() else model

@@ -16,6 +16,7 @@ all-gather (S being the gathered total), where n is the number of ranks.  GB = 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -25,8 +26,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pydantic import BaseModel
+
+from servebook.errors import ServebookError
 
 # The sets tried by default. Each is a fresh process group; "baseline" sets nothing.
 DEFAULT_SETS: dict[str, dict[str, str]] = {
@@ -223,66 +227,48 @@ def confirmations(log: str, env: dict[str, str]) -> list[str]:
     return found
 
 
-def run_set(
-    name: str,
-    env: dict[str, str],
-    backend: str,
-    world: int,
-    min_bytes: int,
-    max_bytes: int,
-    iters: int,
-    warmup: int,
-    collectives: tuple[str, ...] = COLLECTIVES,
-    timeout_s: float = 600,
-) -> SetResult:
-    """Run one set in a fresh group of ``world`` processes; never raises for a failing set."""
+@dataclass(frozen=True)
+class Sweep:
+    """What each set measures: the backend and ranks, the message sizes, the repetitions, the collectives."""
+
+    backend: str
+    world: int
+    min_bytes: int
+    max_bytes: int
+    iters: int
+    warmup: int
+    collectives: tuple[str, ...] = COLLECTIVES
+
+    def rank_command(self, rank: int, port: int) -> list[str]:
+        """One rank's process: this module with the sweep's flags."""
+        return [
+            sys.executable, "-m", "servebook.nccl", "--rank", str(rank), "--world", str(self.world),
+            "--port", str(port), "--backend", self.backend, "--min-bytes", str(self.min_bytes),
+            "--max-bytes", str(self.max_bytes), "--iters", str(self.iters), "--warmup", str(self.warmup),
+            "--collectives", ",".join(self.collectives),
+        ]  # fmt: skip
+
+
+def run_set(name: str, env: dict[str, str], sweep: Sweep, timeout_s: float = 600) -> SetResult:
+    """Run one set in a fresh group of ``sweep.world`` processes; never raises for a failing set."""
     port = _free_port()
     child_env = {**os.environ, **ALWAYS, **env}
-    if backend == "nccl":
+    if sweep.backend == "nccl":
         child_env.setdefault("NCCL_DEBUG", "INFO")
         child_env.setdefault("NCCL_DEBUG_SUBSYS", "INIT,ENV,TUNING")
-    procs = []
     started = time.monotonic()
-    for rank in range(world):
-        cmd = [
-            sys.executable,
-            "-m",
-            "servebook.nccl",
-            "--rank",
-            str(rank),
-            "--world",
-            str(world),
-            "--port",
-            str(port),
-            "--backend",
-            backend,
-            "--min-bytes",
-            str(min_bytes),
-            "--max-bytes",
-            str(max_bytes),
-            "--iters",
-            str(iters),
-            "--warmup",
-            str(warmup),
-            "--collectives",
-            ",".join(collectives),
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-            )
-        )
-    outputs = []
-    error = ""
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, err = p.communicate()
-            error = f"timed out after {timeout_s:.0f} s (a hang: the set may be unsafe on this topology)"
-        outputs.append((p.returncode, out, err))
+    procs = [
+        subprocess.Popen(
+            sweep.rank_command(rank, port),
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        for rank in range(sweep.world)
+    ]
+    outputs, error = _collect(procs, started, timeout_s)
     log = "\n".join(o + e for _, o, e in outputs)
     result = next(
         (
@@ -304,9 +290,26 @@ def run_set(
         rows=(result or {}).get("rows", []),
         info=(result or {}).get("info", {}),
         error=error,
-        confirmations=confirmations(log, env) if backend == "nccl" else [],
+        confirmations=confirmations(log, env) if sweep.backend == "nccl" else [],
         seconds=round(time.monotonic() - started, 2),
     )
+
+
+def _collect(
+    procs: list[subprocess.Popen[str]], started: float, timeout_s: float
+) -> tuple[list[tuple[int | None, str, str]], str]:
+    """Every rank's exit code and output; all are killed when one outlives the set's timeout (a hang)."""
+    outputs, error = [], ""
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+            error = f"timed out after {timeout_s:.0f} s (a hang: the set may be unsafe on this topology)"
+        outputs.append((p.returncode, out, err))
+    return outputs, error
 
 
 def summarize(results: list[SetResult]) -> list[SetSummary]:
@@ -364,17 +367,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.rank >= 0:
         _rank_main(args)
         return
-    result = run_all(
-        args.backend,
-        args.world,
-        args.min_bytes,
-        args.max_bytes,
-        args.iters,
-        args.warmup,
-        [s for s in args.sets.split(",") if s],
+    sweep = Sweep(
+        args.backend, args.world, args.min_bytes, args.max_bytes, args.iters, args.warmup,
         tuple(args.collectives.split(",")),
-        log=print,
-    )
+    )  # fmt: skip
+    result = run_all(sweep, [s for s in args.sets.split(",") if s], log=print)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(result.model_dump_json(indent=2))
@@ -397,29 +394,27 @@ def detect_backend(backend: str, world: int) -> tuple[str, int]:
 
 
 def run_all(
-    backend: str,
-    world: int,
-    min_bytes: int,
-    max_bytes: int,
-    iters: int,
-    warmup: int,
+    sweep: Sweep,
     set_names: list[str],
-    collectives: tuple[str, ...] = COLLECTIVES,
+    *,
     extra_sets: dict[str, dict[str, str]] | None = None,
     log: Callable[[str], None] = print,
 ) -> MicroResult:
+    """Every named set (the baseline first), each in its own group of processes; ``sweep.backend`` ``auto`` is
+    NCCL on two GPUs or more, else gloo on the CPU."""
     sets = {**DEFAULT_SETS, **(extra_sets or {})}
     unknown = [s for s in set_names if s not in sets]
     if unknown:
-        raise ValueError(f"unknown NCCL set(s) {unknown}; known: {', '.join(sets)}")
-    backend, world = detect_backend(backend, world)
+        raise ServebookError(f"nccl_sets: unknown NCCL set(s) {unknown}; known: {', '.join(sets)}")
+    backend, world = detect_backend(sweep.backend, sweep.world)
+    sweep = dataclasses.replace(sweep, backend=backend, world=world)
     if "baseline" not in set_names:
         set_names = ["baseline", *set_names]
     if backend == "gloo":
         set_names = ["baseline"]  # NCCL variables change nothing on gloo: one run exercises the path
     results = []
     for name in set_names:
-        r = run_set(name, sets[name], backend, world, min_bytes, max_bytes, iters, warmup, collectives)
+        r = run_set(name, sets[name], sweep)
         log(f"{name:14} {'ok' if r.ok else 'FAILED'} in {r.seconds:.1f} s" + (f": {r.error[:200]}" if r.error else ""))
         results.append(r)
     info = next((r.info for r in results if r.info), {})
@@ -429,10 +424,10 @@ def run_all(
         info=info,
         sets=results,
         summary=summarize(results),
-        min_bytes=min_bytes,
-        max_bytes=max_bytes,
-        iters=iters,
-        warmup=warmup,
+        min_bytes=sweep.min_bytes,
+        max_bytes=sweep.max_bytes,
+        iters=sweep.iters,
+        warmup=sweep.warmup,
     )
 
 

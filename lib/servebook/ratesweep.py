@@ -148,6 +148,7 @@ def _level(
     recs: list[RequestRecord],
     peaks: dict[str, float],
     cfg: RateSweepConfig,
+    *,
     clock: metrics.EngineClock | None = None,
 ) -> RateLevel:
     offered, achieved = offered_rate(offsets), achieved_rate(recs)
@@ -258,4 +259,4 @@ def measure_rate(
         )  # fmt: skip
     summary = metrics.summarize(window.records, cfg.objectives)
     clock = metrics.engine_clock(window.records, before, bench.scrape_metrics(target.url))
-    return _level(rate, offsets, summary, window.records, sampler.peaks, cfg, clock), window.records
+    return _level(rate, offsets, summary, window.records, sampler.peaks, cfg, clock=clock), window.records

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
+from servebook.errors import RemoteError
+
+__all__ = ["RemoteError", "WorkerRecord"]
+
 SSH_TIMEOUT_S = 20.0
-
-
-class RemoteError(RuntimeError):
-    """A command that could not run on a node (unreachable, refused, timed out)."""
 
 
 class WorkerRecord(BaseModel):

@@ -10,7 +10,3 @@ GiB = 1024**3
 def gib(n_bytes: float | None) -> str:
     """A byte count as GiB for people, e.g. ``'12.3 GiB'``; ``'?'`` when unknown."""
     return "?" if n_bytes is None else f"{n_bytes / GiB:.1f} GiB"
-
-
-def to_gib(n_bytes: float) -> float:
-    return n_bytes / GiB

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from servebook import report_check, server
+from servebook import server
 from servebook.errors import PreflightError
 
+from ..support import report_check
 from .conftest import vllm_titles
 
 pytestmark = pytest.mark.integration

@@ -9,6 +9,13 @@ from servebook import bench, gpu_evidence
 from servebook.gpu_evidence import Sample
 
 
+def wait_a_sample(sampler: gpu_evidence.GpuSampler, timeout_s: float = 2.0) -> None:
+    """Until the sampler has read once (or gave up)."""
+    end = time.monotonic() + timeout_s
+    while not sampler.samples and not sampler.absent and time.monotonic() < end:
+        time.sleep(0.01)
+
+
 def sample(gpu=0, util=60.0, power=350.0, limit=600.0, clock=2400.0, reasons=0, tx=10.0, rx=10.0, gen=5, width=16):
     return Sample(gpu, util, power, limit, clock, 2600.0, reasons, tx, rx, gen, width)
 
@@ -74,10 +81,10 @@ def test_a_batch_limit_is_read_from_vllms_queue_time_when_the_gauges_missed_the_
     assert bench.limit_of(missed, gain=-0.4, cfg=bench.SweepConfig())[0] == "decline"  # no max_num_seqs set
 
 
-def test_the_sampler_reads_the_fake_nvml_and_says_why_a_cpu_server_has_no_evidence(monkeypatch):
-    monkeypatch.setenv("SERVEBOOK_FAKE_NVML", "rtxpro6000x8-pcie-busy")
+def test_the_sampler_reads_the_fake_nvml_and_says_why_a_cpu_server_has_no_evidence(fake_nvml):
+    fake_nvml("rtxpro6000x8-pcie-busy")
     with gpu_evidence.GpuSampler([0, 1], every_s=0.05) as sampler:
-        gpu_evidence.wait_a_sample(sampler)
+        wait_a_sample(sampler)
     e = sampler.evidence
     assert e is not None and e.samples >= 2 and sampler.absent == ""
     assert e.pcie_link == "Gen5 x16" and e.pcie_peak_pct == pytest.approx(90.0, abs=0.1)
@@ -111,8 +118,8 @@ def test_nvlink_rates_come_from_counter_deltas_and_a_busy_link_is_the_wall():
     assert gpu_evidence.summarize([series[0], sample()]).nvlink_peak_pct is None
 
 
-def test_the_sampler_reads_nvlink_counters_and_link_speed_from_the_fake_nvml(monkeypatch):
-    monkeypatch.setenv("SERVEBOOK_FAKE_NVML", "h200x8-nvlink-busy")
+def test_the_sampler_reads_nvlink_counters_and_link_speed_from_the_fake_nvml(fake_nvml):
+    fake_nvml("h200x8-nvlink-busy")
     with gpu_evidence.GpuSampler([0, 1], every_s=0.05) as sampler:
         while len(sampler.samples) < 6 and not sampler.absent:
             time.sleep(0.01)
@@ -124,9 +131,9 @@ def test_the_sampler_reads_nvlink_counters_and_link_speed_from_the_fake_nvml(mon
     row = bench.gpu_columns(sampler.evidence)
     assert row["gpu_nvlink_pct"] == pytest.approx(90, abs=2) and row["gpu_nvlink_direction"] == "sent"
     # an H200 board whose scenario gives no link speed: no bandwidth to measure against, so no NVLink evidence
-    monkeypatch.setenv("SERVEBOOK_FAKE_NVML", "h200x8-nvlink")
+    fake_nvml("h200x8-nvlink")
     with gpu_evidence.GpuSampler([0], every_s=0.05) as idle:
-        gpu_evidence.wait_a_sample(idle)
+        wait_a_sample(idle)
     assert idle.evidence is not None and idle.evidence.nvlink_peak_pct is None
 
 

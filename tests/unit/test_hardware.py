@@ -4,6 +4,7 @@ import pytest
 
 from servebook import hardware, nvml
 from servebook.stages import reconnaissance
+from servebook.units import MiB
 
 
 def assess(fake_nvml, scenario, **kw):
@@ -18,7 +19,7 @@ def test_h200_board_is_ready_with_nvlink(fake_nvml):
     inv = hardware.inventory()
     assert inv.available and len(inv.gpus) == 8 and len(inv.pairs) == 28
     g = inv.gpus[0]
-    assert g.name == "NVIDIA H200" and g.memory_total == 143771 * nvml.MiB and g.nvlink_active == 18
+    assert g.name == "NVIDIA H200" and g.memory_total == 143771 * MiB and g.nvlink_active == 18
     assert g.mig_enabled is False and g.pcie_gen_max == 5
     assert inv.nvlink_everywhere and inv.cuda_driver_version == "13.0"
     found = assess(fake_nvml, "h200x8-nvlink")
@@ -91,8 +92,7 @@ def test_p2p_index_is_passed_as_an_integer():
     assert [int(c) for c in nvml.P2PCap] == [0, 1, 2]
 
 
-def test_real_nvml_without_a_driver_is_unavailable(monkeypatch):
-    monkeypatch.delenv("SERVEBOOK_FAKE_NVML", raising=False)
+def test_real_nvml_without_a_driver_is_unavailable():
     inv = hardware.inventory()
     if inv.available:
         pytest.skip("this host has an NVIDIA driver")
@@ -100,5 +100,7 @@ def test_real_nvml_without_a_driver_is_unavailable(monkeypatch):
 
 
 def test_unknown_scenario_names_the_known_ones():
+    from ..support.fake_nvml import load_scenario
+
     with pytest.raises(FileNotFoundError, match="h200x8-nvlink"):
-        nvml.load_scenario("nope")
+        load_scenario("nope")

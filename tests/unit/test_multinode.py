@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from servebook import gpus, modelspec, multinode, params, planner, remote, server_config, vllm_compat
-from servebook.errors import ParamsError
+from servebook.errors import ParamsError, PlanInputError
 from servebook.planner import Parallelism
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
@@ -30,7 +30,7 @@ def test_interconnects_are_read_as_bandwidth_per_node_and_latency():
     ethernet = planner.parse_interconnect("100GbE")
     assert ethernet.bandwidth_bytes_s == 12.5e9 and not ethernet.rdma and ethernet.latency_s == planner.TCP_COLLECTIVE_S
     assert planner.parse_interconnect("200G RoCE 18us").latency_s == pytest.approx(18e-6)
-    with pytest.raises(ValueError, match="node_interconnect 'fast' is not a link speed; write it as"):
+    with pytest.raises(PlanInputError, match="node_interconnect 'fast' is not a link speed; write it as"):
         planner.parse_interconnect("fast")
 
 

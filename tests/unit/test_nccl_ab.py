@@ -57,7 +57,7 @@ def test_confirmations_come_from_ncclS_own_log():
 
 
 def test_gloo_path_runs_without_gpus():
-    result = nccl.run_all("gloo", 2, 8192, 65536, 2, 1, ["baseline", "proto_ll"], log=lambda _: None)
+    result = nccl.run_all(nccl.Sweep("gloo", 2, 8192, 65536, 2, 1), ["baseline", "proto_ll"], log=lambda _: None)
     assert result.backend == "gloo" and [s.name for s in result.sets] == ["baseline"]
     rows = result.sets[0].rows
     assert {r.collective for r in rows} == {"all_reduce", "all_gather"} and len(rows) == 8

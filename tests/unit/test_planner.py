@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from servebook import gpus, modelspec, planner
+from servebook.errors import PlanInputError
 from servebook.modelspec import ModelConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
@@ -133,7 +134,7 @@ def test_malformed_configs_name_the_missing_field(tmp_path):
 
 
 def test_max_model_len_beyond_the_model_is_refused():
-    with pytest.raises(ValueError, match="max_position_embeddings"):
+    with pytest.raises(PlanInputError, match="max_position_embeddings"):
         planner.plan(spec("mixtral-8x7b"), device(), max_model_len=100_000)
 
 

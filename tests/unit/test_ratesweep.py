@@ -79,12 +79,12 @@ def test_a_rate_whose_tokens_reached_the_client_in_bursts_says_so_in_its_verdict
         requests=20, vllm_requests=20, client_ttft_mean_ms=300.0, vllm_ttft_mean_ms=5.0,
         client_tpot_mean_ms=0.0, vllm_tpot_mean_ms=1.5,
     )  # fmt: skip
-    lv = ratesweep._level(2.0, offsets, summary, recs, {}, cfg, burst)
+    lv = ratesweep._level(2.0, offsets, summary, recs, {}, cfg, clock=burst)
     assert lv.kept_up and lv.tpot_clock_gap_pct == pytest.approx(-100.0)
     assert lv.verdict.endswith(
         "the client's mean TPOT is -100 % off vLLM's own: the API server delivered tokens late or in bursts"
     )
     steady = burst.model_copy(update={"client_tpot_mean_ms": 1.55})
-    assert "vLLM's own" not in ratesweep._level(2.0, offsets, summary, recs, {}, cfg, steady).verdict
+    assert "vLLM's own" not in ratesweep._level(2.0, offsets, summary, recs, {}, cfg, clock=steady).verdict
     shared = burst.model_copy(update={"vllm_requests": 40})  # someone else's requests too: no comparison
-    assert ratesweep._level(2.0, offsets, summary, recs, {}, cfg, shared).tpot_clock_gap_pct is None
+    assert ratesweep._level(2.0, offsets, summary, recs, {}, cfg, clock=shared).tpot_clock_gap_pct is None

@@ -6,10 +6,12 @@ import plotly.express as px
 import plotly.graph_objects as go
 import pytest
 
-from servebook import environment, report, report_check, results, runner, server
+from servebook import environment, report, results, runner, server
 from servebook.errors import MissingRecord
 from servebook.records import BenchmarkRecord, LaunchRecord
 from servebook.results import Manifest, StageRun
+
+from ..support import report_check
 
 
 def executed_notebook(path, secret=""):

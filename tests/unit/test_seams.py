@@ -202,3 +202,9 @@ def test_the_variable_api_key_env_names_is_masked_whatever_its_name(monkeypatch)
     assert "sk-plain-named-key" not in secrets.secret_values()  # MY_KEY does not look secret by its name
     server_config.ServerConfig(model="m", model_path="/m", served_model_name="m", api_key_env="MY_KEY").api_key()
     assert secrets.mask("key sk-plain-named-key, from MY_KEY") == "key ***, from MY_KEY"
+
+
+def test_an_ab_variant_types_each_serving_field_as_the_params_do():
+    for name, field in AbVariant.model_fields.items():
+        if name != "name":
+            assert field.annotation == Params.model_fields[name].annotation | None, name

@@ -1,6 +1,9 @@
 import json
 
+import pytest
+
 from servebook import models
+from servebook.errors import ParamsError
 
 
 def test_tiny_model_is_deterministic_and_cached(tmp_path, monkeypatch):
@@ -26,11 +29,9 @@ def test_tiny_model_is_deterministic_and_cached(tmp_path, monkeypatch):
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_resolve_and_names():
+def test_served_names_come_from_the_folder_and_an_unknown_builtin_is_refused_by_name():
     assert models.default_served_name("builtin:tiny-qwen3-moe") == "tiny-qwen3-moe"
     assert models.default_served_name("/data/models/Kimi-K2.5/") == "Kimi-K2.5"
     assert models.resolve("moonshotai/Kimi-K2.5") == "moonshotai/Kimi-K2.5"
-    try:
+    with pytest.raises(ParamsError, match="only builtin is builtin:tiny-qwen3-moe"):
         models.resolve("builtin:nope")
-    except ValueError as exc:
-        assert "only builtin is builtin:tiny-qwen3-moe" in str(exc)

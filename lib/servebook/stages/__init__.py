@@ -79,13 +79,6 @@ def _table() -> list[Stage]:
 STAGES: list[Stage] = _table()
 
 
-def by_name(name: str) -> Stage:
-    for stage in STAGES:
-        if stage.name == name:
-            return stage
-    raise KeyError(name)
-
-
 def select(wanted: str | None) -> list[Stage]:
     """Stages for ``--stages`` (names like ``launch`` or numbers like ``03``), in pipeline order."""
     if not wanted:

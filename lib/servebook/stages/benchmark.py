@@ -79,8 +79,9 @@ def load_dataset(p: Params, launch: LaunchRecord) -> datasets.Dataset | None:
     tokenizer = loadgen.load_tokenizer(launch.model_path)
     overhead = loadgen.PromptMaker(tokenizer).chat_overhead() if p.bench_endpoint == "chat" else 0
     return datasets.load(
-        p.bench_dataset, tokenizer, launch.config.max_model_len, p.bench_output_len, p.bench_dataset_format, overhead
-    )
+        p.bench_dataset, tokenizer, max_model_len=launch.config.max_model_len, output_len=p.bench_output_len,
+        fmt=p.bench_dataset_format, chat_overhead=overhead,
+    )  # fmt: skip
 
 
 def rate_config(p: Params) -> ratesweep.RateSweepConfig:

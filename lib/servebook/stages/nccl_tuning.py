@@ -19,9 +19,8 @@ VERDICT_COLOURS = {"better": "#2ca02c", "worse": "#d62728", "no effect": "#7f7f7
 
 def micro(p: Params, log: Callable[[str], None] = print) -> nccl.MicroResult:
     sets = p.nccl_sets or list(nccl.DEFAULT_SETS)
-    return nccl.run_all(
-        "auto", p.nccl_world, p.nccl_min_bytes, p.nccl_max_bytes, p.nccl_iters, p.nccl_warmup, sets, log=log
-    )
+    sweep = nccl.Sweep("auto", p.nccl_world, p.nccl_min_bytes, p.nccl_max_bytes, p.nccl_iters, p.nccl_warmup)
+    return nccl.run_all(sweep, sets, log=log)
 
 
 def recommend(result: ab.AbResult | None) -> tuple[dict[str, str], str, list[str]]:

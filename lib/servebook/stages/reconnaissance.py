@@ -62,10 +62,9 @@ def assess(
     world_size: int = 1,
     gpu_ids: list[int] | None = None,
     checkpoint_gb: float = 0.0,
-    fake_nvml: str | None = None,
 ) -> ReconRecord:
     """Inventory, host, versions and a verdict."""
-    inv = hardware.inventory(fake_nvml)
+    inv = hardware.inventory()
     host = environment.host(model_store)
     resolved = hardware.resolve_device(device, inv)
     targets = hardware.target_gpus(gpu_ids or [], world_size) if resolved == "cuda" else []
