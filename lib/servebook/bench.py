@@ -13,14 +13,12 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-import httpx
 from pydantic import BaseModel, ConfigDict
 
 from servebook import client, gpu_evidence, loadgen, metrics, tables
@@ -107,64 +105,6 @@ def spread_pct(throughputs: list[float]) -> float | None:
     """(max - min) / median of a level's repeats, in percent."""
     med = statistics.median(throughputs) if throughputs else 0.0
     return 100 * (max(throughputs) - min(throughputs)) / med if med and len(throughputs) > 1 else None
-
-
-class MetricsSampler:
-    """Polls ``/metrics`` during a level for peaks of KV-cache usage, running and waiting requests."""
-
-    def __init__(self, url: str, every_s: float = 0.5):
-        self.url, self.every_s = url, every_s
-        self.peaks: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        # a long timeout: an API server starved of CPU (a small machine, the engine on every core) answers late,
-        # and a late answer is still a reading of the level, where a timed-out one is none
-        with httpx.Client(timeout=10.0) as http:
-            while not self._stop.wait(self.every_s):
-                try:
-                    values = client.parse_metrics(http.get(f"{self.url}/metrics").text)
-                except httpx.HTTPError:
-                    continue
-                for name in (
-                    "vllm:kv_cache_usage_perc",
-                    "vllm:gpu_cache_usage_perc",
-                    "vllm:num_requests_running",
-                    "vllm:num_requests_waiting",
-                ):
-                    if name in values:
-                        key = name.removeprefix("vllm:").replace("gpu_cache", "kv_cache")
-                        self.peaks[key] = max(self.peaks.get(key, 0.0), values[name])
-
-    def __enter__(self) -> MetricsSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-def scrape_metrics(url: str) -> dict[str, float]:
-    """vLLM's /metrics now, summed over label sets; {} when the server does not answer."""
-    try:
-        return client.metrics(url)
-    except httpx.HTTPError:
-        return {}
-
-
-def reset_prefix_cache(target: Target) -> str:
-    """'reset', or why not: vLLM serves the endpoint only with VLLM_SERVER_DEV_MODE=1."""
-    try:
-        r = httpx.post(f"{target.url}/reset_prefix_cache", headers=dict(target.headers), timeout=30)
-    except httpx.HTTPError as exc:
-        return f"failed: {exc}"
-    if r.status_code == 200:
-        return "reset"
-    if r.status_code == 404:
-        return "unavailable (start the server with VLLM_SERVER_DEV_MODE=1 to allow it)"
-    return f"failed: http {r.status_code}"
 
 
 class Level(BaseModel):
@@ -673,13 +613,13 @@ class _Sweep:
     def window(self, c: int, rep: int, expected: float | None) -> tuple[RunRow, list[loadgen.RequestRecord]]:
         """Measure one window at ``c`` streams, with the server's counters and the GPUs around it."""
         prompts = self.prompts(c, expected)
-        reset = reset_prefix_cache(self.target) if self.cfg.reset_prefix_cache else "not requested"
-        before = scrape_metrics(self.target.url)
+        reset = client.reset_prefix_cache(self.target) if self.cfg.reset_prefix_cache else "not requested"
+        before = client.scrape_metrics(self.target.url)
         cpu_before, wall_before = _client_cpu_s(), time.monotonic()
-        with MetricsSampler(self.target.url) as sampler, gpu_evidence.GpuSampler(self.cfg.gpu_ids) as gpus:
+        with client.MetricsSampler(self.target.url) as sampler, gpu_evidence.GpuSampler(self.cfg.gpu_ids) as gpus:
             window = self.send(c, prompts)
         wall = max(time.monotonic() - wall_before, 1e-9)
-        after = scrape_metrics(self.target.url)
+        after = client.scrape_metrics(self.target.url)
         for r in window.records:
             r.level, r.repeat = f"c{c}r{rep}", rep
         return RunRow(
@@ -775,9 +715,9 @@ def sweep(
     state = _Sweep(target, model_path, cfg, log)
     stop = state.run()
     per_level = label_limits(aggregate(state.rows), cfg)
-    runs: dict[str, tuple[list[loadgen.RequestRecord], dict[str, Any]]] = {}
+    runs: dict[str, tuple[list[loadgen.RequestRecord], tables.RunShape]] = {}
     for r in state.records:
-        runs.setdefault(r.level, ([], {"max_concurrency": r.concurrency}))[0].append(r)
+        runs.setdefault(r.level, ([], tables.RunShape(r.concurrency)))[0].append(r)
     tables_written = {
         "requests": tables.write_requests(state.records, out_dir / f"{table_prefix}_requests"),
         "runs": tables.write([r.flat() for r in state.rows], out_dir / f"{table_prefix}_runs"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -102,6 +103,64 @@ def key_gauges(values: dict[str, float]) -> dict[str, float]:
     shown = {label: values[name] for name, label in GAUGES.items() if name in values}
     shown.update({name.removeprefix("vllm:"): values[name] for name in COUNTERS if name in values})
     return shown
+
+
+class MetricsSampler:
+    """Polls ``/metrics`` during a level for peaks of KV-cache usage, running and waiting requests."""
+
+    def __init__(self, url: str, every_s: float = 0.5):
+        self.url, self.every_s = url, every_s
+        self.peaks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        # a long timeout: an API server starved of CPU (a small machine, the engine on every core) answers late,
+        # and a late answer is still a reading of the level, where a timed-out one is none
+        with httpx.Client(timeout=10.0) as http:
+            while not self._stop.wait(self.every_s):
+                try:
+                    values = parse_metrics(http.get(f"{self.url}/metrics").text)
+                except httpx.HTTPError:
+                    continue
+                for name in (
+                    "vllm:kv_cache_usage_perc",
+                    "vllm:gpu_cache_usage_perc",
+                    "vllm:num_requests_running",
+                    "vllm:num_requests_waiting",
+                ):
+                    if name in values:
+                        key = name.removeprefix("vllm:").replace("gpu_cache", "kv_cache")
+                        self.peaks[key] = max(self.peaks.get(key, 0.0), values[name])
+
+    def __enter__(self) -> MetricsSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """vLLM's /metrics now, summed over label sets; {} when the server does not answer."""
+    try:
+        return metrics(url)
+    except httpx.HTTPError:
+        return {}
+
+
+def reset_prefix_cache(target: Target) -> str:
+    """'reset', or why not: vLLM serves the endpoint only with VLLM_SERVER_DEV_MODE=1."""
+    try:
+        r = httpx.post(f"{target.url}/reset_prefix_cache", headers=dict(target.headers), timeout=30)
+    except httpx.HTTPError as exc:
+        return f"failed: {exc}"
+    if r.status_code == 200:
+        return "reset"
+    if r.status_code == 404:
+        return "unavailable (start the server with VLLM_SERVER_DEV_MODE=1 to allow it)"
+    return f"failed: http {r.status_code}"
 
 
 def _answered(r: httpx.Response, what: str) -> dict[str, Any]:

@@ -14,12 +14,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from pydantic import BaseModel
 
-from servebook import bench, loadgen, metrics, tables
+from servebook import bench, client, loadgen, metrics, tables
 from servebook.client import Target
 from servebook.datasets import Cursor, Prompt
 from servebook.loadgen import Arrival, RequestRecord, Workload
@@ -200,7 +199,7 @@ def sweep_rates(
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(model_path), cfg.workload.seed)
     overhead = maker.chat_overhead() if cfg.workload.endpoint == "chat" else 0
     levels: list[RateLevel] = []
-    runs: dict[str, tuple[list[RequestRecord], dict[str, Any]]] = {}
+    runs: dict[str, tuple[list[RequestRecord], tables.RunShape]] = {}
     dataset = Cursor(cfg.dataset) if cfg.dataset else None
     stop_reason = f"every rate up to {max(cfg.rates):g} requests/s measured"
     for i, rate in enumerate(sorted(cfg.rates)):
@@ -211,8 +210,8 @@ def sweep_rates(
         )
         level, recs = measure_rate(target, prompts, offsets, rate, cfg)
         levels.append(level)
-        runs[f"r{rate:g}"] = (recs, {"max_concurrency": cfg.max_concurrency or None, "request_rate": level.rate,
-                                     "burstiness": cfg.burstiness if cfg.arrival == "gamma" else 1.0})  # fmt: skip
+        burstiness = cfg.burstiness if cfg.arrival == "gamma" else 1.0
+        runs[f"r{rate:g}"] = (recs, tables.RunShape(cfg.max_concurrency or None, level.rate, burstiness))
         log(
             f"rate {rate:7.2f}/s: offered {level.offered_rate:6.2f}/s, achieved {level.achieved_rate:6.2f}/s, "
             f"{level.output_throughput:8.1f} output tok/s, TTFT p50 {level.ttft_p50_ms or 0:7.1f} ms "
@@ -250,13 +249,13 @@ def measure_rate(
 ) -> tuple[RateLevel, list[RequestRecord]]:
     """One rate's window, with vLLM's counters and gauges around it."""
     if cfg.reset_prefix_cache:
-        bench.reset_prefix_cache(target)
-    before = bench.scrape_metrics(target.url)
-    with bench.MetricsSampler(target.url) as sampler:
+        client.reset_prefix_cache(target)
+    before = client.scrape_metrics(target.url)
+    with client.MetricsSampler(target.url) as sampler:
         window = loadgen.run_open_level(
             target, cfg.workload, prompts, offsets=offsets, level=f"r{rate:g}", warmup=cfg.warmup,
             max_concurrency=cfg.max_concurrency,
         )  # fmt: skip
     summary = metrics.summarize(window.records, cfg.objectives)
-    clock = metrics.engine_clock(window.records, before, bench.scrape_metrics(target.url))
+    clock = metrics.engine_clock(window.records, before, client.scrape_metrics(target.url))
     return _level(rate, offsets, summary, window.records, sampler.peaks, cfg, clock=clock), window.records

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from servebook import vllm_format
 from servebook.loadgen import RequestRecord, records_frame
@@ -30,8 +30,16 @@ def write_requests(records: list[RequestRecord], path: Path) -> str:
     return path.with_suffix(".parquet").name
 
 
+class RunShape(NamedTuple):
+    """What a run was, as ``vllm bench serve`` records it."""
+
+    max_concurrency: int | None
+    request_rate: float | None = None  # None: as fast as the concurrency allows
+    burstiness: float = 1.0
+
+
 def write_vllm_results(
-    runs: Mapping[str, tuple[list[RequestRecord], dict[str, Any]]],
+    runs: Mapping[str, tuple[list[RequestRecord], RunShape]],
     folder: Path,
     *,
     model: str,
@@ -39,11 +47,11 @@ def write_vllm_results(
     endpoint: str,
     objectives: Objectives,
 ) -> str:
-    """One ``vllm bench serve --save-result`` file per run: label -> (its records, what the run was:
-    ``max_concurrency``, ``request_rate``, ``burstiness``)."""
+    """One ``vllm bench serve --save-result`` file per run: label -> (its records, what the run was)."""
     for label, (records, shape) in runs.items():
         result = vllm_format.result_json(
-            records, model=model, tokenizer=tokenizer, endpoint=endpoint, label=label, objectives=objectives, **shape
-        )
+            records, model=model, tokenizer=tokenizer, endpoint=endpoint, label=label, objectives=objectives,
+            **shape._asdict(),
+        )  # fmt: skip
         vllm_format.write(result, folder / f"{label}.json")
     return folder.name
