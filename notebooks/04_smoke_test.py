@@ -66,10 +66,7 @@ for label, answer in (("chat", smoke.chat), ("completion", smoke.completion)):
 # ## One stream
 
 # %%
-s = smoke.stream
-decode = f"{s.decode_tok_s:.1f} tok/s" if s.decode_tok_s else "n/a"
-print(f"time to first token {s.ttft_ms:.0f} ms; decode {decode}; "
-      f"{s.completion_tokens} tokens in {s.e2el_ms / 1000:.2f} s ({s.chunks} chunks)")
+print(stage.stream_text(smoke.stream))
 
 # %% [markdown]
 # ## Server gauges

@@ -96,24 +96,7 @@ result = stage.run(p, run_dir)
 # ## Summary
 
 # %%
-best, single = result.best, result.single_stream
-lines = [f"- workload: {result.dataset}" if result.dataset else
-         f"- workload: synthetic, {p.bench_input_len} prompt and {p.bench_output_len} output tokens per request"
-         + (f"; {p.bench_long_share:.0%} of requests carry {p.bench_long_input_len} prompt tokens instead"
-            if p.bench_long_share else ""),
-         f"- stopped: {result.stop_reason}"]
-if best:
-    levels_off = (f"; levels off from concurrency {result.plateau_concurrency}" if result.saturated
-                  else "; **not saturated**" if result.stopped_by == "max_concurrency" else "")
-    lines.append(f"- best output throughput **{best.output_throughput:.0f} tok/s** at concurrency {best.concurrency}"
-                 + levels_off)
-if single:
-    lines.append(f"- one stream: {single.output_throughput:.1f} output tok/s, TTFT p50 {single.ttft_p50_ms:.0f} ms, "
-                 f"TPOT p50 {single.tpot_p50_ms:.1f} ms")
-lines += [f"- ⚠️ {w}" for w in result.warnings]
-if result.fault:
-    lines.append(f"- ❌ {result.fault}")
-display(Markdown("\n".join(lines)))
+display(Markdown("\n".join(stage.summary_lines(result, p))))
 
 # %% [markdown]
 # ## Per level (median of repeats; latencies in ms)

@@ -13,6 +13,14 @@ class ServebookError(Exception):
     exit_code = 1
 
 
+class Interrupted(KeyboardInterrupt):
+    """servebook was told to stop (SIGTERM, SIGHUP), handled as Ctrl-C is: what it started is stopped."""
+
+    def __init__(self, how: str, exit_code: int):
+        self.how, self.exit_code = how, exit_code
+        super().__init__(how)
+
+
 # ---------------------------------------------------------------- input
 
 
@@ -146,6 +154,20 @@ class RemoteError(ServebookError):
     """A command that could not run on a node (unreachable, refused, timed out)."""
 
     exit_code = 4
+
+
+class DiskFull(ServebookError):
+    """A file servebook writes did not fit on its disk; the file before it is left as it was."""
+
+    exit_code = 6
+
+    def __init__(self, path: str, needed_bytes: int, free_bytes: int | None):
+        self.path = path
+        free = f"{free_bytes / 1e6:,.1f} MB free" if free_bytes is not None else "free space unknown"
+        super().__init__(
+            f"no space left for {path}: writing it needs about {needed_bytes / 1e6:,.1f} MB, {free} there; free "
+            "space on that disk (or point SERVEBOOK_OUTPUTS or SERVEBOOK_CACHE at another) and run again"
+        )
 
 
 class CleanupError(ServebookError):

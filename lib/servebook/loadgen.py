@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import math
 import random
@@ -78,11 +79,51 @@ class RequestRecord:
 @dataclass
 class Window:
     """One measured window: its requests (warm-ups included, marked) and when it opened and closed on the
-    client's monotonic clock (the same in every client process)."""
+    client's monotonic clock (the same in every client process); ``stalled`` says why it was cut short."""
 
     records: list[RequestRecord]
     start: float
     end: float
+    stalled: str = ""
+
+
+@dataclass
+class _Activity:
+    """When a window last saw a token and how many of its requests are in flight. A window that sees no token for
+    ``stall_s`` seconds while requests are in flight is stalled (a hung engine: ``/health`` answers 200 all the
+    while, vllm-project/vllm#39863) and is cut short rather than waiting each request's timeout in turn."""
+
+    stall_s: float  # 0: never cut short
+    last: float = field(default_factory=time.perf_counter)
+    inflight: int = 0
+    stalled: str = ""
+
+    def sending(self) -> None:
+        if not self.inflight:
+            self.last = time.perf_counter()  # an idle window's clock starts with its next request
+        self.inflight += 1
+
+
+async def _guarded(activity: _Activity, work: Any) -> None:
+    """Await ``work`` (a window's requests); cancel it once no token has come for ``stall_s`` with requests in
+    flight."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=1.0)
+        idle = time.perf_counter() - activity.last
+        if not task.done() and activity.stall_s and activity.inflight and idle > activity.stall_s:
+            activity.stalled = f"no token for {idle:.0f} s with {activity.inflight} requests in flight"
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return
+    task.result()
+
+
+def _mark_stalled(records: list[RequestRecord], why: str) -> None:
+    for r in records:
+        if not r.error and r.end is None:
+            r.error = f"stalled: {why}"
 
 
 class PromptMaker:
@@ -278,6 +319,7 @@ class _Client:
     session: aiohttp.ClientSession
     target: Target
     workload: Workload
+    activity: _Activity = field(default_factory=lambda: _Activity(0.0))
 
     async def send(self, path: str, body: dict[str, Any], rec: RequestRecord, keep_text: bool = False) -> str:
         """Send one streaming request, fold its events into ``rec``, and return the answer's text (``keep_text``).
@@ -291,6 +333,7 @@ class _Client:
         parse_all = keep_text or body["stream_options"]["continuous_usage_stats"]
         rec.send = time.perf_counter()
         timeout_s = self.target.timeout_s
+        self.activity.sending()
         try:
             async with self.session.post(
                 self.target.url + path,
@@ -302,7 +345,7 @@ class _Client:
                 if resp.status != 200:
                     rec.error = f"http {resp.status}: {(await resp.text())[:300]}"
                     return ""
-                if await _read_stream(resp, rec, parts, parse_all):
+                if await _read_stream(resp, rec, parts, parse_all, self.activity):
                     finish_stream(rec)
         except asyncio.TimeoutError:
             rec.error = f"timeout: no complete answer within {timeout_s:.0f} s"
@@ -310,6 +353,8 @@ class _Client:
             rec.error = f"connection refused: {exc}"
         except (aiohttp.ClientError, ConnectionError) as exc:
             rec.error = f"connection lost: {type(exc).__name__}: {exc}"
+        finally:
+            self.activity.inflight -= 1
         return "".join(parts)
 
     async def one(
@@ -353,15 +398,18 @@ class _Client:
     ) -> list[RequestRecord]:
         """The first ``count`` prompts, sent together through the gate and awaited: not measured."""
         warm = [_record(i, level, True, time.perf_counter(), prompts[i], self.workload) for i in range(count)]
-        await asyncio.gather(*(self.one(prompts[i], r, gate) for i, r in enumerate(warm)))
+        await _guarded(self.activity, asyncio.gather(*(self.one(prompts[i], r, gate) for i, r in enumerate(warm))))
+        _mark_stalled(warm, self.activity.stalled)
         return warm
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, parts: list[str], parse_all: bool) -> bool:
+async def _read_stream(
+    resp: aiohttp.ClientResponse, rec: RequestRecord, parts: list[str], parse_all: bool, activity: _Activity
+) -> bool:
     """Fold a streamed body into ``rec`` until ``[DONE]`` or its end; False when the stream reported an error."""
     pending = b""
     async for block in resp.content.iter_any():
-        now = time.perf_counter()
+        now = activity.last = time.perf_counter()
         *events, pending = (pending + block).split(b"\n\n")
         for raw in events:
             done = fold_event(rec, raw, now, parts, parse_all)
@@ -374,10 +422,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, parts: 
 
 
 async def _run_conversations(
-    target: Target, workload: Workload, conversations: list[list[str]], concurrency: int, level: str
+    target: Target, workload: Workload, conversations: list[list[str]], concurrency: int, level: str, stall_s: float
 ) -> Window:
     async with _session() as session:
-        sender = _Client(session, target, workload)
+        sender = _Client(session, target, workload, _Activity(stall_s))
         gate = asyncio.Semaphore(concurrency)
         start = time.perf_counter()
         per_session = [
@@ -387,18 +435,28 @@ async def _run_conversations(
             ]
             for k, turns in enumerate(conversations)
         ]
-        await asyncio.gather(*(sender.conversation(t, r, gate) for t, r in zip(conversations, per_session)))
-        return Window([r for recs in per_session for r in recs], start, time.perf_counter())
+        chats = asyncio.gather(*(sender.conversation(t, r, gate) for t, r in zip(conversations, per_session)))
+        await _guarded(sender.activity, chats)
+        records = [r for recs in per_session for r in recs]
+        _mark_stalled(records, sender.activity.stalled)
+        return Window(records, start, time.perf_counter(), sender.activity.stalled)
 
 
 def run_conversations(
-    target: Target, workload: Workload, conversations: list[list[str]], *, concurrency: int, level: str = ""
+    target: Target,
+    workload: Workload,
+    conversations: list[list[str]],
+    *,
+    concurrency: int,
+    level: str = "",
+    stall_s: float = 0.0,
 ) -> Window:
     """Multi-turn chat: ``conversations`` are each a list of user turns; ``concurrency`` conversations run at
     once, each sending its turns one after another with the growing history (so every turn after the first can
     reuse the prefix cache).  A record's index is conversation x 1000 + turn; its expected input is 0 (the
     history's length is the server's to count)."""
-    window = _in_own_loop(_run_conversations(target, workload, conversations, concurrency, level or f"c{concurrency}"))
+    label = level or f"c{concurrency}"
+    window = _in_own_loop(_run_conversations(target, workload, conversations, concurrency, label, stall_s))
     for r in window.records:
         r.concurrency = concurrency
     return window
@@ -414,6 +472,7 @@ class WindowShape:
     min_requests: int
     min_seconds: float = 0.0
     level: str = ""
+    stall_s: float = 0.0  # cut the window short after this long without a token (0: never)
 
 
 async def _run(
@@ -424,10 +483,12 @@ async def _run(
     after_warmup: Callable[[], None] = lambda: None,
 ) -> Window:
     async with _session() as session:
-        sender = _Client(session, target, workload)
+        sender = _Client(session, target, workload, _Activity(loop.stall_s))
         gate = asyncio.Semaphore(loop.concurrency)
         warm = await sender.warm_up(prompts, loop.warmup, loop.level, gate)
-        after_warmup()
+        after_warmup()  # also when stalled: the other client processes wait at this barrier
+        if sender.activity.stalled:
+            return Window(warm, time.perf_counter(), time.perf_counter(), sender.activity.stalled)
         start = time.perf_counter()
         sent = 0
         # The window's seconds run from its first send, as the duration metric does: scheduling thousands of
@@ -446,8 +507,14 @@ async def _run(
         measured = [
             _record(i, loop.level, False, start, prompts[i], workload) for i in range(loop.warmup, len(prompts))
         ]
-        await asyncio.gather(*(sender.one(prompts[r.index], r, gate, enough) for r in measured))
-        return Window(warm + [r for r in measured if r.error != NOT_SENT], first_send or start, time.perf_counter())
+        await _guarded(
+            sender.activity, asyncio.gather(*(sender.one(prompts[r.index], r, gate, enough) for r in measured))
+        )
+        _mark_stalled(measured, sender.activity.stalled)
+        kept = warm + [
+            r for r in measured if r.error != NOT_SENT and not (r.send == 0 and r.error.startswith("stalled"))
+        ]
+        return Window(kept, first_send or start, time.perf_counter(), sender.activity.stalled)
 
 
 async def _count_new_connection(
@@ -500,6 +567,7 @@ def run_level(
     min_requests: int | None = None,
     min_seconds: float = 0.0,
     processes: int = 1,
+    stall_s: float = 0.0,
 ) -> Window:
     """Send ``prompts`` keeping ``concurrency`` requests in flight; the first ``warmup`` (default: the
     concurrency) are sent and awaited first and excluded from measurement.  The measured window sends the rest,
@@ -516,6 +584,7 @@ def run_level(
         min_requests=len(prompts) - warmup if min_requests is None else min_requests,
         min_seconds=min_seconds,
         level=level or f"c{concurrency}",
+        stall_s=stall_s,
     )
     if processes > 1:
         window = _run_processes(target, workload, prompts, loop, min(processes, concurrency))
@@ -556,12 +625,14 @@ def _run_processes(
                 min_requests=len(_share(range(loop.min_requests), processes, k)),
                 min_seconds=loop.min_seconds,
                 level=loop.level,
+                stall_s=loop.stall_s,
             )
             jobs.append((target, workload, [prompts[i] for i in indices], indices, share, barrier))
         with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
             parts = list(pool.map(_client_process, jobs))
     records = sorted((r for part in parts for r in part.records), key=lambda r: r.index)
-    return Window(records, min(part.start for part in parts), max(part.end for part in parts))
+    stalled = next((part.stalled for part in parts if part.stalled), "")
+    return Window(records, min(part.start for part in parts), max(part.end for part in parts), stalled)
 
 
 def arrival_offsets(
@@ -588,9 +659,11 @@ async def _run_open(
 ) -> Window:
     """Open-loop: ``loop.concurrency`` caps the requests in flight (0: no cap)."""
     async with _session() as session:
-        sender = _Client(session, target, workload)
+        sender = _Client(session, target, workload, _Activity(loop.stall_s))
         gate = asyncio.Semaphore(loop.concurrency or len(prompts))
         warm = await sender.warm_up(prompts, loop.warmup, loop.level, gate)
+        if sender.activity.stalled:
+            return Window(warm, time.perf_counter(), time.perf_counter(), sender.activity.stalled)
         start = time.perf_counter() + 0.05  # every task is waiting before the first is due
         measured = [
             _record(loop.warmup + i, loop.level, False, start + offset, prompts[loop.warmup + i], workload)
@@ -601,8 +674,9 @@ async def _run_open(
             await asyncio.sleep(max(rec.arrival - time.perf_counter(), 0.0))
             await sender.one(prompts[rec.index], rec, gate)
 
-        await asyncio.gather(*(due(r) for r in measured))
-        return Window(warm + measured, start, time.perf_counter())
+        await _guarded(sender.activity, asyncio.gather(*(due(r) for r in measured)))
+        _mark_stalled(measured, sender.activity.stalled)
+        return Window(warm + measured, start, time.perf_counter(), sender.activity.stalled)
 
 
 def run_open_level(
@@ -614,6 +688,7 @@ def run_open_level(
     level: str,
     warmup: int = 0,
     max_concurrency: int = 0,
+    stall_s: float = 0.0,
 ) -> Window:
     """Open-loop load: after ``warmup`` requests sent together and awaited, request ``i`` leaves at
     ``offsets[i]`` seconds whether or not earlier ones have finished (``max_concurrency`` > 0 caps how many are
@@ -621,7 +696,9 @@ def run_open_level(
     first, then one per offset."""
     if len(prompts) != warmup + len(offsets):
         raise ValueError(f"{len(prompts)} prompts for {warmup} warm-up and {len(offsets)} measured requests")
-    loop = WindowShape(concurrency=max_concurrency, warmup=warmup, min_requests=len(offsets), level=level)
+    loop = WindowShape(
+        concurrency=max_concurrency, warmup=warmup, min_requests=len(offsets), level=level, stall_s=stall_s
+    )
     return _in_own_loop(_run_open(target, workload, prompts, offsets, loop))
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel
 
+from servebook.client import histogram_mean_ms
 from servebook.loadgen import RequestRecord
 
 PERCENTILES = (50, 90, 95, 99)
@@ -259,13 +260,6 @@ class EngineClock(BaseModel):
         if self.client_tpot_mean_ms is None or not self.vllm_tpot_mean_ms:
             return None
         return 100 * (self.client_tpot_mean_ms / self.vllm_tpot_mean_ms - 1)
-
-
-def histogram_mean_ms(name: str, before: dict[str, float], after: dict[str, float]) -> tuple[int, float | None]:
-    """How many observations one of vLLM's histograms took between two /metrics reads, and their mean in ms."""
-    count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
-    total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
-    return round(count), (1000 * total / count if count > 0 else None)
 
 
 def engine_clock(records: list[RequestRecord], before: dict[str, float], after: dict[str, float]) -> EngineClock:

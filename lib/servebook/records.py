@@ -320,3 +320,6 @@ class DeployRecord(Record):
     dry_run: DryRun | None = None
     dry_run_skipped: str = ""
     node_units: list[NodeUnitRecord] = []  # a multi-node server's other nodes, started by the head's unit
+    run_as: str = ""  # the user the dry run ran as: the unit's where it exists here
+    access_problems: list[str] = []  # what the unit's user could not read or run, each with the fix
+    warnings: list[str] = []  # what the unit left out of the launch's environment, and why

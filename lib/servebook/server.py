@@ -10,10 +10,11 @@ and stopped, in :mod:`servebook.processes`.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from servebook import hardware, models, remote, vllm_compat
+from servebook import client, files, hardware, models, remote, vllm_compat
 from servebook.client import health
 from servebook.errors import CleanupError, LaunchError, PreflightError
 from servebook.processes import (
@@ -70,19 +71,71 @@ class Registration(BaseModel):
     started_at: str
     values: LogValues = LogValues()
     workers: list[remote.WorkerRecord] = []  # the other nodes' processes of a multi-node server
+    run_dir: str = ""  # the folder it was launched for: a run stops what it started, whatever interrupted it
+
+
+def _read(path: Path) -> Registration | None:
+    """A registry entry, or None when it is unreadable (a full disk cut it): :func:`corrupt_entries` names it."""
+    try:
+        return Registration.model_validate_json(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def registered(port: int) -> Registration | None:
     path = _registry_path(port)
-    return Registration.model_validate_json(path.read_text()) if path.is_file() else None
+    return _read(path) if path.is_file() else None
 
 
 def all_registered() -> list[Registration]:
-    return [Registration.model_validate_json(p.read_text()) for p in sorted(registry_dir().glob("*.json"))]
+    return [r for r in (_read(p) for p in sorted(registry_dir().glob("*.json"))) if r]
+
+
+def corrupt_entries() -> list[str]:
+    """Registry files that cannot be read, each with the fix; never fatal to ``status`` or ``stop``."""
+    return [
+        f"{p}: not a readable registration (a full disk may have cut it); check the port with `servebook "
+        f"gpu-check --port {p.stem}`, stop what holds it, then delete the file"
+        for p in sorted(registry_dir().glob("*.json"))
+        if _read(p) is None
+    ]
+
+
+@contextlib.contextmanager
+def launch_lock(cfg: ServerConfig) -> Iterator[None]:
+    """One launch at a time per port and per GPU: held from before the preflight until the launch is ready or
+    gone, so two launches seconds apart cannot both pass the preflight and start two servers on one port."""
+    names = [f"port-{cfg.port}", *(f"gpu-{i}" for i in cfg.target_gpus)]
+    folder = registry_dir() / "locks"
+    folder.mkdir(exist_ok=True)
+    held = []
+    try:
+        for name in names:
+            fh = open(folder / f"{name}.lock", "a+")
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "another process"
+                fh.close()
+                what = f"port {cfg.port}" if name.startswith("port") else f"GPU {name.split('-')[1]}"
+                raise PreflightError(
+                    f"another servebook launch is starting a server on {what} ({holder}); wait for it, or stop it "
+                    f"with `servebook stop --port {cfg.port}`, before launching again"
+                ) from None
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')}")
+            fh.flush()
+            held.append(fh)
+        yield
+    finally:
+        for fh in held:
+            fh.close()  # closing releases the lock
 
 
 def register(record: Registration) -> None:
-    _registry_path(record.port).write_text(record.model_dump_json(indent=2))
+    files.write_text(_registry_path(record.port), record.model_dump_json(indent=2))
 
 
 def unregister(port: int) -> None:
@@ -120,6 +173,8 @@ def preflight(cfg: ServerConfig, stop_leftovers: bool = False, log: Callable[[st
     record = registered(cfg.port)
     holder = port_holder(cfg.host, cfg.port)
     ours = record is not None and isinstance(holder, psutil.Process) and _same_group(holder, record.pgid)
+    if holder is None and record is not None:
+        _earlier_server_not_listening(record, stop_leftovers, report, log)
     if holder is not None:
         if ours and record and record.fingerprint == cfg.fingerprint() and health(record.url) == "ready":
             log(
@@ -160,6 +215,24 @@ def preflight(cfg: ServerConfig, stop_leftovers: bool = False, log: Callable[[st
         report.gpu_holders = _check_gpus(cfg, stop_leftovers, log)
     report.seconds = round(time.monotonic() - start, 2)
     return report
+
+
+def _earlier_server_not_listening(
+    record: Registration, stop_leftovers: bool, report: Preflight, log: Callable[[str], None]
+) -> None:
+    """A registered server that does not listen yet is still loading (or hung): a second server on its port
+    would take the port, or its GPUs, from under it. One whose processes are all gone is forgotten."""
+    if not group_members(record.pgid):
+        unregister(record.port)
+        return
+    if not stop_leftovers:
+        raise PreflightError(
+            f"port {record.port}: the server servebook started at {record.started_at} (pid {record.pid}) is still "
+            f"loading there; wait for it (servebook wait-ready --url {record.url}) or stop it (servebook stop --port "
+            f"{record.port}), or set stop_leftovers: true"
+        )
+    log(f"stopping the server still loading on port {record.port} (pid {record.pid})")
+    report.stopped.append(stop(port=record.port))
 
 
 def _same_group(proc: psutil.Process, pgid: int | None) -> bool:
@@ -241,7 +314,19 @@ def launch(
 
     ``workers`` are the other nodes of a multi-node server (``multinode.workers``): started once the head is,
     watched while it loads (one that exits fails the launch with its own log's root cause), stopped with it."""
-    pre = preflight(cfg, stop_leftovers=stop_leftovers, log=log)
+    with launch_lock(cfg):
+        pre = preflight(cfg, stop_leftovers=stop_leftovers, log=log)
+        return _start(cfg, Path(log_dir), pre, on_progress, log, workers)
+
+
+def _start(
+    cfg: ServerConfig,
+    log_dir: Path,
+    pre: Preflight,
+    on_progress: Callable[[str, float], None] | None,
+    log: Callable[[str], None],
+    workers: Sequence[remote.WorkerRecord],
+) -> Launch:
     env = cfg.environment()
     if pre.reuse:
         rec = pre.reuse
@@ -250,7 +335,7 @@ def launch(
             started_by_this_run=False, command=rec.command, environment=environment_record(cfg, env),
             seconds_to_ready=0.0, phases={}, values=rec.values, preflight=pre,
         )  # fmt: skip
-    log_path = _new_log_path(Path(log_dir))
+    log_path = _new_log_path(log_dir)
     command = cfg.command()
     budget = cfg.load_budget_s()
     log(f"starting vLLM ({' '.join(command[:3])}), load budget {budget:.0f} s, log {log_path}")
@@ -260,7 +345,12 @@ def launch(
             start_new_session=True,
         )  # fmt: skip
     record = _registration(cfg, proc.pid, command, log_path)
-    register(record)
+    record.run_dir = str(log_dir.resolve())
+    try:
+        register(record)
+    except BaseException:  # a server nobody could find must not outlive this call
+        terminate(proc.pid)
+        raise
     try:
         _start_workers(cfg, record, workers, log)
         phases, values, seconds = _wait_ready(proc, cfg, log_path, budget, on_progress, record.workers)
@@ -362,10 +452,11 @@ def _wait_ready(
             )
         state = health(cfg.url)
         if state == "ready":
-            progress.seen["ready"] = round(elapsed, 2)
+            _check_answers(cfg, proc, log_path)
+            progress.seen["ready"] = round(time.monotonic() - start, 2)
             if on_progress:
-                on_progress("ready: /health answers 200", elapsed)
-            return progress.seen, progress.values, round(elapsed, 2)
+                on_progress("ready: /health answers 200 and the engine produced a token", elapsed)
+            return progress.seen, progress.values, progress.seen["ready"]
         if state == "dead":
             text = log_path.read_text(errors="replace")
             raise LaunchError(
@@ -386,6 +477,26 @@ def _wait_ready(
 
 
 WORKER_CHECK_S = 3.0
+FIRST_TOKEN_S = 120.0  # a loaded engine answers one token in well under a second; a hung one never does
+
+
+def _check_answers(cfg: ServerConfig, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    """Ready means this server answers: the process on the port is the one started here (not a second launch's
+    server on the same port), and a one-token completion comes back (``/health`` answers 200 while the engine
+    hangs, vllm-project/vllm#39863)."""
+    holder = port_holder(cfg.host, cfg.port)
+    if isinstance(holder, psutil.Process) and not _same_group(holder, proc.pid):
+        raise LaunchError(
+            f"port {cfg.port} answers, but from {describe(holder)}, not the server started here; another server "
+            "took the port while this one loaded: stop it (servebook status lists servebook's) and launch again",
+            log_path=str(log_path),
+        )
+    fault = client.first_token(cfg.target(timeout_s=FIRST_TOKEN_S))
+    if fault:
+        raise LaunchError(
+            f"/health answers 200 but the engine does not produce a token: {fault}", cause=fault,
+            log_tail=tail(log_path), log_path=str(log_path),
+        )  # fmt: skip
 
 
 def _check_workers(workers: Sequence[remote.WorkerRecord], elapsed: float) -> None:
@@ -470,7 +581,18 @@ def stop(
         )
     else:
         outcome.summary = f"{outcome.stopped} process(es) stopped, nothing left"
+    outcome.summary += _still_there(port, host)
     return outcome
+
+
+def _still_there(port: int | None, host: str) -> str:
+    """What a stop leaves that is not servebook's to stop: a listener on the port, unreadable registry entries."""
+    notes = corrupt_entries()
+    holder = port_holder(host, port) if port is not None else None
+    if holder is not None:
+        who = describe(holder) if isinstance(holder, psutil.Process) else "an unidentified process"
+        notes.insert(0, f"port {port} is still held by {who}, which servebook did not start")
+    return "".join(f"; {note}" for note in notes)
 
 
 def _gpu_leftovers(records: list[Registration]) -> list[str]:
@@ -495,26 +617,46 @@ class ServerStatus(BaseModel):
     detail: str = ""
 
 
+def _server_state(rec: Registration, members: list[psutil.Process]) -> tuple[str, str]:
+    """A registered server's state from its processes first, then its ``/health``: a stopped engine process
+    (SIGSTOP, a debugger) hangs the server while ``/health`` still answers 200."""
+    if not members:
+        return "stopped", ""
+    if not any(m.pid == rec.pid for m in members):
+        return "API server gone", (
+            f"{len(members)} engine process(es) orphaned, still holding memory: "
+            f"{'; '.join(describe(m) for m in members[:4])}; run `servebook stop --port {rec.port}`"
+        )
+    stopped = [m for m in members if _status_of(m) == psutil.STATUS_STOPPED]
+    if stopped:
+        return "hung", (
+            f"{'; '.join(describe(m) for m in stopped)} stopped (SIGSTOP or a debugger): /health answers 200, but no "
+            f"token will come; `kill -CONT {stopped[0].pid}` or `servebook stop --port {rec.port}`"
+        )
+    return health(rec.url), ""
+
+
+def _status_of(proc: psutil.Process) -> str:
+    try:
+        return str(proc.status())
+    except psutil.Error:
+        return ""
+
+
 def status() -> list[ServerStatus]:
     """Every registered server with its liveness and health, plus orphaned vLLM processes.
 
     A SIGKILLed API server leaves its engine alive and holding the GPUs: that is reported as such, not as
     "loading", since nothing will ever answer on the port.
     """
-    rows = []
+    rows = [
+        ServerStatus(port=None, pid=0, model="?", url="", processes=0, health="corrupt entry", log="", started_at="",
+                     detail=entry)
+        for entry in corrupt_entries()
+    ]  # fmt: skip
     for rec in all_registered():
         members = group_members(rec.pgid)
-        api_alive = any(m.pid == rec.pid for m in members)
-        if not members:
-            state, detail = "stopped", ""
-        elif not api_alive:
-            state = "API server gone"
-            detail = (
-                f"{len(members)} engine process(es) orphaned, still holding memory: "
-                f"{'; '.join(describe(m) for m in members[:4])}; run `servebook stop --port {rec.port}`"
-            )
-        else:
-            state, detail = health(rec.url), ""
+        state, detail = _server_state(rec, members)
         if rec.workers:  # a multi-node server: each other node's vLLM, asked over SSH
             try:
                 gone = workers_gone(rec.workers)

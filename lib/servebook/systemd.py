@@ -263,6 +263,53 @@ def verify(unit_path: Path) -> Verified:
     )
 
 
+# what a benchmark needed that a production service must not have: VLLM_SERVER_DEV_MODE opens vLLM's development
+# endpoints (/reset_prefix_cache, /sleep, ...) to anyone who can reach the port
+DEVELOPMENT_ONLY = {
+    "VLLM_SERVER_DEV_MODE": "it opens vLLM's development endpoints (/reset_prefix_cache, /sleep) to clients"
+}
+
+
+def user_exists(user: str) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwnam(user)
+        return True
+    except KeyError:
+        return False
+
+
+def access_problems(user: str, paths: dict[str, str]) -> list[str]:
+    """What ``user`` cannot reach of ``paths`` (what -> path: a program it must run, or a folder or file it must
+    read), checked as that user with ``runuser``, each naming the path that blocks it and the fix."""
+    problems = []
+    for what, path in paths.items():
+        target = Path(path)
+        if _can(user, target):
+            continue
+        blocked = next((p for p in [*reversed(target.parents), target] if not _can(user, p)), target)
+        problems.append(
+            f"{what} {path}: user {user} cannot {'enter' if blocked != target else 'use'} {blocked}; put it where the "
+            f"service's user reaches it (e.g. under /opt or /data, readable by {user}), or set deploy_user"
+        )
+    return problems
+
+
+def _can(user: str, path: Path) -> bool:
+    """Whether ``user`` can use ``path``: enter and list a folder, read a file, run a program."""
+    flags = ["-r", "-x"] if path.is_dir() or os.access(path, os.X_OK) else ["-r"]
+    return all(
+        subprocess.run(["runuser", "-u", user, "--", "test", flag, str(path)], capture_output=True).returncode == 0
+        for flag in flags
+    )
+
+
+def as_user(user: str, command: list[str]) -> list[str]:
+    """``command`` run as ``user`` (with that user's groups), as systemd's User= runs it."""
+    return ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--", *command]
+
+
 def systemd_running() -> bool:
     return Path("/run/systemd/system").is_dir()
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from servebook import vllm_format
+from servebook import files, vllm_format
 from servebook.loadgen import RequestRecord, records_frame
 from servebook.metrics import Objectives
 
@@ -16,17 +16,18 @@ def write(rows: Sequence[Mapping[str, Any]], path: Path) -> str:
     """``path``.parquet and ``path``.csv from rows of scalars; returns the parquet file's name."""
     import pandas as pd
 
-    frame = pd.DataFrame(list(rows))
-    frame.to_parquet(path.with_suffix(".parquet"), index=False)
-    frame.to_csv(path.with_suffix(".csv"), index=False)
-    return path.with_suffix(".parquet").name
+    return _write_frame(pd.DataFrame(list(rows)), path)
 
 
 def write_requests(records: list[RequestRecord], path: Path) -> str:
     """Every request's timeline, one row each (its chunk times relative to its send)."""
-    frame = records_frame(records)
-    frame.to_parquet(path.with_suffix(".parquet"), index=False)
-    frame.to_csv(path.with_suffix(".csv"), index=False)
+    return _write_frame(records_frame(records), path)
+
+
+def _write_frame(frame: Any, path: Path) -> str:
+    """A frame as parquet and CSV, each whole or not at all."""
+    files.write_with(path.with_suffix(".parquet"), lambda tmp: frame.to_parquet(tmp, index=False))
+    files.write_with(path.with_suffix(".csv"), lambda tmp: frame.to_csv(tmp, index=False))
     return path.with_suffix(".parquet").name
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from servebook import metrics
+from servebook import files, metrics
 from servebook.errors import ServebookError
 from servebook.loadgen import RequestRecord
 
@@ -101,7 +101,7 @@ def result_json(
 
 def write(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    files.write_text(path, json.dumps(result, indent=1))
 
 
 def read(path: Path) -> dict[str, Any]:

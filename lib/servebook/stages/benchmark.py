@@ -44,6 +44,7 @@ def admitted_sequences(launch: LaunchRecord, plan: PlanRecord | None) -> int:
 def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     """Sweep the server the launch stage recorded; always write the record, the gate raises on a fault."""
     run_dir = results.run_folder(run_dir)
+    results.retire(run_dir, BenchmarkRecord)
     launch = results.require(run_dir, LaunchRecord, "benchmark")
     dataset = load_dataset(p, launch)
     plan = results.read(run_dir, PlanRecord)
@@ -53,7 +54,12 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     cfg.dataset = dataset.prompts if dataset else None
     cfg.gpu_ids = list(launch.config.target_gpus) if launch.config.device == "cuda" else []
     target = launch.config.target(p.bench_request_timeout_s)
-    swept = bench.sweep(target, launch.model_path, cfg, run_dir, table_prefix=BenchmarkRecord.FILE)
+    dataset_summary = dataset.summary() if dataset else ""
+
+    def keep(so_far: bench.SweepResult) -> None:  # every level on disk as soon as it is measured
+        results.write(run_dir, BenchmarkRecord(**dict(so_far), dataset=dataset_summary))
+
+    swept = bench.sweep(target, launch.model_path, cfg, run_dir, table_prefix=BenchmarkRecord.FILE, on_level=keep)
     record = BenchmarkRecord(**dict(swept), dataset=dataset.summary() if dataset else "")
     if record.fault and launch.workers:  # a multi-node server: which node took it down, in that node's words
         gone = server.workers_gone(launch.workers)
@@ -116,6 +122,48 @@ def summary(record: BenchmarkRecord) -> str:
     else:
         parts.append(f"stopped: {record.stop_reason}")
     return "; ".join(parts)
+
+
+def _figure(value: float | None, unit: str, digits: int = 0) -> str:
+    return f"{value:,.{digits}f} {unit}" if value is not None else f"no {unit} (nothing completed)"
+
+
+def summary_lines(record: BenchmarkRecord, p: Params) -> list[str]:
+    """The notebook's summary in Markdown bullets: the workload, why the sweep stopped, its best and one-stream
+    figures, its warnings and fault (a level in which nothing completed has no latencies, and says so)."""
+    if record.dataset:
+        lines = [f"- workload: {record.dataset}"]
+    else:
+        mix = (
+            f"; {p.bench_long_share:.0%} of requests carry {p.bench_long_input_len} prompt tokens instead"
+            if p.bench_long_share
+            else ""
+        )
+        lines = [
+            f"- workload: synthetic, {p.bench_input_len} prompt and {p.bench_output_len} output tokens per request{mix}"
+        ]
+    lines.append(f"- stopped: {record.stop_reason}")
+    if record.best:
+        levels_off = (
+            f"; levels off from concurrency {record.plateau_concurrency}"
+            if record.saturated
+            else "; **not saturated**"
+            if record.stopped_by == "max_concurrency"
+            else ""
+        )
+        lines.append(
+            f"- best output throughput **{record.best.output_throughput:.0f} tok/s** at concurrency "
+            f"{record.best.concurrency}{levels_off}"
+        )
+    if single := record.single_stream:
+        lines.append(
+            f"- one stream: {single.output_throughput:.1f} output tok/s, TTFT p50 {_figure(single.ttft_p50_ms, 'ms')}, "
+            f"TPOT p50 {_figure(single.tpot_p50_ms, 'ms', 1)}"
+        )
+    lines += [f"- ⚠️ {w}" for w in record.warnings]
+    if record.fault:
+        lines.append(f"- ❌ {record.fault}")
+    return lines
 
 
 def levels(record: BenchmarkRecord) -> pd.DataFrame:

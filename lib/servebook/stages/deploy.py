@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import os
 import shutil
 import subprocess
@@ -37,7 +38,11 @@ def unit_spec(
     """A unit from the launch record: its exact command, its environment, its measured load time."""
     measured = launch.started_by_this_run and launch.seconds_to_ready > 0
     load = launch.seconds_to_ready if measured else float(predicted_load_s or server_config.BASE_BUDGET_S)
-    env = {k: v for k, v in launch.environment.items() if v != MASK and k not in systemd.SECRET_VARS}
+    env = {
+        k: v
+        for k, v in launch.environment.items()
+        if v != MASK and k not in systemd.SECRET_VARS and k not in systemd.DEVELOPMENT_ONLY
+    }
     env.update(nccl_env or {})
     cfg = launch.config
     unit = systemd.UnitSpec(
@@ -71,26 +76,42 @@ def _run(args: list[str], timeout: float) -> Command:
     )
 
 
-def pre_start_check(unit: systemd.UnitSpec) -> Command:
+def pre_start_check(unit: systemd.UnitSpec, as_user: bool = False) -> Command:
     args = [*unit.servebook, "gpu-check", "--port", str(unit.port)]
     if unit.gpu_ids and unit.device == "cuda":
         args += ["--gpus", ",".join(map(str, unit.gpu_ids))]
-    return _run(args, timeout=120)
+    return _run(systemd.as_user(unit.user, args) if as_user else args, timeout=120)
 
 
-def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, target: client.Target) -> DryRun:
+def unit_paths(launch: LaunchRecord, unit: systemd.UnitSpec) -> dict[str, str]:
+    """What the unit's process must reach: the program it runs, the model, servebook's command for its checks."""
+    paths = {"the serving program": unit.command[0], "the model": launch.model_path, "servebook": unit.servebook[0]}
+    return {what: path for what, path in paths.items() if path.startswith("/")}
+
+
+def run_as(user: str) -> tuple[bool, str]:
+    """Whether the dry run can run as the unit's user here (root, and the user exists), and who it runs as."""
+    if os.geteuid() != 0:
+        return False, f"{getpass.getuser()} (not root: the unit's user {user} cannot be taken on here)"
+    if not systemd.user_exists(user):
+        return False, f"root (the unit's user {user} does not exist here; installing creates it)"
+    return True, user
+
+
+def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, target: client.Target, as_user: bool = False) -> DryRun:
     """Do what systemd would: the pre-start check, the exact ExecStart in its own group with the unit's
     environment and its environment file's secrets (no other), the post-start wait, a smoke test against it with
     the key the unit carries, then a stop of the whole group."""
-    out = DryRun(pre_start=pre_start_check(unit))
+    out = DryRun(pre_start=pre_start_check(unit, as_user))
     if out.pre_start.returncode != 0:
         out.skipped = "the pre-start check refused, as systemd would"
         return out
     log = run_dir / "service-dry-run.log"
+    env = _unit_environment(unit, run_dir / "service-state", unit.user if as_user else "")
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            unit.command,
-            env=_unit_environment(unit),
+            systemd.as_user(unit.user, unit.command) if as_user else unit.command,
+            env=env,
             stdout=fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -98,6 +119,7 @@ def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, target: client.Target) 
         )
     try:
         wait = [*unit.servebook, "wait-ready", "--url", unit.url, "--timeout", str(unit.timeout_start_s)]
+        wait = systemd.as_user(unit.user, wait) if as_user else wait
         out.post_start = _run(wait, timeout=unit.timeout_start_s + 60)
         if out.post_start.returncode == 0:
             out.smoke_test = client.smoke_test(target, max_tokens=8)
@@ -110,11 +132,16 @@ def dry_run_start(unit: systemd.UnitSpec, run_dir: Path, target: client.Target) 
     return out
 
 
-def _unit_environment(unit: systemd.UnitSpec) -> dict[str, str]:
-    """The process environment the unit gives: this shell's, with no secret of its own, the unit's variables, and
+def _unit_environment(unit: systemd.UnitSpec, state: Path, user: str) -> dict[str, str]:
+    """The process environment the unit gives: this shell's, with no secret of its own, the unit's variables, a
+    state folder of its own for HOME and the caches (as StateDirectory= gives it, owned by the unit's user), and
     the environment file's values as install would write them."""
+    state.mkdir(parents=True, exist_ok=True)
+    if user:
+        shutil.chown(state, user, user)
     base = {k: v for k, v in os.environ.items() if k not in systemd.SECRET_VARS}
-    return {**base, **unit.environment, **systemd.secret_values(unit)}
+    own = {"HOME": str(state), "HF_HOME": str(state / "hf"), "VLLM_CACHE_ROOT": str(state / "vllm")}
+    return {**base, **unit.environment, **own, **systemd.secret_values(unit)}
 
 
 def _node_units(unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> list[NodeUnitRecord]:
@@ -157,7 +184,11 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     unit_path.write_text(unit_text)
     env_path = run_dir / f"{name}.env"
     env_path.write_text(systemd.render_env_file(unit))
+    dropped = [
+        f"{k} left out of the unit: {why}" for k, why in systemd.DEVELOPMENT_ONLY.items() if k in launch.environment
+    ]
     record = DeployRecord(
+        warnings=dropped,
         unit_name=unit.unit_name,
         unit_file=str(unit_path),
         env_file=str(env_path),
@@ -193,13 +224,25 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
             "SSH, so they are rendered and verified here and proven by installing them (deploy_install: true)"
         )
     else:
-        record.dry_run = dry_run_start(unit, run_dir, launch.config.target(timeout_s=120))
+        _dry_run(record, unit, launch, run_dir)
     results.write(run_dir, record)
     return record
 
 
+def _dry_run(record: DeployRecord, unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> None:
+    """The dry run as the unit's user where it can be taken on here, after checking that user reaches what the
+    unit runs; as this user otherwise, saying so."""
+    as_unit_user, record.run_as = run_as(unit.user)
+    if as_unit_user:
+        record.access_problems = systemd.access_problems(unit.user, unit_paths(launch, unit))
+    if record.access_problems:
+        record.dry_run_skipped = f"user {unit.user} cannot reach what the unit runs: the service would not start"
+        return
+    record.dry_run = dry_run_start(unit, run_dir, launch.config.target(timeout_s=120), as_user=as_unit_user)
+
+
 def check(record: DeployRecord, p: Params) -> None:
-    problems = []
+    problems = list(record.access_problems)
     if not record.verify.ran and p.deploy_install:
         problems.append(f"{record.verify.output}: the unit cannot be verified before it is installed")
     elif record.verify.ran and not record.verify.ok:
@@ -236,9 +279,11 @@ def summary(record: DeployRecord) -> str:
         ok = (
             record.dry_run.post_start.returncode == 0 and record.dry_run.smoke_test and record.dry_run.smoke_test.passed
         )
-        proven = "; dry run ready and answering" if ok else "; **dry run failed**"
+        proven = f"; dry run as {record.run_as} ready and answering" if ok else "; **dry run failed**"
         if ok and record.dry_run.keyless_status == 401:
             proven += " with its key (401 without it)"
+    if record.access_problems:
+        proven = f"; **its user cannot start it**: {record.access_problems[0]}"
     installed = "; installed" if record.installed and record.installed.enabled else ""
     nodes = ""
     if record.node_units:

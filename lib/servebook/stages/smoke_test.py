@@ -22,8 +22,27 @@ def check(record: SmokeTestRecord, p: Params) -> None:
     client.raise_on_failure(record)
 
 
+def stream_text(s: client.StreamTiming) -> str:
+    """One stream's figures for a person: the engine's decode speed, and the client's beside it where they
+    differ (the API server delivered the answer in bursts)."""
+    engine = f"{s.decode_tok_s:.1f} tok/s" if s.decode_tok_s else "n/a"
+    source = "by vLLM's own clock" if s.vllm_tpot_ms else "as the client saw it (vLLM's clock not read)"
+    burst = (
+        f"; delivered in bursts: {s.client_decode_tok_s:,.0f} tok/s as the client saw it, so the client's speed "
+        "is the API server's delivery, not the engine's"
+        if s.delivery_bound and s.client_decode_tok_s
+        else ""
+    )
+    return (
+        f"time to first token {s.ttft_ms:.0f} ms; decode {engine} {source}{burst}; {s.completion_tokens} tokens in "
+        f"{s.e2el_ms / 1000:.2f} s end to end ({s.end_to_end_tok_s:.1f} tok/s, {s.chunks} chunks)"
+    )
+
+
 def summary(record: SmokeTestRecord) -> str:
     s = record.stream
     decode = f", decode {s.decode_tok_s:.0f} tok/s" if s.decode_tok_s else ""
+    if s.delivery_bound:
+        decode += f" by vLLM's clock (delivered in bursts: {s.client_decode_tok_s:,.0f} tok/s as the client saw it)"
     verdict = "passed" if record.passed else f"**failed**: {record.failed()[0].check}"
     return f"{verdict}; one stream: TTFT {s.ttft_ms:.0f} ms{decode}"
