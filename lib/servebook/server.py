@@ -108,30 +108,29 @@ def launch_lock(cfg: ServerConfig) -> Iterator[None]:
     names = [f"port-{cfg.port}", *(f"gpu-{i}" for i in cfg.target_gpus)]
     folder = registry_dir() / "locks"
     folder.mkdir(exist_ok=True)
-    held = []
+    held: list[int] = []
     try:
         for name in names:
-            fh = open(folder / f"{name}.lock", "a+")
+            fd = os.open(folder / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                fh.seek(0)
-                holder = fh.read().strip() or "another process"
-                fh.close()
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
                 what = f"port {cfg.port}" if name.startswith("port") else f"GPU {name.split('-')[1]}"
                 raise PreflightError(
                     f"another servebook launch is starting a server on {what} ({holder}); wait for it, or stop it "
                     f"with `servebook stop --port {cfg.port}`, before launching again"
                 ) from None
-            fh.seek(0)
-            fh.truncate()
-            fh.write(f"pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')}")
-            fh.flush()
-            held.append(fh)
+            held.append(fd)
+            with contextlib.suppress(OSError):  # the note is for people; the lock is the flock, full disk or not
+                os.ftruncate(fd, 0)
+                note = f"pid {os.getpid()}, since {datetime.now(timezone.utc).isoformat(timespec='seconds')}"
+                os.pwrite(fd, note.encode(), 0)
         yield
     finally:
-        for fh in held:
-            fh.close()  # closing releases the lock
+        for fd in held:
+            os.close(fd)  # closing releases the lock
 
 
 def register(record: Registration) -> None:

@@ -34,6 +34,10 @@ def test_good_launch_is_ready_and_passes_the_smoke_test(shared_server):
     result = client.smoke_test(shared_server.config.target(), max_tokens=16)
     assert result.passed, result.checks
     assert result.stream.completion_tokens == 16 and result.stream.ttft_ms > 0
+    # the decode figure is vLLM's own clock for this request, not the delivery's (bursts on a starved API server)
+    s = result.stream
+    assert s.vllm_tpot_ms and s.decode_tok_s == pytest.approx(1000 / s.vllm_tpot_ms)
+    assert s.delivery_bound == (abs(s.client_decode_tok_s / s.decode_tok_s - 1) > 0.25)
     assert len(server.group_members(shared_server.pgid)) >= 2  # API server and engine core
 
 
