@@ -106,7 +106,8 @@ if not result.levels:
 # %%
 levels = stage.levels(result)
 cols = ["concurrency", "output_throughput", "spread_pct", "per_user_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-        "tpot_p99_ms", "e2el_p50_ms", "client_queue_p50_ms", "kv_cache_usage_peak", "waiting_peak", "preemptions", "prefix_cache_hit_rate", "failed"]
+        "tpot_p99_ms", "e2el_p50_ms", "client_queue_p50_ms", "kv_cache_usage_peak", "waiting_peak", "preemptions", "prefix_cache_hit_rate", "failed",
+        "client clock"]
 display(levels[[c for c in cols if c in levels]].round(2))
 
 # %% [markdown]

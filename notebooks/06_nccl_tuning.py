@@ -136,7 +136,7 @@ for fig in stage.bandwidth_figures(tuned):
 
 # %%
 if tuned.ab:
-    display(stage.ab_table(tuned).round(3))
+    display(stage.ab_table(tuned))
     fig = stage.ab_figure(tuned)
     if fig:
         fig.show()

@@ -5,9 +5,10 @@ Each variant (environment variables and/or serving parameters) is launched throu
 stage's load generator, and compared with the baseline, which is measured before and after
 the variants (across a relaunch) so its own spread is the noise band.  A variant is
 "better" or "worse" only when its median differs from the baseline's by more than that
-band, or by more than 2 % with none of its samples inside the baseline's range (one cold
-baseline sample must not hide a fourfold slowdown); otherwise "no effect".  A variant whose
-server fails to start is reported with the root cause, and the sweep goes on.
+band (and by more than 2 %); otherwise "no effect", flagged where every sample of the
+variant lies beyond the baseline's range (one cold baseline window can widen the band:
+worth a longer A/B).  A variant whose server fails to start is reported with the root
+cause, and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class AbRow(BaseModel):
     variant: str
     concurrency: int
     verdict: Literal["better", "worse", "no effect", "failed to start"]
-    change: float | None  # relative change of the median output throughput
-    noise: float  # the baseline's own spread at this concurrency
+    change: float | None  # relative change of the median output throughput (a fraction: 0.05 is 5 %)
+    noise: float  # the baseline's own spread at this concurrency (a fraction)
+    samples_apart: bool = False  # every variant sample beyond every baseline sample, whatever the band
     baseline_median: float | None = None  # output tok/s
     variant_median: float | None = None  # output tok/s
     cause: str = ""
@@ -69,12 +71,16 @@ def verdict(
     """('better' | 'worse' | 'no effect', relative change of the medians)."""
     b, v = statistics.median(base), statistics.median(variant)
     change = (v - b) / b if b else 0.0
-    # the H200 run of 2026-12-01: baseline [5,397, 16,405, 17,259, 18,513] (a cold first window), eager
-    # [3,172, 4,716]: -77 % inside a 78 % band, yet every eager sample below every baseline one
-    apart = max(variant) < min(base) if change < 0 else min(variant) > max(base)
-    if abs(change) <= MIN_NOISE or (abs(change) <= noise and not apart):
+    if abs(change) <= max(MIN_NOISE, noise):
         return "no effect", change
     return ("better" if change > 0 else "worse"), change
+
+
+def samples_apart(base: list[float], variant: list[float], change: float) -> bool:
+    """Every sample of the variant beyond every sample of the baseline, in the direction of the change: worth a
+    longer A/B where the band is wide (the H200 run of 2026-12-01: eager [3,172, 4,716] against a baseline of
+    [5,397, 16,405, 17,259, 18,513] whose cold first window made a 78 % band)."""
+    return max(variant) < min(base) if change < 0 else min(variant) > max(base)
 
 
 def noise_band(samples: list[float]) -> float:
@@ -204,6 +210,7 @@ def _rows(
             rows.append(
                 AbRow(
                     variant=v.name, concurrency=c, verdict=call, change=change, noise=noise,
+                    samples_apart=samples_apart(base_samples[c], samples[v.name][c], change),
                     baseline_median=statistics.median(base_samples[c]),
                     variant_median=statistics.median(samples[v.name][c]),
                 )

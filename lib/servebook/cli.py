@@ -81,15 +81,23 @@ def prepare(
 
 
 @app.command()
-def check(params_file: Path = typer.Argument(..., help="params YAML to validate")) -> None:
-    """Validate a params file without running anything."""
-    from servebook import params
+def check(
+    params_file: Path = typer.Argument(..., help="params YAML to validate"),
+    set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE (repeatable)"),
+) -> None:
+    """Every check that costs no load: the whole file, vLLM's parser on the serving command, flags set twice, the
+    dataset against max_model_len. Nothing starts."""
+    from servebook import checks, params
+    from servebook.errors import ParamsError
 
     try:
-        p = params.load(params_file)
+        p = params.load(params_file, set_)
+        found = checks.problems(p)
+        if found:
+            raise ParamsError(str(params_file), found)
     except ServebookError as exc:
-        _fail(exc)
-    typer.echo(f"{params_file}: ok ({len(p.model_fields_set)} parameters set, world size {p.world_size})")
+        _fail(exc, code=2)
+    typer.echo(f"{params_file}: ok ({len(p.model_fields_set)} parameters set: {checks.where(p)})")
 
 
 @app.command("params")
@@ -184,7 +192,7 @@ def _vocabulary_default(name: str) -> Any:
 @app.command()
 def plan(
     model: str = typer.Argument(..., help="checkpoint folder, config.json, hub repo id, or builtin:tiny-qwen3-moe"),
-    gpus_: int = typer.Option(8, "--gpus", help="number of GPUs (per node with --nodes)"),
+    gpus_: int = typer.Option(8, "--gpus", min=1, help="number of GPUs (per node with --nodes)"),
     gpu: str = typer.Option("H200", help="GPU model: " + ", ".join(GPUS)),
     max_model_len: int = typer.Option(
         _vocabulary_default("max_model_len"), help="context length each request may reach"
@@ -196,7 +204,7 @@ def plan(
     batch: int = typer.Option(
         _vocabulary_default("plan_batch"), help="concurrent sequences for the throughput ranking"
     ),
-    nodes: int = typer.Option(1, help="machines the server spans (then --gpus counts GPUs per node)"),
+    nodes: int = typer.Option(1, min=1, help="machines the server spans (then --gpus counts GPUs per node)"),
     interconnect: str = typer.Option(
         "", help="network between the nodes, e.g. '8x400Gb/s InfiniBand' or '100GbE' (needed with --nodes)"
     ),
@@ -286,7 +294,11 @@ def compare(
         runs = [load_run(d) for d in run_dirs]
     except ServebookError as exc:
         _fail(exc)
+    from servebook.stages.benchmark import workload_of
+
     fig, crossings = plots.compare(runs)
+    if warning := plots.workload_warning({label: workload_of(d) for (label, _), d in zip(runs, run_dirs)}):
+        typer.echo(f"warning: {warning}", err=True)
     for c in crossings:
         where = f"crosses over at concurrency {c.crossover_concurrency}" if c.crossover_concurrency else "never cross"
         typer.echo(f"{c.a} vs {c.b}: {where}")
@@ -346,7 +358,10 @@ def gpu_check(
     """Exit non-zero, listing the holders, if anything holds the GPUs or the port (a service's ExecStartPre)."""
     from servebook import server
 
-    ids = [int(x) for x in gpus_.split(",")] if gpus_ else None
+    try:
+        ids = [int(x) for x in gpus_.split(",")] if gpus_ else None
+    except ValueError:
+        _fail(ServebookError(f"--gpus {gpus_!r}: list GPU indices as numbers, e.g. --gpus 0,1"), code=2)
     problems = server.resources_held(port, host, ids)
     for line in problems:
         typer.echo(f"servebook gpu-check: {line}", err=True)
@@ -364,9 +379,43 @@ def wait_ready(
     """Wait until /health answers 200 (a service's ExecStartPost); non-zero on 503 or timeout."""
     from servebook import server
 
+    if not url.startswith(("http://", "https://")):
+        _fail(ServebookError(f"--url {url!r}: give the server's base URL, e.g. http://127.0.0.1:8000"), code=2)
     ok, message, _ = server.wait_ready(url, timeout, poll)
     typer.echo(message, err=not ok)
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def watchdog(
+    url: str = typer.Option(..., help="the service's base URL, e.g. http://127.0.0.1:8000"),
+    unit: str = typer.Option("", help="the systemd unit to restart when no token comes (empty: only say so)"),
+    timeout: float = typer.Option(60.0, help="seconds a one-token completion may take"),
+    model: str = typer.Option("", help="the served model name; empty: the first /v1/models lists"),
+) -> None:
+    """Ask a server for one token (its key from VLLM_API_KEY); restart the unit when none comes: a hung engine
+    answers /health. A unit still starting, or not running, is left to systemd."""
+    import os
+    import subprocess
+
+    from servebook import client
+
+    if unit:
+        state = subprocess.run(["systemctl", "is-active", unit], capture_output=True, text=True).stdout.strip()
+        if state != "active":
+            typer.echo(f"{unit} is {state or 'unknown'}: nothing to watch (systemd restarts a failed service)")
+            raise typer.Exit(0)
+    key = os.environ.get("VLLM_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    fault = client.first_token(client.Target(url, model or client.served_name(url, headers), headers, timeout))
+    if not fault:
+        typer.echo(f"{url}: a token came back")
+        raise typer.Exit(0)
+    typer.echo(f"{url}: {fault}", err=True)
+    if unit:
+        subprocess.run(["systemctl", "restart", "--no-block", unit])
+        typer.echo(f"restarting {unit}", err=True)
+    raise typer.Exit(1)
 
 
 @app.command("sync-notebooks")

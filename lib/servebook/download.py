@@ -355,7 +355,11 @@ def verify(target: Path, listing: Listing | None = None, expected_sha256: dict[s
             problems.append(f"{st.name}: unreadable safetensors ({exc}); delete it and download again")
     index = target / "model.safetensors.index.json"
     if index.is_file():
-        data = json.loads(index.read_text())
+        try:
+            data = json.loads(index.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            data = {}
+            problems.append(f"model.safetensors.index.json: not readable JSON ({exc}); download it again")
         missing = sorted({f for f in data.get("weight_map", {}).values() if not (target / f).is_file()})
         if missing:
             problems.append(f"model.safetensors.index.json names missing shards {missing[:5]}; download them")

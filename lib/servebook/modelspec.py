@@ -231,7 +231,16 @@ def _cached_config(model: str, revision: str | None) -> ModelSpec | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
+    """A JSON object from a checkpoint's file, or a ModelConfigError naming the file and what is wrong with it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ServebookError(
+            f"{path}: not readable JSON ({exc}); the file is cut or damaged: download the checkpoint again"
+        ) from None
+    if not isinstance(data, dict):
+        raise ServebookError(f"{path}: holds a {type(data).__name__}, not a JSON object; download it again")
+    return data
 
 
 def load(model: str, revision: str | None = None) -> ModelSpec:

@@ -351,6 +351,12 @@ class Params(BaseModel):
                 f"bench_input_len + bench_output_len = {self.bench_input_len + self.bench_output_len} exceeds "
                 f"max_model_len {self.max_model_len}; shorten the requests or raise max_model_len"
             )
+        for name in ("model", "served_model_name", "model_store"):
+            if re.search(r"[\x00-\x1f\x7f]", getattr(self, name)):
+                problems.append(
+                    f"{name} {getattr(self, name)!r} holds a control character (a newline?); it would reach the unit "
+                    "file and file names: remove it"
+                )
         if self.model.startswith(("/", "./", "../", "~")) and not Path(self.model).expanduser().exists():
             problems.append(
                 f"model: no folder {self.model} on this machine; point model at a checkpoint folder that exists, "
@@ -481,7 +487,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ParamsError("--set", [f"'{text}' is not KEY=VALUE"])
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        problem = str(exc).splitlines()[0]
+        raise ParamsError(
+            "--set", [f"'{text}': the value is not YAML ({problem}); quote it, e.g. --set 'KEY=\"...\"'"]
+        ) from None
 
 
 def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Params:
@@ -495,11 +507,16 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Param
             ],
         )
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ParamsError(str(path), [f"not UTF-8 text (byte {exc.start}); save it as UTF-8"]) from None
     except yaml.YAMLError as exc:
         raise ParamsError(str(path), [f"not valid YAML: {exc}"]) from None
     if not isinstance(values, dict):
         raise ParamsError(str(path), ["must be a mapping of parameter names to values"])
+    bad_keys = [k for k in values if not isinstance(k, str)]
+    if bad_keys:
+        raise ParamsError(str(path), [f"key {k!r} is not a parameter name; see `servebook params`" for k in bad_keys])
     for item in overrides:
         key, value = parse_override(item)
         values[key] = value

@@ -11,10 +11,11 @@ import math
 from typing import NamedTuple
 
 import pandas as pd
+import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from servebook.bench import SweepResult
+from servebook.bench import SweepResult, off_clock
 from servebook.ratesweep import RateSweepResult
 
 LIMIT_LABELS = {
@@ -32,7 +33,9 @@ LIMIT_LABELS = {
 
 
 def _levels(result: SweepResult) -> pd.DataFrame:
-    return pd.DataFrame([level.model_dump() for level in result.levels])
+    frame = pd.DataFrame([level.flat() for level in result.levels])
+    frame["off_clock"] = [off_clock(level) for level in result.levels]
+    return frame
 
 
 def _mark(fig: go.Figure, x: float, text: str, row: int | None = None, col: int | None = None) -> None:
@@ -97,7 +100,7 @@ def pareto(result: SweepResult) -> go.Figure:
             x=lv["output_throughput"],
             y=lv["per_user_tok_s"],
             mode="lines+markers+text",
-            text=[f"c={c}" for c in lv["concurrency"]],
+            text=[f"c={c}" + (" (vLLM's clock)" if off else "") for c, off in zip(lv["concurrency"], lv["off_clock"])],
             textposition="top center",
         )
     )
@@ -122,6 +125,20 @@ def latency(result: SweepResult) -> go.Figure:
                 )
         fig.update_xaxes(type="log", title="concurrent streams", tickvals=list(lv["concurrency"]), row=1, col=col)
         fig.update_yaxes(title="ms", rangemode="tozero", row=1, col=col)
+    if "vllm_tpot_mean_ms" in lv and lv["vllm_tpot_mean_ms"].notna().any():
+        fig.add_trace(
+            go.Scatter(x=lv["concurrency"], y=lv["vllm_tpot_mean_ms"], name="TPOT mean, vLLM's own clock",
+                       line=dict(color="black", dash="dashdot")),
+            row=1, col=2,
+        )  # fmt: skip
+    off = lv[lv["off_clock"]]
+    if not off.empty:  # where the client's TPOT is the delivery's, not the engine's, the points say so
+        fig.add_trace(
+            go.Scatter(x=off["concurrency"], y=off["tpot_p50_ms"], mode="markers", name="client clock off vLLM's",
+                       marker=dict(symbol="x-open", size=14, color="red"),
+                       hovertext=[f"client TPOT {g:+.0f} % off vLLM's: tokens came in bursts" for g in off["tpot_clock_gap_pct"]]),
+            row=1, col=2,
+        )  # fmt: skip
     fig.update_layout(title="Latency percentiles against concurrency", height=420)
     return fig
 
@@ -138,6 +155,26 @@ def crossover(a: pd.DataFrame, b: pd.DataFrame, metric: str = "output_throughput
     return None
 
 
+RUN_COLOURS = px.colors.qualitative.Plotly
+
+
+def workload_warning(workloads: dict[str, tuple[float, float] | None]) -> str:
+    """A warning when the runs compared sent different requests (prompt and output tokens per request, more than
+    10 % apart): their curves then compare workloads, not servers; '' when they agree or cannot be told."""
+    known = {label: w for label, w in workloads.items() if w}
+    if len(known) < 2:
+        return ""
+    (first_label, (inp, out)), *rest = known.items()
+    differ = [label for label, (i, o) in rest if abs(i - inp) > 0.1 * max(inp, 1) or abs(o - out) > 0.1 * max(out, 1)]
+    if not differ:
+        return ""
+    said = "; ".join(f"{label}: {i:.0f} in / {o:.0f} out" for label, (i, o) in known.items())
+    return (
+        f"the runs sent different requests (tokens per request: {said}): the curves compare workloads as much as "
+        "servers; compare runs of the same bench_input_len and bench_output_len"
+    )
+
+
 class Crossing(NamedTuple):
     """Two runs compared: where the second's throughput overtakes the first's (None: never)."""
 
@@ -149,13 +186,17 @@ class Crossing(NamedTuple):
 def compare(runs: list[tuple[str, pd.DataFrame]]) -> tuple[go.Figure, list[Crossing]]:
     """Throughput, per-user speed and TTFT of labelled runs on shared axes, and every pairwise crossover."""
     fig = make_subplots(rows=1, cols=3, subplot_titles=("output tok/s", "per-user tok/s", "TTFT p50 (ms)"))
-    for label, lv in runs:
+    for i, (label, lv) in enumerate(runs):
+        colour = RUN_COLOURS[i % len(RUN_COLOURS)]  # one colour per run in every panel, as its legend entry shows
         for col, key in ((1, "output_throughput"), (2, "per_user_tok_s"), (3, "ttft_p50_ms")):
             fig.add_trace(
-                go.Scatter(x=lv["concurrency"], y=lv[key], name=label, legendgroup=label, showlegend=col == 1),
+                go.Scatter(
+                    x=lv["concurrency"], y=lv[key], name=label, legendgroup=label, showlegend=col == 1,
+                    line={"color": colour}, marker={"color": colour},
+                ),
                 row=1,
                 col=col,
-            )
+            )  # fmt: skip
     for col in (1, 2, 3):
         fig.update_xaxes(type="log", title="concurrent streams", row=1, col=col)
     crossings: list[Crossing] = []

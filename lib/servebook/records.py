@@ -323,3 +323,5 @@ class DeployRecord(Record):
     run_as: str = ""  # the user the dry run ran as: the unit's where it exists here
     access_problems: list[str] = []  # what the unit's user could not read or run, each with the fix
     warnings: list[str] = []  # what the unit left out of the launch's environment, and why
+    watchdog_files: list[str] = []  # the liveness check's service and timer, beside the unit
+    watchdog_verify: systemd.Verified | None = None

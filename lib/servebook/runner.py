@@ -76,15 +76,20 @@ def declared_parameters(notebook: Path) -> dict[str, dict[str, Any]]:
 def new_run_dir(run_name: str, root: Path | None = None) -> Path:
     """Create a run folder that did not exist before (a suffix is added on a clash)."""
     root = root or outputs_root()
-    root.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     for n in range(1, 1000):
         path = root / (f"{stamp}-{run_name}" if n == 1 else f"{stamp}-{run_name}-{n}")
         try:
+            root.mkdir(parents=True, exist_ok=True)
             path.mkdir()
             return path
         except FileExistsError:
             continue
+        except OSError as exc:  # read-only, full, or not ours: nothing has started
+            raise ServebookError(
+                f"cannot create a run folder under {root} ({exc.strerror}); point SERVEBOOK_OUTPUTS at a folder this "
+                "user can write, nothing was started"
+            ) from None
     raise ServebookError(f"could not create a new run folder under {root}: 999 runs this second; try again")
 
 

@@ -158,6 +158,8 @@ def preflight(cfg: ServerConfig, stop_leftovers: bool = False, log: Callable[[st
     """Checks before any process starts, each refusing with the holder named and the fix."""
     report = Preflight()
     start = time.monotonic()
+    if conflicts := cfg.conflicts():
+        raise PreflightError("nothing started:\n  - " + "\n  - ".join(conflicts))
     parsed = vllm_compat.parse_serve_args(cfg.model_path, cfg.serve_args())
     report.parse_seconds = round(parsed.seconds, 2)
     if not parsed.ok:

@@ -24,6 +24,24 @@ from servebook.planner import Parallelism
 SECONDS_PER_GB = 6.0  # load-budget slope: 547 GB took 36 minutes in the story
 BASE_BUDGET_S = 300.0  # imports, torch.compile warm-up and graph capture on a small model
 SERVER_KEY_VAR = "VLLM_API_KEY"  # the variable vLLM reads its --api-key from
+# vLLM's flags that a parameter sets (serve_args writes them): extra_args must not set them again
+OWNED_FLAGS = {
+    "--served-model-name": "served_model_name",
+    "--host": "host",
+    "--port": "port",
+    "--max-model-len": "max_model_len",
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "-tp": "tensor_parallel_size",
+    "--pipeline-parallel-size": "pipeline_parallel_size",
+    "-pp": "pipeline_parallel_size",
+    "--data-parallel-size": "data_parallel_size",
+    "-dp": "data_parallel_size",
+    "--enable-expert-parallel": "enable_expert_parallel",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--kv-cache-dtype": "kv_cache_dtype",
+    "--enforce-eager": "enforce_eager",
+    "--max-num-seqs": "max_num_seqs",
+}
 
 
 def load_budget_s(checkpoint_bytes: float | None, load_timeout_s: float = 0.0) -> float:
@@ -127,6 +145,17 @@ class ServerConfig:
         if self.max_num_seqs:
             args += ["--max-num-seqs", str(self.max_num_seqs)]
         return args + list(self.node_flags) + list(self.extra_args)
+
+    def conflicts(self) -> list[str]:
+        """Flags in ``extra_args`` that a parameter owns: vLLM takes the last one, so the plan, the launch lock
+        and the unit would describe another server than the one that starts."""
+        given = [a.split("=", 1)[0] for a in self.extra_args if a.startswith("-")]
+        return [
+            f"extra_args sets {flag}, which the parameter {OWNED_FLAGS[flag]} owns; set {OWNED_FLAGS[flag]} and take "
+            f"{flag} out of extra_args"
+            for flag in dict.fromkeys(given)
+            if flag in OWNED_FLAGS
+        ]
 
     def command(self) -> list[str]:
         return vllm_compat.serve_prefix(self.model_path) + self.serve_args()

@@ -204,6 +204,48 @@ WantedBy=multi-user.target
 """
 
 
+WATCHDOG_EVERY_S = 60  # how often the watchdog asks the service for a token
+WATCHDOG_TIMEOUT_S = 60  # a hung engine answers /health but no token: this long without one restarts the service
+
+
+def watchdog_names(u: UnitSpec) -> tuple[str, str]:
+    return f"servebook-{u.name}-watchdog.service", f"servebook-{u.name}-watchdog.timer"
+
+
+def render_watchdog(u: UnitSpec) -> tuple[str, str]:
+    """A timer and the check it runs: a one-token completion through the service's port, and a restart of the
+    service when none comes back. systemd restarts a service whose process died (Restart=on-failure); an engine
+    that hangs with /health answering 200 (vllm-project/vllm#39863) only this notices."""
+    service, _timer = watchdog_names(u)
+    check = [*u.servebook, "watchdog", "--url", u.url, "--unit", u.unit_name, "--timeout", str(WATCHDOG_TIMEOUT_S)]
+    unit = f"""# Rendered by servebook: restarts {u.unit_name} when its engine stops producing tokens.
+[Unit]
+Description=Liveness of {u.unit_name}: a token, not only /health
+After={u.unit_name}
+
+[Service]
+Type=oneshot
+# the service's key, to ask for a token (root-only file)
+EnvironmentFile=-{u.env_file}
+ExecStart={exec_line(check)}
+TimeoutStartSec={WATCHDOG_TIMEOUT_S + 60}
+"""
+    timer = f"""# Rendered by servebook: runs {service} while {u.unit_name} runs.
+[Unit]
+Description=Ask {u.unit_name} for a token every {WATCHDOG_EVERY_S} s
+PartOf={u.unit_name}
+
+[Timer]
+OnActiveSec={WATCHDOG_EVERY_S}
+OnUnitInactiveSec={WATCHDOG_EVERY_S}
+AccuracySec=5
+
+[Install]
+WantedBy={u.unit_name}
+"""
+    return unit, timer
+
+
 def render_env_file(u: UnitSpec, values: dict[str, str] | None = None) -> str:
     """The environment file; without ``values`` the secrets are left empty (filled at install time)."""
     lines = [f"# {u.unit_name}: secrets only. Mode 0600, owner root.", ""]
@@ -335,7 +377,10 @@ def install(u: UnitSpec, unit_text: str) -> Installed:
     with os.fdopen(fd, "w") as fh:
         fh.write(render_env_file(u, values))
     Path(f"/etc/systemd/system/{u.unit_name}").write_text(unit_text)
+    for name, text in zip(watchdog_names(u), render_watchdog(u), strict=True):
+        Path(f"/etc/systemd/system/{name}").write_text(text)
     subprocess.run(["systemctl", "daemon-reload"], check=True)
+    subprocess.run(["systemctl", "enable", watchdog_names(u)[1]], capture_output=True)
     proc = subprocess.run(
         ["systemctl", "enable", "--now", u.unit_name], capture_output=True, text=True, timeout=u.timeout_start_s + 60
     )

@@ -108,7 +108,7 @@ def read(path: Path) -> dict[str, Any]:
     """A result file of ``vllm bench serve --save-result`` (or servebook's copy), checked for what compare needs."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ServebookError(
             f"{path}: not a readable JSON file ({exc}); pass a file `vllm bench serve --save-result` wrote"
         ) from exc

@@ -93,9 +93,10 @@ def test_a_server_killed_mid_level_stops_the_sweep_and_keeps_results(tmp_path):
     finally:
         killer.cancel()
         server.stop(port=8136)
-    assert data.stopped_by == "fault" and "concurrency" in data.fault
-    assert data.runs and data.runs[-1].summary.failed > 0
-    assert "connection" in data.runs[-1].flat()["errors"]
+    assert data.stopped_by == "fault" and "concurrency" in data.fault and "connection" in data.fault
+    # the window the server died in is no level: its throughput was the crash's (CI once read "best 273 tok/s")
+    faulted = int(data.fault.split("at concurrency ")[1].split(" ")[0])
+    assert all(r.summary.failed == 0 for r in data.runs) and faulted not in [lv.concurrency for lv in data.levels]
     reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
     assert (reqs.error != "").any() and (reqs.error == "").any()  # what was measured before the fault is kept
 

@@ -41,6 +41,17 @@ def test_good_launch_is_ready_and_passes_the_smoke_test(shared_server):
     assert len(server.group_members(shared_server.pgid)) >= 2  # API server and engine core
 
 
+def test_the_watchdog_gets_a_token_from_a_live_server(shared_server):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "watchdog", "--url", shared_server.url, "--timeout", "60"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "a token came back" in done.stdout, done.stdout + done.stderr
+
+
 def test_same_parameters_reuse_the_running_server(shared_server, tmp_path):
     again = server.launch(config(SHARED_PORT), tmp_path, log=print)
     assert again.reused and not again.started_by_this_run

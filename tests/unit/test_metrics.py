@@ -217,6 +217,17 @@ def test_compare_labels_layouts_and_finds_the_crossover(tmp_path):
     fig, crossings = plots.compare([benchmark.load_run(a), benchmark.load_run(b)])
     assert crossings == [plots.Crossing("TP=2+DP=4+EP (tp2)", "TP=8+EP (tp8)", 4)]
     assert len(fig.data) == 6
+    # each run keeps its legend's colour in every panel
+    for name in {t.name for t in fig.data}:
+        assert len({t.line.color for t in fig.data if t.name == name}) == 1
+    assert len({t.line.color for t in fig.data}) == 2
+    assert plots.workload_warning({"a": benchmark.workload_of(a), "b": benchmark.workload_of(b)}) == ""
+
+
+def test_compare_warns_when_the_runs_sent_different_requests():
+    warning = plots.workload_warning({"short": (128, 128), "long": (2048, 128), "unknown": None})
+    assert "the runs sent different requests" in warning and "long: 2048 in / 128 out" in warning
+    assert plots.workload_warning({"a": (128, 128), "b": (130, 126)}) == ""  # within 10 %
 
 
 def test_compare_refuses_a_folder_that_is_not_a_run(tmp_path):

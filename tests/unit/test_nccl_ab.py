@@ -67,22 +67,23 @@ def test_gloo_path_runs_without_gpus():
 
 
 @pytest.mark.parametrize(
-    "base, variant, noise, expected",
+    "base, variant, noise, expected, apart",
     [
-        ([100, 104], [110, 112], 0.04, "better"),  # +8.7 % against a 4 % band
-        ([100, 104], [103, 101], 0.04, "no effect"),
-        ([100, 104], [90, 92], 0.04, "worse"),
-        ([100, 130], [120, 121], 0.30, "no effect"),  # +17 % but the baseline itself moved 26 %
-        # the H200's enforce_eager A/B at 64 streams: one cold baseline window made a 78 % band, yet every
-        # eager sample lies below every baseline sample
-        ([5397, 16405, 17259, 18513], [3172, 4716], 0.78, "worse"),
-        ([100, 140], [150, 170], 0.40, "better"),  # +33 %, above the whole baseline range
-        ([100, 101], [99.0, 99.5], 0.02, "no effect"),  # apart, but by less than the 2 % floor
-        ([100, 140], [105, 98], 0.40, "no effect"),  # one sample inside the baseline's range
+        ([100, 104], [110, 112], 0.04, "better", True),  # +8.7 % against a 4 % band
+        ([100, 104], [103, 101], 0.04, "no effect", False),
+        ([100, 104], [90, 92], 0.04, "worse", True),
+        ([100, 130], [120, 121], 0.30, "no effect", False),  # +17 % but the baseline itself moved 26 %
+        # the H200's enforce_eager A/B at 64 streams: -77 % inside a 78 % band that one cold baseline window made;
+        # every eager sample lies below every baseline one, which the row flags, but inside the band is no verdict
+        ([5397, 16405, 17259, 18513], [3172, 4716], 0.78, "no effect", True),
+        ([100, 140], [150, 170], 0.40, "no effect", True),  # +33 % inside a 40 % band, above the whole range
+        ([100, 101], [99.0, 99.5], 0.02, "no effect", True),  # apart, but by less than the 2 % floor
+        ([100, 140], [105, 98], 0.40, "no effect", False),  # one sample inside the baseline's range
     ],
 )
-def test_noise_band_verdicts(base, variant, noise, expected):
-    assert ab.verdict(base, variant, noise)[0] == expected
+def test_better_or_worse_only_outside_the_noise_band(base, variant, noise, expected, apart):
+    call, change = ab.verdict(base, variant, noise)
+    assert call == expected and ab.samples_apart(base, variant, change) == apart
 
 
 def test_noise_band_is_the_baselines_spread_with_a_floor():

@@ -154,3 +154,19 @@ def test_a_two_node_server_gets_a_unit_per_node_and_the_heads_starts_and_stops_t
     path = tmp_path / unit.unit_name
     path.write_text(head)
     assert not systemd.verify(path).ran or systemd.verify(path).ok
+
+
+def test_the_watchdog_asks_the_service_for_a_token_and_restarts_it_when_none_comes(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "sk-unit-test-key")
+    unit, _, _ = story_unit("kimi-k2.5-8gpu.yaml", "kimi-k2.5.json", "RTX-PRO-6000")
+    service, timer = systemd.render_watchdog(unit)
+    check = re.search(r"^ExecStart=(.*)$", service, re.M).group(1)
+    assert f"watchdog --url {unit.url} --unit {unit.unit_name}" in check
+    assert f"EnvironmentFile=-{unit.env_file}" in service  # the key, from the root-only file, never in the unit
+    assert "sk-unit-test-key" not in service + timer
+    assert f"WantedBy={unit.unit_name}" in timer and f"PartOf={unit.unit_name}" in timer
+    for name, text in zip(systemd.watchdog_names(unit), (service, timer), strict=True):
+        path = tmp_path / name
+        path.write_text(text)
+        verified = systemd.verify(path)
+        assert not verified.ran or verified.ok, verified.output

@@ -167,7 +167,14 @@ def summary_lines(record: BenchmarkRecord, p: Params) -> list[str]:
 
 
 def levels(record: BenchmarkRecord) -> pd.DataFrame:
-    return pd.DataFrame([level.flat() for level in record.levels])
+    """One row per level; ``client clock`` marks a level whose client latencies are the API server's delivery,
+    not the engine's pace (the client's mean TPOT over 25 % off vLLM's own)."""
+    frame = pd.DataFrame([level.flat() for level in record.levels])
+    if not frame.empty:
+        frame["client clock"] = [
+            f"off vLLM's by {lv.tpot_clock_gap_pct:+.0f} %" if bench.off_clock(lv) else "" for lv in record.levels
+        ]
+    return frame
 
 
 # what limits each level, as the notebook shows it: source column -> (header, decimals; None: text as it is)
@@ -293,6 +300,26 @@ def clock_table(table: pd.DataFrame) -> pd.DataFrame:
     return shown.rename(columns={c: header for c, (header, _) in CLOCK_COLUMNS.items()}).set_index("streams")
 
 
+def workload_of(path: str | Path) -> tuple[float, float] | None:
+    """Prompt and output tokens per request of a run: its workload for a servebook run, the tokens it sent and got
+    for `vllm bench serve` results; None when it cannot be told (a dataset, an unreadable file)."""
+    path = Path(path)
+    try:
+        if path.is_dir() and (record := results.read(path, BenchmarkRecord)):
+            return None if record.dataset else (record.workload.input_len, record.workload.output_len)
+        files = [path] if path.is_file() else sorted(path.glob("*.json"))
+        done = [vllm_format.read(f) for f in files]
+    except (ServebookError, ValueError, OSError):
+        return None
+    completed = sum(r.get("completed") or 0 for r in done)
+    if not completed:
+        return None
+    return (
+        sum(r.get("total_input_tokens") or 0 for r in done) / completed,
+        sum(r.get("total_output_tokens") or 0 for r in done) / completed,
+    )
+
+
 def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:
     """A run's per-level table and its label: a servebook run folder (labelled with the layout its launch record
     names), a result file of ``vllm bench serve --save-result``, or a folder of such files (one per
@@ -300,7 +327,13 @@ def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:
     path = Path(path)
     if path.is_file():
         return f"{path.stem} (vllm bench serve)", vllm_format.levels([vllm_format.read(path)])
-    record = results.read(path, BenchmarkRecord) if path.is_dir() else None
+    try:
+        record = results.read(path, BenchmarkRecord) if path.is_dir() else None
+    except (ValueError, UnicodeDecodeError) as exc:  # pydantic's ValidationError is a ValueError
+        raise ServebookError(
+            f"{path / (BenchmarkRecord.FILE + '.json')}: not a benchmark record servebook can read "
+            f"({str(exc).splitlines()[0]}); it is cut or from another tool: pass run folders `servebook run` wrote"
+        ) from None
     if record is None:
         found = sorted(path.glob("*.json")) if path.is_dir() else []
         if not found:

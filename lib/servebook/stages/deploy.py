@@ -171,6 +171,7 @@ def _node_units(unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> 
 
 def run(p: Params, run_dir: str | Path) -> DeployRecord:
     run_dir = results.run_folder(run_dir)
+    results.retire(run_dir, DeployRecord)  # a rerun never leaves the last attempt's record looking current
     launch = results.require(run_dir, LaunchRecord, "deploy")
     tuned = results.read(run_dir, NcclTuningRecord)
     name = p.deploy_name or launch.served_model_name.replace("/", "-")
@@ -184,6 +185,9 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     unit_path.write_text(unit_text)
     env_path = run_dir / f"{name}.env"
     env_path.write_text(systemd.render_env_file(unit))
+    watchdog = [run_dir / n for n in systemd.watchdog_names(unit)]
+    for path, text in zip(watchdog, systemd.render_watchdog(unit), strict=True):
+        path.write_text(text)
     dropped = [
         f"{k} left out of the unit: {why}" for k, why in systemd.DEVELOPMENT_ONLY.items() if k in launch.environment
     ]
@@ -201,6 +205,8 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
         # the ad hoc server this run started holds the port: the check must say so
         pre_start_with_ad_hoc_server=pre_start_check(unit),
         node_units=node_units,
+        watchdog_files=[str(p) for p in watchdog],
+        watchdog_verify=systemd.verify(watchdog[0]),
     )
     if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
         record.ad_hoc_server_stopped = server.stop(port=unit.port).summary  # the service replaces it
@@ -247,6 +253,11 @@ def check(record: DeployRecord, p: Params) -> None:
         problems.append(f"{record.verify.output}: the unit cannot be verified before it is installed")
     elif record.verify.ran and not record.verify.ok:
         problems.append("systemd-analyze verify: " + "; ".join(record.verify.blocking or [record.verify.output]))
+    watchdog = record.watchdog_verify
+    if watchdog and watchdog.ran and not watchdog.ok:
+        problems.append(
+            "the watchdog's unit, systemd-analyze verify: " + "; ".join(watchdog.blocking or [watchdog.output])
+        )
     for node_unit in record.node_units:
         if node_unit.verify.ran and not node_unit.verify.ok:
             blocking = node_unit.verify.blocking or [node_unit.verify.output]

@@ -15,6 +15,7 @@ from servebook.records import DownloadRecord
 
 def run(p: Params, run_dir: str | Path) -> DownloadRecord:
     run_dir = results.run_folder(run_dir)
+    results.retire(run_dir, DownloadRecord)  # a rerun never leaves the last attempt's record looking current
     if models.is_builtin(p.model):
         path = models.build_tiny_model()
         build = json.loads((path / "servebook-build.json").read_text())

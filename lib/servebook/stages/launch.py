@@ -56,6 +56,7 @@ def memory_after_load(launch: server.Launch) -> MemoryAfterLoad:
 def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     """Launch (or reuse) the server the parameters describe; write and return the record."""
     run_dir = results.run_folder(run_dir)
+    results.retire(run_dir, LaunchRecord)  # a rerun never leaves the last attempt's record looking current
     cfg = config_for(p, run_dir)
     probes: list[multinode.NodeProbe] = []
     workers: list[remote.WorkerRecord] = []

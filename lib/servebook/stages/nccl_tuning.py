@@ -50,6 +50,7 @@ def recommend(result: ab.AbResult | None) -> tuple[dict[str, str], str, list[str
 
 def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> NcclTuningRecord:
     run_dir = results.run_folder(run_dir)
+    results.retire(run_dir, NcclTuningRecord)  # a rerun never leaves the last attempt's record looking current
     measured = micro(p, log)
     compared = None
     if p.ab_variants:
@@ -128,16 +129,33 @@ def bandwidth_figures(record: NcclTuningRecord) -> list[go.Figure]:
 
 
 def ab_table(record: NcclTuningRecord) -> pd.DataFrame:
-    return pd.DataFrame([row.model_dump() for row in record.ab.rows]) if record.ab else pd.DataFrame()
+    """The A/B in percent, each change beside the baseline's noise band that decides its verdict."""
+    if not record.ab:
+        return pd.DataFrame()
+    rows = [
+        {
+            "variant": r.variant,
+            "streams": r.concurrency,
+            "verdict": r.verdict,
+            "change, %": round(100 * r.change, 1) if r.change is not None else None,
+            "noise band, ± %": round(100 * r.noise, 1),
+            "every sample apart": r.samples_apart,
+            "baseline tok/s": round(r.baseline_median) if r.baseline_median else None,
+            "variant tok/s": round(r.variant_median) if r.variant_median else None,
+            "cause": r.cause,
+        }
+        for r in record.ab.rows
+    ]
+    return pd.DataFrame(rows)
 
 
 def ab_figure(record: NcclTuningRecord) -> go.Figure | None:
     table = ab_table(record)
-    if table.empty or table["change"].isna().all():
+    if table.empty or table["change, %"].isna().all():
         return None
-    table = table.dropna(subset=["change"])
-    table["change %"] = 100 * table["change"]
-    table["noise %"] = 100 * table["noise"]
+    table = table.dropna(subset=["change, %"]).rename(
+        columns={"change, %": "change %", "noise band, ± %": "noise %", "streams": "concurrency"}
+    )
     return px.bar(
         table,
         x="variant",

@@ -86,6 +86,7 @@ def launch_commands(p: Params, device: planner.Device, layout: planner.Paralleli
 
 def run(p: Params, run_dir: str | Path) -> PlanRecord:
     run_dir = results.run_folder(run_dir)
+    results.retire(run_dir, PlanRecord)  # a rerun never leaves the last attempt's record looking current
     record = make_plan(p, device_for(p, run_dir))
     results.write(run_dir, record)
     return record

@@ -99,6 +99,7 @@ def assess(
 
 
 def run(p: Params, run_dir: str | Path) -> ReconRecord:
+    results.retire(results.run_folder(run_dir), ReconRecord)  # never the last attempt's record as current
     # on several nodes this machine (the head) holds its share of the layout's GPUs
     record = assess(p.model, p.model_store, p.device, p.world_size // p.nodes, p.gpu_ids, p.checkpoint_gb)
     if p.nodes > 1:

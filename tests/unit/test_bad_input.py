@@ -1,0 +1,106 @@
+"""Bad input at every entry point: one line that names the input and the fix, exit 2, nothing started, no
+traceback."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CI = str(REPO / "params" / "ci.yaml")
+
+
+def servebook(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "servebook.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+def refused(proc: subprocess.CompletedProcess, *words: str, code: int = 2) -> None:
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == code, said
+    assert "Traceback" not in said, said
+    for word in words:
+        assert word in said, said
+
+
+def test_a_set_value_that_is_not_yaml_names_the_override():
+    refused(servebook("check", CI, "--set", "port=[1"), "--set", "'port=[1'", "not YAML")
+
+
+def test_a_params_file_with_a_number_for_a_key_or_bytes_that_are_not_utf8(tmp_path):
+    numbered = tmp_path / "numbered.yaml"
+    numbered.write_text("port: 8123\n1: 2\n")
+    refused(servebook("check", str(numbered)), "key 1 is not a parameter name")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("run_name: caf\xe9\n".encode("latin-1"))
+    refused(servebook("check", str(latin)), "not UTF-8 text", "save it as UTF-8")
+
+
+def test_a_served_name_with_a_newline_never_reaches_a_unit(tmp_path):
+    refused(servebook("check", CI, "--set", 'served_model_name="tiny\\nExecStartPost=/bin/true"'), "control character")
+
+
+def test_check_runs_vllms_parser_on_the_whole_command_and_names_flags_set_twice():
+    refused(
+        servebook("check", CI, "--set", "extra_args=['--no-such-flag']"),
+        "rejects the serving command",
+        "--no-such-flag",
+    )
+    refused(
+        servebook("check", CI, "--set", "extra_args=['--tensor-parallel-size', '2']"),
+        "extra_args sets --tensor-parallel-size, which the parameter tensor_parallel_size owns",
+    )
+    assert servebook("check", CI).returncode == 0
+
+
+def test_check_counts_a_dataset_against_max_model_len_with_the_served_tokenizer(tmp_path):
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "word " * 3000, "output_tokens": 8}) + "\n")
+    refused(servebook("check", CI, "--set", f"bench_dataset={long}"), "max_model_len")
+
+
+def test_compare_on_a_cut_record_names_the_file(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "05_benchmark.json").write_text('{"levels": [')
+    refused(servebook("compare", str(tmp_path / "a"), str(tmp_path / "b")), "05_benchmark.json", code=1)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["gpu-check", "--port", "8000", "--gpus", "a,b"], ["--gpus 'a,b'", "as numbers"]),
+        (["wait-ready", "--url", "notaurl", "--timeout", "1"], ["--url 'notaurl'", "http://127.0.0.1:8000"]),
+        (["plan", "builtin:tiny-qwen3-moe", "--gpus", "0"], ["--gpus"]),
+    ],
+    ids=["gpu-check --gpus a,b", "wait-ready --url notaurl", "plan --gpus 0"],
+)
+def test_cli_entry_points_refuse_bad_values_in_one_line(args, words):
+    refused(servebook(*args), *words)
+
+
+@pytest.mark.parametrize("text", ['{"hidden_size": 12', "[]"], ids=["cut", "not an object"])
+def test_plan_on_a_broken_config_names_the_file(tmp_path, text):
+    config = tmp_path / "config.json"
+    config.write_text(text)
+    refused(servebook("plan", str(tmp_path)), str(config))
+
+
+def test_a_read_only_outputs_folder_is_named_before_anything_starts(tmp_path):
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    env = {**os.environ, "SERVEBOOK_OUTPUTS": str(ro / "outputs")}
+    if os.geteuid() == 0:  # root writes anywhere: a file where the folder should be stands in for read-only
+        env["SERVEBOOK_OUTPUTS"] = str(tmp_path / "a-file" / "outputs")
+        (tmp_path / "a-file").write_text("")
+    proc = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "run", CI, "--stages", "reconnaissance"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
+    )  # fmt: skip
+    refused(proc, "cannot create a run folder under", "SERVEBOOK_OUTPUTS", code=1)
