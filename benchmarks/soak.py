@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from servebook import hardware, loadgen, metrics, params, server
+from servebook import hardware, loadgen, metrics, params, runner, server
 
 
 def resident_mb(pgid: int) -> float:
@@ -49,36 +49,59 @@ def main() -> None:
     args = ap.parse_args()
     p = params.load(args.params, [f"port={args.port}"])
     cfg = server.ServerConfig.from_params(p, p.device if p.device != "auto" else "cpu")
-    launched = server.launch(cfg, Path(tempfile.mkdtemp(prefix="servebook-soak-")), log=lambda _: None)
     rows: list[tuple[float, int, float, float | None]] = []
-    try:
-        target = cfg.target(timeout_s=120)
-        workload = loadgen.Workload(p.bench_input_len, p.bench_output_len)
-        maker = loadgen.PromptMaker(loadgen.load_tokenizer(cfg.model_path), seed=11)
-        c, end = args.concurrency, time.monotonic() + 60 * args.minutes
-        print(f"soak: {c} streams of {workload.input_len}+{workload.output_len} tokens for {args.minutes:g} min")
-        while time.monotonic() < end:
-            prompts = maker.prompts(c + max(4 * c, int(args.window_s * c)), workload.input_len)
-            window = loadgen.run_level(
-                target, workload, prompts, concurrency=c, min_requests=4 * c, min_seconds=args.window_s, stall_s=60
-            )
-            s = metrics.summarize(window.records)
-            rss, gpu = resident_mb(launched.pgid), gpu_used_mb(cfg.target_gpus)
-            rows.append((s.output_throughput, s.failed, rss, gpu))
-            print(
-                f"  window {len(rows):3d}: {s.output_throughput:8.1f} output tok/s, {s.failed} failed of "
-                f"{s.requests}, server RSS {rss:8.1f} MB" + (f", GPU {gpu:,.0f} MB" if gpu is not None else "")
-                + (f"; stalled: {window.stalled}" if window.stalled else "")
-            )  # fmt: skip
-            if window.stalled:
-                break
-    finally:
-        server.stop(port=cfg.port)
+    with runner.interrupt_on_signals():  # SIGTERM too stops the server this script started
+        launched = server.launch(cfg, Path(tempfile.mkdtemp(prefix="servebook-soak-")), log=lambda _: None)
+        try:
+            _soak(args, p, launched, rows)
+        finally:
+            server.stop(port=cfg.port)
+    _summary(rows)
+
+
+def _soak(args: argparse.Namespace, p: params.Params, launched: server.Launch, rows: list) -> None:
+    """Back-to-back windows at one concurrency until the minutes are up, one row of figures each."""
+    cfg = launched.config
+    target = cfg.target(timeout_s=120)
+    workload = loadgen.Workload(p.bench_input_len, p.bench_output_len)
+    maker = loadgen.PromptMaker(loadgen.load_tokenizer(cfg.model_path), seed=11)
+    c, end = args.concurrency, time.monotonic() + 60 * args.minutes
+    print(f"soak: {c} streams of {workload.input_len}+{workload.output_len} tokens for {args.minutes:g} min")
+    rate = 0.0  # requests/s of the last window: the next one gets twice the prompts its seconds need
+    while time.monotonic() < end:
+        count = max(4 * c, int(2 * rate * args.window_s)) if rate else 4 * c
+        window = loadgen.run_level(
+            target, workload, maker.prompts(c + count, workload.input_len), concurrency=c, min_requests=4 * c,
+            min_seconds=args.window_s, stall_s=60,
+        )  # fmt: skip
+        s = metrics.summarize(window.records)
+        first, rate = not rate, s.request_throughput or rate
+        if first:  # the first window only sizes the ones after it
+            continue
+        rss, gpu = resident_mb(launched.pgid), gpu_used_mb(cfg.target_gpus)
+        rows.append((s.output_throughput, s.failed, rss, gpu))
+        print(
+            f"  window {len(rows):3d}: {s.output_throughput:8.1f} output tok/s, {s.failed} failed of "
+            f"{s.requests}, server RSS {rss:8.1f} MB" + (f", GPU {gpu:,.0f} MB" if gpu is not None else "")
+            + (f"; stalled: {window.stalled}" if window.stalled else "")
+        )  # fmt: skip
+        if window.stalled:
+            break
+
+
+def _summary(rows: list[tuple[float, int, float, float | None]]) -> None:
+    if not rows:
+        print("no window measured")
+        return
     head, tail = rows[:3], rows[-3:]
     first, last = statistics.mean(r[0] for r in head), statistics.mean(r[0] for r in tail)
     print(f"windows: {len(rows)}; errors: {sum(r[1] for r in rows)}")
-    print(f"throughput: first three {first:,.1f} tok/s, last three {last:,.1f} tok/s, drift {100 * (last / first - 1):+.1f} %")
-    print(f"server memory: {head[0][2]:,.1f} MB at the start, {tail[-1][2]:,.1f} MB at the end, growth {tail[-1][2] - head[0][2]:+,.1f} MB")
+    print(
+        f"throughput: first three {first:,.1f} tok/s, last three {last:,.1f} tok/s, drift {100 * (last / first - 1):+.1f} %"
+    )
+    print(
+        f"server memory: {head[0][2]:,.1f} MB at the start, {tail[-1][2]:,.1f} MB at the end, growth {tail[-1][2] - head[0][2]:+,.1f} MB"
+    )
     if head[0][3] is not None and tail[-1][3] is not None:
         print(f"GPU memory: growth {tail[-1][3] - head[0][3]:+,.0f} MB")
 

@@ -301,6 +301,28 @@ class Params(BaseModel):
                 )
         if self.nccl_min_bytes > self.nccl_max_bytes:
             problems.append(f"nccl_min_bytes ({self.nccl_min_bytes}) exceeds nccl_max_bytes ({self.nccl_max_bytes})")
+        problems += self._bench_problems()
+        for name in ("model", "served_model_name", "model_store"):
+            if re.search(r"[\x00-\x1f\x7f]", getattr(self, name)):
+                problems.append(
+                    f"{name} {getattr(self, name)!r} holds a control character (a newline?); it would reach the unit "
+                    "file and file names: remove it"
+                )
+        if self.model.startswith(("/", "./", "../", "~")) and not Path(self.model).expanduser().exists():
+            problems.append(
+                f"model: no folder {self.model} on this machine; point model at a checkpoint folder that exists, "
+                "or give a hub repo id such as MiniMaxAI/MiniMax-M2.5"
+            )
+        for flag in self.extra_args:
+            if re.search(r"--api-key\b", flag):
+                problems.append("extra_args must not carry --api-key; set api_key_env to the variable that holds it")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def _bench_problems(self) -> list[str]:
+        """The benchmark's parameters against each other and against max_model_len."""
+        problems: list[str] = []
         if self.bench_shared_prefix_len >= self.bench_input_len:
             problems.append(
                 f"bench_shared_prefix_len ({self.bench_shared_prefix_len}) must be shorter than bench_input_len "
@@ -351,23 +373,7 @@ class Params(BaseModel):
                 f"bench_input_len + bench_output_len = {self.bench_input_len + self.bench_output_len} exceeds "
                 f"max_model_len {self.max_model_len}; shorten the requests or raise max_model_len"
             )
-        for name in ("model", "served_model_name", "model_store"):
-            if re.search(r"[\x00-\x1f\x7f]", getattr(self, name)):
-                problems.append(
-                    f"{name} {getattr(self, name)!r} holds a control character (a newline?); it would reach the unit "
-                    "file and file names: remove it"
-                )
-        if self.model.startswith(("/", "./", "../", "~")) and not Path(self.model).expanduser().exists():
-            problems.append(
-                f"model: no folder {self.model} on this machine; point model at a checkpoint folder that exists, "
-                "or give a hub repo id such as MiniMaxAI/MiniMax-M2.5"
-            )
-        for flag in self.extra_args:
-            if re.search(r"--api-key\b", flag):
-                problems.append("extra_args must not carry --api-key; set api_key_env to the variable that holds it")
-        if problems:
-            raise ValueError("\n".join(problems))
-        return self
+        return problems
 
     def _node_problems(self, world: int) -> list[str]:
         if self.nodes == 1:
@@ -406,12 +412,7 @@ class Params(BaseModel):
     @property
     def layout(self) -> Parallelism:
         """The params' parallel layout, as the plan judges it and the launch's flags say it."""
-        return Parallelism(
-            tp=self.tensor_parallel_size,
-            pp=self.pipeline_parallel_size,
-            dp=self.data_parallel_size,
-            ep=self.enable_expert_parallel,
-        )
+        return Parallelism.of(self)
 
     @property
     def world_size(self) -> int:

@@ -16,6 +16,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -248,6 +249,19 @@ class Reserve(BaseModel):
         return self.cuda_hidden + self.non_torch + self.activation + self.cuda_graphs
 
 
+class LayoutFields(Protocol):
+    """The four serving fields a layout is made of, as the params and a server's configuration name them."""
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
+    @property
+    def pipeline_parallel_size(self) -> int: ...
+    @property
+    def data_parallel_size(self) -> int: ...
+    @property
+    def enable_expert_parallel(self) -> bool: ...
+
+
 class Parallelism(BaseModel):
     """A parallel layout as vLLM takes it; the one owner of its name and its serving flags."""
 
@@ -283,6 +297,16 @@ class Parallelism(BaseModel):
         if self.ep:
             out.append("--enable-expert-parallel")
         return out
+
+    @classmethod
+    def of(cls, fields: LayoutFields) -> Parallelism:
+        """The layout of anything that holds the serving fields (the params, a server's configuration)."""
+        return cls(
+            tp=fields.tensor_parallel_size,
+            pp=fields.pipeline_parallel_size,
+            dp=fields.data_parallel_size,
+            ep=fields.enable_expert_parallel,
+        )
 
     def strategy(self, gpus_per_node: int) -> str:
         """How vLLM launches this layout across nodes: ``dp`` (a data-parallel group per node, each node's own

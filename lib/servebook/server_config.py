@@ -103,12 +103,7 @@ class ServerConfig:
 
     @property
     def parallelism(self) -> Parallelism:
-        return Parallelism(
-            tp=self.tensor_parallel_size,
-            pp=self.pipeline_parallel_size,
-            dp=self.data_parallel_size,
-            ep=self.enable_expert_parallel,
-        )
+        return Parallelism.of(self)
 
     @property
     def world_size(self) -> int:

@@ -63,6 +63,13 @@ class Run:
         return Path(next(line for line in reversed(self.lines) if line.startswith("/")))
 
 
+INTERRUPTS = pytest.mark.parametrize(
+    ("sig", "to_group", "code"),
+    [(signal.SIGTERM, False, 143), (signal.SIGINT, True, 130)],
+    ids=["SIGTERM to servebook (timeout)", "Ctrl-C to the terminal's job"],
+)
+
+
 def manifest_of(run: Run) -> dict:
     return json.loads((run.run_dir / "manifest.json").read_text())
 
@@ -73,11 +80,7 @@ def nothing_left(port: int, before: set[str]) -> None:
     assert set(vllm_titles()) <= before, set(vllm_titles()) - before
 
 
-@pytest.mark.parametrize(
-    ("sig", "to_group", "code"),
-    [(signal.SIGTERM, False, 143), (signal.SIGINT, True, 130)],
-    ids=["SIGTERM to servebook (timeout)", "Ctrl-C to the terminal's job"],
-)
+@INTERRUPTS
 def test_an_interrupted_launch_stops_the_loading_server_and_says_so(tmp_path, sig, to_group, code):
     before = set(vllm_titles())
     port = 8171 if sig == signal.SIGTERM else 8172
@@ -94,11 +97,7 @@ def test_an_interrupted_launch_stops_the_loading_server_and_says_so(tmp_path, si
     nothing_left(port, before)
 
 
-@pytest.mark.parametrize(
-    ("sig", "to_group", "code"),
-    [(signal.SIGTERM, False, 143), (signal.SIGINT, True, 130)],
-    ids=["SIGTERM to servebook (timeout)", "Ctrl-C to the terminal's job"],
-)
+@INTERRUPTS
 def test_an_interrupted_benchmark_keeps_its_levels_and_leaves_nothing(tmp_path, sig, to_group, code):
     before = set(vllm_titles())
     port = 8173 if sig == signal.SIGTERM else 8174
