@@ -38,12 +38,15 @@ def _levels(result: SweepResult) -> pd.DataFrame:
     return frame
 
 
-def _mark(fig: go.Figure, x: float, text: str, row: int | None = None, col: int | None = None) -> None:
-    """A dashed vertical line with a label at ``x`` on a log x axis."""
+def _mark(
+    fig: go.Figure, x: float, text: str, row: int | None = None, col: int | None = None, low: bool = False
+) -> None:
+    """A dashed vertical line with a label at ``x`` on a log x axis; ``low`` puts the label at the foot of the
+    plot, clear of a subplot's title."""
     fig.add_vline(x=x, line_dash="dash", line_color="grey", row=row, col=col)
     fig.add_annotation(
         x=math.log10(x),
-        y=1,
+        y=0.02 if low else 1,
         yref="y domain",
         text=text,
         showarrow=False,
@@ -205,7 +208,7 @@ def compare(runs: list[tuple[str, pd.DataFrame]]) -> tuple[go.Figure, list[Cross
             c = crossover(runs[i][1], runs[j][1])
             crossings.append(Crossing(runs[i][0], runs[j][0], c))
             if c:
-                _mark(fig, c, f"crossover c={c}", row=1, col=1)
+                _mark(fig, c, f"crossover c={c}", row=1, col=1, low=True)
     fig.update_layout(title="Runs compared", height=450)
     return fig, crossings
 

@@ -195,6 +195,7 @@ class _Pipeline:
     secrets: list[str]
     log: Callable[[str], None]
     stream_output: bool
+    current_start: float = 0.0  # when the stage now running began (an interrupted stage's seconds)
 
     def run_stage(self, n: int, stage: Stage) -> tuple[StageRun, int]:
         """Execute one stage's notebook; (how it ended, its exit code). A stage that finished without writing
@@ -205,7 +206,7 @@ class _Pipeline:
         out = self.run_dir / stage.notebook
         total = len(self.selected)
         self.log(f"[{n}/{total}] {stage.record.FILE} ...")
-        start = time.monotonic()
+        start = self.current_start = time.monotonic()
         entry, exit_code = StageRun(name=stage.record.FILE, status="ok"), 0
         try:
             pm.execute_notebook(
@@ -287,7 +288,11 @@ def run(
         current = selected[n - 1].record.FILE if n else "the start"
         manifest.interrupted = f"{how} during {current}"
         log(f"interrupted: {manifest.interrupted}; stopping what this run started")
-        manifest.stages.append(StageRun(name=current, status="interrupted", error=manifest.interrupted))
+        seconds = round(time.monotonic() - pipeline.current_start, 2) if n else 0.0
+        answer = mask(stage_summary(selected[n - 1], run_dir), pipeline.secrets) if n else ""  # what it kept
+        manifest.stages.append(
+            StageRun(name=current, status="interrupted", error=manifest.interrupted, seconds=seconds, summary=answer)
+        )
         manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
     finally:  # whatever happened, the servers this run started do not outlive it
         with signals_deferred():
