@@ -23,16 +23,20 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 from pydantic import BaseModel
 
 from servebook import remote, vllm_compat
-from servebook.errors import PreflightError
+from servebook.errors import LaunchError, PreflightError, RemoteError
 from servebook.params import Params
 from servebook.planner import Parallelism, nodes_rule
+from servebook.secrets import mask
 from servebook.server_config import ServerConfig
+from servebook.vllm_log import UNRECOGNISED, root_cause
 
 CLOCK_SKEW_LIMIT_S = 5.0
 HEAD_ADDRESS = "HEAD_ADDRESS"  # stands in for the head's address in a plan made before the nodes are named
@@ -362,3 +366,65 @@ def prepare(cfg: ServerConfig, nodes: NodeSet, log_dir: str | Path) -> tuple[Ser
             )
         )
     return head_cfg, workers
+
+
+@dataclass
+class Workers:
+    """The other nodes' vLLM processes of one server: started once the head is, watched while it loads (one that
+    exits fails the launch with its own log's root cause), asked whether they still run, stopped after it."""
+
+    records: list[remote.WorkerRecord]
+
+    def start(
+        self, env: dict[str, str], on_started: Callable[[remote.WorkerRecord], None], log: Callable[[str], None]
+    ) -> None:
+        for worker in self.records:
+            own = {"VLLM_HOST_IP": worker.address} if worker.address else {}
+            try:
+                pid = remote.start(worker.ssh, worker.command, env | own, worker.log_path, worker.ssh_config)
+            except RemoteError as exc:
+                done = remote.stop_unanswered(worker.ssh, worker.log_path, worker.ssh_config)
+                raise LaunchError(
+                    f"could not start vLLM on {worker.node}: {exc}; {done}. Check that the node answers over SSH "
+                    "(`servebook reconnaissance` probes every node), then launch again",
+                    cause=str(exc),
+                ) from None
+            on_started(worker.model_copy(update={"pid": pid}))
+            log(f"started vLLM on {worker.node} (pid {pid} there), log {worker.log_path} there")
+
+    def check(self, elapsed: float) -> None:
+        """A worker node whose vLLM has exited fails the launch with that node's log."""
+        for worker in self.records:
+            if not remote.alive(worker):
+                text = remote.log_text(worker)
+                raise LaunchError(
+                    f"vLLM on {worker.node} exited after {elapsed:.1f} s, before the server was ready",
+                    cause=mask(root_cause(text)),
+                    log_tail="\n".join(text.splitlines()[-40:]),
+                    log_path=f"{worker.node}:{worker.log_path}",
+                )
+
+    def gone(self) -> list[str]:
+        """The worker nodes whose vLLM is no longer running (what a failing multi-node server is asked first)."""
+        found = []
+        for worker in self.records:
+            if remote.alive(worker):
+                continue
+            cause = root_cause(remote.log_text(worker))
+            if cause == UNRECOGNISED:
+                cause = (
+                    f"its log ({worker.log_path} there) ends without an error: it was killed from outside (SIGKILL, "
+                    "the kernel's OOM killer: see dmesg there) or the node went down"
+                )
+            found.append(f"{worker.node} (pid {worker.pid}): {mask(cause)}")
+        return found
+
+    def stop(self, grace_s: float) -> list[str]:
+        """Stop each node's vLLM; what is left on any of them, by node."""
+        left = []
+        for worker in self.records:
+            try:
+                left += remote.stop(worker, grace_s=grace_s)
+            except RemoteError as exc:
+                left.append(f"{worker.node}: not stopped ({exc})")
+        return left

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from servebook import client, files, hardware, models, remote, vllm_compat
+from servebook import client, files, hardware, models, multinode, remote, vllm_compat
 from servebook.client import health
 from servebook.errors import CleanupError, LaunchError, PreflightError
 from servebook.processes import (
@@ -36,7 +36,7 @@ from servebook.processes import (
 )
 from servebook.secrets import mask, mask_env
 from servebook.server_config import BASE_BUDGET_S, ServerConfig, load_budget_s
-from servebook.vllm_log import ANSI_ESCAPE, UNRECOGNISED, LoadProgress, LogValues, root_cause, tail
+from servebook.vllm_log import ANSI_ESCAPE, LoadProgress, LogValues, root_cause, tail
 
 __all__ = ["BASE_BUDGET_S", "STOP_GRACE_S", "ServerConfig", "Terminated", "describe", "group_members", "load_budget_s"]
 
@@ -353,7 +353,13 @@ def _start(
         terminate(proc.pid)
         raise
     try:
-        _start_workers(cfg, record, workers, log)
+
+        def started(worker: remote.WorkerRecord) -> None:  # registered as it starts, so a stop reaches it
+            record.workers.append(worker)
+            register(record)
+
+        # the API key stays on the head, which serves
+        multinode.Workers(list(workers)).start(cfg.environment(base={}, with_secrets=False), started, log)
         phases, values, seconds = _wait_ready(proc, cfg, log_path, budget, on_progress, record.workers)
     except BaseException:
         stop(port=cfg.port)
@@ -393,27 +399,6 @@ def _registration(cfg: ServerConfig, pid: int, command: list[str], log_path: Pat
     )
 
 
-def _start_workers(
-    cfg: ServerConfig, record: Registration, workers: Sequence[remote.WorkerRecord], log: Callable[[str], None]
-) -> None:
-    """Start each other node's vLLM, registering it as it starts so a stop reaches it."""
-    node_env = cfg.environment(base={}, with_secrets=False)  # the API key stays on the head, which serves
-    for worker in workers:
-        own = {"VLLM_HOST_IP": worker.address} if worker.address else {}
-        try:
-            pid = remote.start(worker.ssh, worker.command, node_env | own, worker.log_path, worker.ssh_config)
-        except remote.RemoteError as exc:
-            done = remote.stop_unanswered(worker.ssh, worker.log_path, worker.ssh_config)
-            raise LaunchError(
-                f"could not start vLLM on {worker.node}: {exc}; {done}. Check that the node answers over SSH "
-                "(`servebook reconnaissance` probes every node), then launch again",
-                cause=str(exc),
-            ) from None
-        record.workers.append(worker.model_copy(update={"pid": pid}))
-        register(record)
-        log(f"started vLLM on {worker.node} (pid {pid} there), log {worker.log_path} there")
-
-
 def _wait_ready(
     proc: subprocess.Popen[bytes],
     cfg: ServerConfig,
@@ -431,7 +416,7 @@ def _wait_ready(
         elapsed = time.monotonic() - start
         if workers and time.monotonic() - checked_workers > WORKER_CHECK_S:
             checked_workers = time.monotonic()
-            _check_workers(workers, elapsed)
+            multinode.Workers(list(workers)).check(elapsed)
         with open(log_path, errors="replace") as fh:
             fh.seek(offset)
             chunk = fh.read()
@@ -500,35 +485,6 @@ def _check_answers(cfg: ServerConfig, proc: subprocess.Popen[bytes], log_path: P
         )  # fmt: skip
 
 
-def _check_workers(workers: Sequence[remote.WorkerRecord], elapsed: float) -> None:
-    """A worker node whose vLLM has exited fails the launch with that node's log."""
-    for worker in workers:
-        if not remote.alive(worker):
-            text = remote.log_text(worker)
-            raise LaunchError(
-                f"vLLM on {worker.node} exited after {elapsed:.1f} s, before the server was ready",
-                cause=mask(root_cause(text)),
-                log_tail="\n".join(text.splitlines()[-40:]),
-                log_path=f"{worker.node}:{worker.log_path}",
-            )
-
-
-def workers_gone(workers: Sequence[remote.WorkerRecord]) -> list[str]:
-    """The worker nodes whose vLLM is no longer running (what a failing multi-node server is asked first)."""
-    gone = []
-    for worker in workers:
-        if remote.alive(worker):
-            continue
-        cause = root_cause(remote.log_text(worker))
-        if cause == UNRECOGNISED:
-            cause = (
-                f"its log ({worker.log_path} there) ends without an error: it was killed from outside (SIGKILL, the "
-                "kernel's OOM killer: see dmesg there) or the node went down"
-            )
-        gone.append(f"{worker.node} (pid {worker.pid}): {mask(cause)}")
-    return gone
-
-
 # ---------------------------------------------------------------- stop and status
 
 
@@ -554,11 +510,7 @@ def stop(
     for rec in records:
         result = terminate(rec.pgid, grace_s=grace_s)
         result.port = rec.port
-        for worker in rec.workers:  # after the head, which would otherwise wait on them
-            try:
-                result.remaining += remote.stop(worker, grace_s=grace_s)
-            except remote.RemoteError as exc:
-                result.remaining.append(f"{worker.node}: not stopped ({exc})")
+        result.remaining += multinode.Workers(rec.workers).stop(grace_s)  # after the head, which would wait on them
         outcome.servers.append(result)
         outcome.remaining += result.remaining
         if not result.remaining:
@@ -660,7 +612,7 @@ def status() -> list[ServerStatus]:
         state, detail = _server_state(rec, members)
         if rec.workers:  # a multi-node server: each other node's vLLM, asked over SSH
             try:
-                gone = workers_gone(rec.workers)
+                gone = multinode.Workers(rec.workers).gone()
             except remote.RemoteError as exc:
                 gone = [str(exc)]
             nodes = f"{len(rec.workers) + 1} nodes" + (

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from servebook import bench, datasets, planner, ratesweep, results, server, vllm_format
+from servebook import bench, datasets, multinode, planner, ratesweep, results, vllm_format
 from servebook.errors import ServebookError, SweepAborted
 from servebook.params import Params
 from servebook.records import BenchmarkRecord, LaunchRecord, PlanRecord
@@ -62,7 +62,7 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     swept = bench.sweep(target, launch.model_path, cfg, run_dir, table_prefix=BenchmarkRecord.FILE, on_level=keep)
     record = BenchmarkRecord(**dict(swept), dataset=dataset.summary() if dataset else "")
     if record.fault and launch.workers:  # a multi-node server: which node took it down, in that node's words
-        gone = server.workers_gone(launch.workers)
+        gone = multinode.Workers(launch.workers).gone()
         record.fault += ("; vLLM is gone on " + "; ".join(gone)) if gone else "; every worker node still runs"
     results.write(run_dir, record)
     if p.bench_request_rates and not record.fault:
