@@ -129,17 +129,13 @@ def test_a_hung_engine_is_named_within_a_minute_while_health_answers(tmp_path):
         time.sleep(2)
         (row,) = [r for r in server.status() if r.port == port]
         assert row.health == "hung" and "EngineCore" in row.detail, row
+        run.wait_for("the engine stopped producing tokens while /health answered ready", timeout_s=60)
+        print(f"the hang was named {time.monotonic() - stopped_at:.1f} s after the SIGSTOP")
         code = run.finish(timeout_s=150)
-        named_after = next(
-            (time.monotonic() - stopped_at for line in run.lines if "stopped producing tokens" in line), None
-        )
     finally:
         if engine.is_running():
             engine.send_signal(signal.SIGCONT)
     assert code != 0
-    text = "\n".join(run.lines)
-    assert "the engine stopped producing tokens while /health answered ready" in text, text[-3000:]
-    assert named_after is not None and named_after < 90  # the stall bound is 30 s; the stop and report follow
     failed = [s for s in manifest_of(run)["stages"] if s["status"] == "failed"]
     assert failed and "SweepAborted" in failed[0]["error"] and "stopped producing tokens" in failed[0]["error"]
     nothing_left(port, before)

@@ -104,3 +104,14 @@ def test_a_read_only_outputs_folder_is_named_before_anything_starts(tmp_path):
         capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
     )  # fmt: skip
     refused(proc, "cannot create a run folder under", "SERVEBOOK_OUTPUTS", code=1)
+
+
+def test_a_malformed_index_is_a_verification_problem_not_a_traceback(tmp_path):
+    import shutil
+
+    from servebook import download, models
+
+    shutil.copytree(models.build_tiny_model(), tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "model.safetensors.index.json").write_text('{"weight_map": {')
+    found = download.verify(tmp_path / "ckpt")
+    assert not found.ok and any("model.safetensors.index.json: not readable JSON" in p for p in found.problems)
