@@ -678,6 +678,7 @@ class _Sweep:
             self._say(row)
             if (s.failed or window.stalled) and (fault := self._fault(row, window.stalled)):
                 self.fault = fault  # and it is no level: its throughput is the fault's, not the server's
+                self.log(f"concurrency {c:4d}: {fault}")
                 return None
             self.rows.append(row)
             rep += 1
