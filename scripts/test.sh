@@ -17,6 +17,8 @@ trap cleanup EXIT
 missing=()
 command -v systemd-analyze >/dev/null || missing+=(systemd)
 [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+# the report's offline check opens every report in headless Chromium
+command -v chromium >/dev/null || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
