@@ -231,7 +231,7 @@ def _cached_config(model: str, revision: str | None) -> ModelSpec | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from a checkpoint's file, or a ModelConfigError naming the file and what is wrong with it."""
+    """A JSON object from a checkpoint's file, or a ServebookError naming the file and what is wrong with it."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
