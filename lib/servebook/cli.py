@@ -405,8 +405,7 @@ def watchdog(
         if state != "active":
             typer.echo(f"{unit} is {state or 'unknown'}: nothing to watch (systemd restarts a failed service)")
             raise typer.Exit(0)
-    key = os.environ.get("VLLM_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = client.bearer(os.environ.get("VLLM_API_KEY"))  # the unit's environment file gives the key
     fault = client.first_token(client.Target(url, model or client.served_name(url, headers), headers, timeout))
     if not fault:
         typer.echo(f"{url}: a token came back")

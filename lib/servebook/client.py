@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -49,9 +48,8 @@ def health(url: str, timeout: float = 2.0) -> str:
     return f"error {r.status_code}"
 
 
-def headers(api_key_env: str = "") -> dict[str, str]:
-    """The request headers for a server whose API key is in the variable ``api_key_env`` (none without one)."""
-    key = os.environ.get(api_key_env) if api_key_env else None
+def bearer(key: str | None) -> dict[str, str]:
+    """The headers every request to a server with API key ``key`` carries (none without one)."""
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

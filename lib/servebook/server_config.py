@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from servebook import hardware, models, secrets, vllm_compat
-from servebook.client import Target
+from servebook.client import Target, bearer
 from servebook.errors import PreflightError
 from servebook.params import Params
 from servebook.planner import Parallelism
@@ -202,8 +202,7 @@ class ServerConfig:
 
     def client_headers(self) -> dict[str, str]:
         """What every request to this server carries."""
-        key = self.api_key()
-        return {"Authorization": f"Bearer {key}"} if key is not None else {}
+        return bearer(self.api_key())
 
     def target(self, timeout_s: float = 600.0) -> Target:
         """Where a client sends requests to this server, with its key."""
