@@ -57,6 +57,8 @@ node_python: str = ""  # Python with vLLM on the other nodes; empty means this o
 node_ssh_config: str = ""  # an SSH config file to use instead of ~/.ssh/config (no keys here)
 node_master_port: int = 29500  # the head's port for torch.distributed (or the DP RPC port)
 require_ready: bool = True  # stop the pipeline at reconnaissance when the verdict is not ready
+read_probe_gb: float = 2.0  # bytes of the checkpoint the disk-rate probe reads, GB; 0: none
+read_probe_s: float = 10.0  # the disk-rate probe's time limit, seconds
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%

@@ -77,6 +77,21 @@ plan_rank_by: str = "throughput"  # throughput, latency (one stream) or concurre
 plan_batch: int = 64  # concurrent sequences the throughput ranking assumes
 plan_reserve_gib: float = 0.0  # fixed reserve per GPU beside weights and KV, GiB; 0 models it per layout
 layout_from_plan: bool = False  # launch with the plan's recommended layout instead of the params' layout
+read_probe_gb: float = 2.0  # bytes of the checkpoint the disk-rate probe reads, GB; 0: none
+read_probe_s: float = 10.0  # the disk-rate probe's time limit, seconds
+api_key_env: str = ""  # name of the environment variable holding the API key; empty means no key
+checkpoint_gb: float = 0.0  # checkpoint size in GB when it cannot be measured; 0 means measure
+enforce_eager: bool = False  # skip torch.compile and CUDA graphs (faster start, slower decode on GPU)
+ep_weight_filter: str = "auto"  # --enable-ep-weight-filter under expert parallelism; auto: where it skips this checkpoint
+extra_env: dict[str, str] = {}  # more environment variables for the server (no secrets)
+host: str = "127.0.0.1"  # address the server binds to
+load_format: str = "auto"  # --load-format: auto, safetensors, fastsafetensors, instanttensor, runai_streamer
+load_strategy: str = "auto"  # --safetensors-load-strategy; auto takes the plan's choice from the measured disk and filesystem
+load_timeout_s: int = 0  # seconds to wait for /health; 0 means derived from checkpoint size
+max_num_batched_tokens: int = 0  # tokens per engine step (and the profile run's size); 0 means vLLM's default
+max_num_seqs: int = 0  # concurrent sequences per engine; 0 means vLLM's default
+port: int = 8000  # port the server listens on
+served_model_name: str = ""  # name clients use; empty means the model folder's name
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%

@@ -51,6 +51,7 @@ download_ignore: list[str] = []  # skip files matching these globs
 download_workers: int = 8  # files fetched in parallel
 download_disk_margin: float = 0.05  # free space required beyond the download, as a share
 interactive: bool = False  # live progress bars in JupyterLab instead of printed lines; batch runs leave it false
+page_cache_warmup: bool = True  # read the checkpoint into the page cache after download, if RAM allows
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%

@@ -85,6 +85,11 @@ extra_env: dict[str, str] = {}  # more environment variables for the server (no 
 load_timeout_s: int = 0  # seconds to wait for /health; 0 means derived from checkpoint size
 stop_leftovers: bool = False  # stop leftover vLLM processes holding our GPUs or port
 interactive: bool = False  # live progress bars in JupyterLab instead of printed lines; batch runs leave it false
+max_num_batched_tokens: int = 0  # tokens per engine step (and the profile run's size); 0 means vLLM's default
+load_strategy: str = "auto"  # --safetensors-load-strategy; auto takes the plan's choice from the measured disk and filesystem
+load_format: str = "auto"  # --load-format: auto, safetensors, fastsafetensors, instanttensor, runai_streamer
+ep_weight_filter: str = "auto"  # --enable-ep-weight-filter under expert parallelism; auto: where it skips this checkpoint
+launch_dry_run: bool = False  # stage 03 starts the exact command with --load-format dummy: flags, shapes, KV, graphs
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%

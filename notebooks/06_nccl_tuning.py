@@ -97,6 +97,10 @@ api_key_env: str = ""  # name of the environment variable holding the API key; e
 extra_args: list[str] = []  # more vLLM serving flags, e.g. ['--enable-prefix-caching']
 extra_env: dict[str, str] = {}  # more environment variables for the server (no secrets)
 load_timeout_s: int = 0  # seconds to wait for /health; 0 means derived from checkpoint size
+max_num_batched_tokens: int = 0  # tokens per engine step (and the profile run's size); 0 means vLLM's default
+load_strategy: str = "auto"  # --safetensors-load-strategy; auto takes the plan's choice from the measured disk and filesystem
+load_format: str = "auto"  # --load-format: auto, safetensors, fastsafetensors, instanttensor, runai_streamer
+ep_weight_filter: str = "auto"  # --enable-ep-weight-filter under expert parallelism; auto: where it skips this checkpoint
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%

@@ -154,14 +154,23 @@ def launch(
     params_file: Path = typer.Argument(..., help="params YAML"),
     set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE"),
     log_dir: Path = typer.Option(None, help="where the server log goes (default outputs/servers)"),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="start the exact command with --load-format dummy, report KV and the timeline, stop"
+    ),
 ) -> None:
-    """Start a vLLM server (or reuse a matching healthy one) and wait until it is ready."""
-    from servebook import hardware, params, server
+    """Start a vLLM server (or reuse a matching healthy one) and wait until it is ready; each start-up phase is
+    printed as it ends, the timeline when it is ready."""
+    from servebook import hardware, params, server, startplan
     from servebook.results import outputs_root
+    from servebook.stages import launch as launch_stage
 
     try:
         p = params.load(params_file, set_)
         cfg = server.ServerConfig.from_params(p, hardware.resolve_device(p.device, hardware.inventory()))
+        cfg = startplan.with_load_choice(cfg, launch_stage.load_choice_for(p, cfg, None))
+        launch_stage.check_load_options(cfg)
+        if dry_run:
+            cfg = cfg.dry()
         result = server.launch(
             cfg,
             log_dir or outputs_root() / "servers",
@@ -172,6 +181,12 @@ def launch(
     except ServebookError as exc:
         _fail(exc)
     typer.echo(f"{'reused' if result.reused else 'ready'}: {result.url} (pid {result.pid}, log {result.log_path})")
+    if result.timeline:
+        typer.echo(f"{result.timeline.summary()}\nslowest: {result.timeline.slowest} — {result.timeline.slowest_fix}")
+    if dry_run:
+        kv = result.values.kv_cache_tokens
+        typer.echo(f"dry start: KV cache {kv or 0:,} tokens, weights {result.values.model_memory_gib} GiB; stopping it")
+        server.stop(port=cfg.port)
 
 
 @app.command()
@@ -208,6 +223,9 @@ def plan(
     interconnect: str = typer.Option(
         "", help="network between the nodes, e.g. '8x400Gb/s InfiniBand' or '100GbE' (needed with --nodes)"
     ),
+    max_num_seqs: int = typer.Option(0, min=0, help="sequences per engine (CUDA-graph captures, sampler); 0: vLLM's"),
+    max_num_batched_tokens: int = typer.Option(0, min=0, help="tokens per step (the profile run's size); 0: vLLM's"),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="no torch.compile and no CUDA graphs"),
     as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON, with each node's command"),
 ) -> None:
     """Which TP/PP/DP/EP layouts vLLM accepts for a model on N GPUs, memory per GPU, KV tokens, a recommendation.
@@ -227,7 +245,9 @@ def plan(
         p = params.validate(
             {"model": model, "max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
              "kv_cache_dtype": kv_cache_dtype, "plan_batch": batch, "nodes": nodes, "node_interconnect": interconnect,
-             "device": "cuda", "plan_gpu": gpu, "plan_gpu_count": gpus_ * nodes, "layout_from_plan": True},
+             "device": "cuda", "plan_gpu": gpu, "plan_gpu_count": gpus_ * nodes, "layout_from_plan": True,
+             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+             "enforce_eager": enforce_eager},
             source="servebook plan",
         )  # fmt: skip
         link = planner.parse_interconnect(interconnect) if nodes > 1 else None

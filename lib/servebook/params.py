@@ -167,6 +167,29 @@ class Params(BaseModel):
     load_timeout_s: int = Field(
         0, ge=0, description="seconds to wait for /health; 0 means derived from checkpoint size"
     )
+    max_num_batched_tokens: int = Field(
+        0, ge=0, description="tokens per engine step (and the profile run's size); 0 means vLLM's default"
+    )
+    load_strategy: Literal["auto", "default", "lazy", "eager", "prefetch"] = Field(
+        "auto",
+        description="--safetensors-load-strategy; auto takes the plan's choice from the measured disk and filesystem",
+    )
+    load_format: str = Field(
+        "auto", description="--load-format: auto, safetensors, fastsafetensors, instanttensor, runai_streamer"
+    )
+    ep_weight_filter: Literal["auto", "on", "off"] = Field(
+        "auto", description="--enable-ep-weight-filter under expert parallelism; auto: where it skips this checkpoint"
+    )
+    launch_dry_run: bool = Field(
+        False, description="stage 03 starts the exact command with --load-format dummy: flags, shapes, KV, graphs"
+    )
+    page_cache_warmup: bool = Field(
+        True, description="read the checkpoint into the page cache after download, if RAM allows"
+    )
+    read_probe_gb: float = Field(
+        2.0, ge=0, description="bytes of the checkpoint the disk-rate probe reads, GB; 0: none"
+    )
+    read_probe_s: float = Field(10.0, gt=0, description="the disk-rate probe's time limit, seconds")
     stop_leftovers: bool = Field(False, description="stop leftover vLLM processes holding our GPUs or port")
     require_ready: bool = Field(True, description="stop the pipeline at reconnaissance when the verdict is not ready")
 

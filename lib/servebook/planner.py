@@ -235,18 +235,33 @@ def default_max_num_seqs(device: Device, world_size: int = 1) -> int:
 
 
 class Reserve(BaseModel):
-    """The per-GPU memory vLLM keeps beside weights and KV cache, by part (bytes)."""
+    """The per-GPU memory vLLM keeps beside weights and KV cache, by vLLM's own terms (bytes)."""
 
     cuda_hidden: float  # x gpu_memory_utilization: vLLM takes its share of what CUDA reports, not of NVML's total
     non_torch: float
-    activation: float  # the profile run at max_num_batched_tokens
-    cuda_graphs: float
+    activation: float  # the profile run's torch peak: the larger of the forward and the sampler below
+    cuda_graphs: float  # vLLM's CUDA-graph estimate: first capture + (captures - 1) x per graph
     tokens: int  # max_num_batched_tokens the activation is sized for
     flat: bool = False  # a fixed reserve from the params (plan_reserve_gib), not the model
+    forward: float = 0.0  # the profile forward's peak at max_num_batched_tokens
+    sampler: float = 0.0  # the dummy sampler run's logits for min(max_num_seqs, tokens) requests, float32
+    graph_captures: int = 0  # CUDA graphs vLLM captures (decode FULL and mixed PIECEWISE sizes)
+    max_num_seqs: int = 0
 
     @property
     def total(self) -> float:
         return self.cuda_hidden + self.non_torch + self.activation + self.cuda_graphs
+
+    def terms(self) -> dict[str, float]:
+        """Each term in GiB, named as vLLM's log names it."""
+        return {
+            "activation peak": self.activation / GiB,
+            "of which forward": self.forward / GiB,
+            "of which sampler": self.sampler / GiB,
+            "non-torch": self.non_torch / GiB,
+            "CUDA-graph estimate": self.cuda_graphs / GiB,
+            "memory CUDA does not report": self.cuda_hidden / GiB,
+        }
 
 
 class LayoutFields(Protocol):
@@ -626,9 +641,33 @@ def max_num_batched_tokens(device: Device) -> int:
     return 8192 if device.memory_bytes >= 70 * GiB and "A100" not in device.name else 2048
 
 
-def reserve_for(spec: ModelSpec, layout: Layout, device: Device, gpu_memory_utilization: float) -> Reserve:
-    """What vLLM will keep per GPU for this layout, from the tensors its profile run holds at once."""
-    tokens = max_num_batched_tokens(device)
+def capture_sizes(max_num_seqs: int, max_capture: int = 0) -> list[int]:
+    """vLLM's default CUDA-graph capture sizes: 1, 2, 4, then every 8 to 256, then every 16, up to the largest,
+    min(2 x max_num_seqs, 512) (vllm/config/vllm.py, _set_cudagraph_sizes)."""
+    largest = max_capture or min(2 * max_num_seqs, 512)
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16)]
+    return [n for n in sizes if n <= largest]
+
+
+# What the profile run keeps on top of its forward: the dummy sampler's logits, min(max_num_seqs, tokens)
+# requests x vocabulary, as float32 through top-k/top-p (copies, sort values and indices): bytes per logit
+SAMPLER_BYTES_PER_LOGIT = 33.0
+# vLLM's CUDA-graph estimate captures the largest graphs and extrapolates (gpu_model_runner.py,
+# profile_cudagraph_memory): per captured graph and per layer, GQA (FlashAttention) and MLA (FLASH_ATTN_MLA)
+GRAPH_BYTES_PER_CAPTURE_LAYER = {"gqa": GRAPH_BYTES_PER_LAYER / 51, "mla": 27.0 * 2**20}
+
+
+def reserve_for(
+    spec: ModelSpec,
+    layout: Layout,
+    device: Device,
+    gpu_memory_utilization: float,
+    serving: Serving | None = None,
+) -> Reserve:
+    """What vLLM will keep per GPU for this layout, term by term as its memory profile logs them."""
+    serving = serving or Serving()
+    tokens = serving.max_num_batched_tokens or max_num_batched_tokens(device)
+    seqs = serving.max_num_seqs or default_max_num_seqs(device)
     tp, dp = layout.tp, layout.dp
     # The profile run's peak sits in a MoE layer: fused_moe's shared cache for the gate/up and down outputs
     # (M x top-k x max(2 I, H)) and its activation cache (M x top-k x I), in bf16. DP ranks gather each
@@ -641,14 +680,34 @@ def reserve_for(spec: ModelSpec, layout: Layout, device: Device, gpu_memory_util
     else:
         moe = tokens * (2 * max(spec.dense_intermediate // tp, 1) + spec.hidden) * 2
     attention = tokens * (spec.heads + 2 * spec.kv_heads) * spec.head_dim * 2 / tp
+    forward = ACTIVATION_FACTOR * (moe + attention)
+    requests = min(seqs, tokens)
+    sampler = tokens * spec.hidden * 2 + requests * (spec.vocab / tp) * SAMPLER_BYTES_PER_LOGIT
     collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 else 0.0
+    captures = 0 if serving.enforce_eager else len(capture_sizes(seqs, serving.max_capture_size))
+    per_capture = GRAPH_BYTES_PER_CAPTURE_LAYER["mla" if spec.mla else "gqa"]
+    graphs = per_capture * spec.layers * captures / tp**GRAPH_TP_EXPONENT
     return Reserve(
         cuda_hidden=gpu_memory_utilization * CUDA_HIDDEN_BYTES,
         non_torch=NON_TORCH_BYTES + collective,
-        activation=ACTIVATION_FACTOR * (moe + attention),
-        cuda_graphs=GRAPH_BYTES_PER_LAYER * spec.layers / tp**GRAPH_TP_EXPONENT,
+        activation=max(forward, sampler),
+        cuda_graphs=graphs,
         tokens=tokens,
+        forward=forward,
+        sampler=sampler,
+        graph_captures=captures,
+        max_num_seqs=seqs,
     )
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The engine settings the reserve moves with; 0 means vLLM's default for the device."""
+
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    enforce_eager: bool = False
+    max_capture_size: int = 0  # compilation_config's max_cudagraph_capture_size; 0: vLLM's rule
 
 
 @dataclass(frozen=True)
@@ -661,6 +720,7 @@ class Sizing:
     kv_dtype_bytes: int
     reserve_bytes: float | None  # a fixed reserve per GPU; None models it per layout
     batch: int
+    serving: Serving = Serving()
 
 
 def size(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing) -> None:
@@ -710,7 +770,7 @@ def _size_kv_cache(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizi
         available, reserve_bytes = float(device.cpu_kv_bytes), 0.0
     else:
         if sizing.reserve_bytes is None:
-            layout.reserve = reserve_for(spec, layout, device, utilization)
+            layout.reserve = reserve_for(spec, layout, device, utilization, sizing.serving)
         else:
             layout.reserve = Reserve(
                 cuda_hidden=0.0, non_torch=0.0, activation=sizing.reserve_bytes, cuda_graphs=0.0, tokens=0, flat=True
@@ -861,6 +921,7 @@ def plan(
     kv_cache_dtype: str = "auto",
     reserve_gib: float | None = None,
     batch: int = 64,
+    serving: Serving | None = None,
 ) -> Plan:
     """Every TP x PP x DP = G layout, with and without expert parallelism, checked, sized and ranked."""
     if max_model_len > spec.max_position_embeddings > 0:
@@ -875,6 +936,7 @@ def plan(
         kv_dtype_bytes=1 if kv_cache_dtype.startswith("fp8") else 2,
         reserve_bytes=reserve_gib * GiB if reserve_gib is not None and device.kind != "cpu" else None,
         batch=batch,
+        serving=serving or Serving(),
     )
     layouts = []
     for tp, pp, dp in enumerate_layouts(device.count):

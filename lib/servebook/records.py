@@ -19,12 +19,14 @@ from servebook import (
     download,
     environment,
     hardware,
+    loadpath,
     multinode,
     nccl,
     planner,
     ratesweep,
     remote,
     server,
+    startup,
     systemd,
 )
 from servebook.planner import Parallelism
@@ -59,6 +61,7 @@ class ReconRecord(Record):
     checkpoint: CheckpointSize
     verdict: Verdict
     nodes: list[multinode.NodeProbe] = []  # several nodes: each as its probe found it, head first
+    checkpoint_io: loadpath.CheckpointEvidence | None = None  # a local checkpoint: what a load reads, how fast
 
 
 # ---------------------------------------------------------------- 01 plan
@@ -70,6 +73,9 @@ class PlanRecord(Record, planner.Plan):
     requested: planner.Layout | None  # the params' own layout as the plan judged it
     launch_layout: Literal["recommended", "params"]  # which one the launch stage uses
     node_commands: list[list[str]] = []  # several nodes: each node's vllm serve command, head first
+    load_evidence: loadpath.CheckpointEvidence | None = None
+    load_choice: loadpath.LoadChoice | None = None  # the rule table's choice for the launch layout
+    start_prediction: startup.StartPrediction | None = None  # for the launch layout and load path
 
     @property
     def layout_for_launch(self) -> Parallelism | None:
@@ -95,6 +101,17 @@ class DownloadRecord(Record):
     fetch: download.Fetched | None = None
     bytes: int
     verification: download.Verification
+    page_cache: PageCacheWarmup | None = None
+
+
+class PageCacheWarmup(BaseModel):
+    """The checkpoint read into the page cache after verification, so the first start reads RAM, not disk."""
+
+    done: bool
+    bytes_read: int = 0
+    seconds: float = 0.0
+    cached_after_pct: float | None = None
+    why_not: str = ""
 
 
 # ---------------------------------------------------------------- 03 launch
@@ -146,6 +163,36 @@ class PlanCheck(BaseModel):
         )
 
 
+class DryStart(BaseModel):
+    """A start with ``--load-format dummy``: the exact command's flags, shapes, KV sizing and graphs, no read."""
+
+    command_line: str
+    ok: bool
+    seconds_to_ready: float = 0.0
+    kv_cache_tokens: int | None = None
+    predicted_kv_tokens: int | None = None
+    kv_tokens_error_pct: float | None = None  # the plan against the dry start
+    weights_gib: float | None = None
+    timeline: startup.Timeline | None = None
+    error: str = ""
+    real_adds: str = ""  # what the real start adds to this one
+
+    @classmethod
+    def of(cls, launch: server.Launch, predicted: planner.Layout | None) -> DryStart:
+        kv = launch.values.kv_cache_tokens
+        plan_kv = predicted.max_kv_tokens if predicted else None
+        return cls(
+            command_line=mask(subprocess.list2cmdline(launch.command)),
+            ok=True,
+            seconds_to_ready=launch.seconds_to_ready,
+            kv_cache_tokens=kv,
+            predicted_kv_tokens=plan_kv,
+            kv_tokens_error_pct=round(100 * (plan_kv - kv) / kv, 3) if kv and plan_kv else None,
+            weights_gib=launch.values.model_memory_gib,
+            timeline=launch.timeline,
+        )
+
+
 class LaunchRecord(Record):
     """The server a run uses: the exact configuration it was launched with, how it loaded, what vLLM logged."""
 
@@ -171,6 +218,10 @@ class LaunchRecord(Record):
     plan_check: PlanCheck | None = None
     nodes: list[multinode.NodeProbe] = []  # what each node had before a multi-node launch, head first
     workers: list[remote.WorkerRecord] = []  # the other nodes' vLLM processes
+    timeline: startup.Timeline | None = None  # where the start's time went, phase by phase
+    start_prediction: startup.StartPrediction | None = None  # what the plan expected of this start
+    load_choice: loadpath.LoadChoice | None = None  # the load options the launch took, and why
+    dry_run: DryStart | None = None  # the dummy-weights start before this one (launch_dry_run)
 
     @computed_field  # type: ignore[prop-decorator]
     @property

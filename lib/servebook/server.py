@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from servebook import client, files, hardware, models, multinode, remote, vllm_compat
+from servebook import client, files, hardware, models, multinode, remote, startup, vllm_compat
 from servebook.client import health
 from servebook.errors import CleanupError, LaunchError, PreflightError
 from servebook.processes import (
@@ -292,9 +292,10 @@ class Launch:
     command: list[str]
     environment: dict[str, str]  # what differs from the launching shell, secrets masked
     seconds_to_ready: float
-    phases: dict[str, float]  # phase -> seconds since the process started
+    phases: dict[str, float]  # milestone -> seconds since the process started
     values: LogValues
     preflight: Preflight
+    timeline: startup.Timeline | None = None  # where the start's time went (None for a reused server)
 
 
 def environment_record(cfg: ServerConfig, env: dict[str, str]) -> dict[str, str]:
@@ -366,10 +367,12 @@ def _start(
         raise
     record.values = values
     register(record)
+    size, _ = models.checkpoint_bytes(cfg.model_path)
+    tl = startup.timeline(phases, values, seconds, bytes_per_rank=size if cfg.load_format != "dummy" else None)
     return Launch(
         config=cfg, pid=proc.pid, pgid=record.pgid, url=cfg.url, log_path=str(log_path), reused=False,
         started_by_this_run=True, command=command, environment=environment_record(cfg, env),
-        seconds_to_ready=seconds, phases=phases, values=values, preflight=pre,
+        seconds_to_ready=seconds, phases=phases, values=values, preflight=pre, timeline=tl,
     )  # fmt: skip
 
 
@@ -412,6 +415,7 @@ def _wait_ready(
     offset = 0
     pending = ""
     checked_workers = start
+    told: set[str] = set()
     while True:
         elapsed = time.monotonic() - start
         if workers and time.monotonic() - checked_workers > WORKER_CHECK_S:
@@ -427,6 +431,10 @@ def _wait_ready(
             said = progress.feed(ANSI_ESCAPE.sub("", line), elapsed)
             if said and on_progress:
                 on_progress(said, elapsed)
+            for message, at in startup.phase_messages(progress.seen):
+                if message.split()[0] not in told and on_progress:
+                    told.add(message.split()[0])
+                    on_progress(f"phase {message}", at)
         code = proc.poll()
         if code is not None:
             text = log_path.read_text(errors="replace")

@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from servebook import hardware, models, secrets, vllm_compat
+from servebook import hardware, models, secrets, startup, vllm_compat
 from servebook.client import Target, bearer
 from servebook.errors import PreflightError
 from servebook.params import Params
@@ -41,6 +41,11 @@ OWNED_FLAGS = {
     "--kv-cache-dtype": "kv_cache_dtype",
     "--enforce-eager": "enforce_eager",
     "--max-num-seqs": "max_num_seqs",
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--safetensors-load-strategy": "load_strategy",
+    "--load-format": "load_format",
+    "--enable-ep-weight-filter": "ep_weight_filter",
+    "--no-enable-ep-weight-filter": "ep_weight_filter",
 }
 
 
@@ -87,6 +92,10 @@ class ServerConfig:
     extra_args: list[str] = _default("extra_args")
     extra_env: dict[str, str] = _default("extra_env")
     load_timeout_s: float = _default("load_timeout_s")
+    max_num_batched_tokens: int = _default("max_num_batched_tokens")
+    load_strategy: str = _default("load_strategy")  # "auto" is resolved by the launch stage from the plan
+    load_format: str = _default("load_format")
+    ep_weight_filter: str = _default("ep_weight_filter")
     node_flags: list[str] = field(default_factory=list)  # the head's part of a multi-node server (multinode.py)
     nodes: int = 1  # machines the server spans; this one holds world_size / nodes of its GPUs
 
@@ -139,6 +148,9 @@ class ServerConfig:
             args.append("--enforce-eager")
         if self.max_num_seqs:
             args += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        args += self.load_flags()
         return args + list(self.node_flags) + list(self.extra_args)
 
     def conflicts(self) -> list[str]:
@@ -151,6 +163,22 @@ class ServerConfig:
             for flag in dict.fromkeys(given)
             if flag in OWNED_FLAGS
         ]
+
+    def load_flags(self) -> list[str]:
+        """vLLM's load options; ``auto`` and ``default`` leave vLLM's own default in place."""
+        args = []
+        if self.load_format not in ("auto", ""):
+            args += ["--load-format", self.load_format]
+        if self.load_strategy not in ("auto", "default", ""):
+            args += ["--safetensors-load-strategy", self.load_strategy]
+        if self.ep_weight_filter == "on" and self.enable_expert_parallel:
+            args.append("--enable-ep-weight-filter")
+        return args
+
+    def dry(self) -> ServerConfig:
+        """The same server with random weights (``--load-format dummy``): every flag, the real shapes, KV sizing and
+        graph capture, without reading the checkpoint."""
+        return dataclasses.replace(self, load_format="dummy", load_strategy="default")
 
     def command(self) -> list[str]:
         return vllm_compat.serve_prefix(self.model_path) + self.serve_args()
@@ -175,6 +203,8 @@ class ServerConfig:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's device N is NVML's index N
             if self.gpu_ids:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
+        if base is None:  # a server started here keeps its compile cache between launches (a unit has its own)
+            env.setdefault("VLLM_CACHE_ROOT", str(startup.vllm_cache_root()))
         env.pop(SERVER_KEY_VAR, None)
         if with_secrets:
             env.update(self.secret_env())

@@ -22,10 +22,22 @@ ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 PHASES: list[tuple[str, re.Pattern[str]]] = [
     ("version", re.compile(r"(?:vLLM (?:server |API server )?version|█ +version) (\d[\w.+\-]*)")),
+    ("engine_start", re.compile(r"Initializing a V1 LLM engine \(v([\w.+\-]+)\)")),
     ("loading_model", re.compile(r"Starting to load model (\S+)")),
+    (
+        "filesystem",
+        re.compile(
+            r"Filesystem type for checkpoints: (\S+)\. Checkpoint size: ([\d.]+) GiB\. Available RAM: ([\d.]+) GiB"
+        ),
+    ),
+    ("prefetch_done", re.compile(r"Prefetching checkpoint files into page cache finished in ([\d.]+) ?s")),
+    ("ep_filter", re.compile(r"EP weight filter: ep_size=(\d+), ep_rank=(\d+), loading (\d+)/(\d+) experts")),
     ("shards", re.compile(r"Loading safetensors checkpoint shards:\s+(\d+)% Completed \|\s*(\d+)/(\d+)")),
-    ("weights_loaded", re.compile(r"Loading weights took ([\d.]+) seconds")),
+    ("weights_loaded", re.compile(r"^(?:\((\S+) pid=\d+\)\s*)?.*Loading weights took ([\d.]+) seconds")),
     ("model_loaded", re.compile(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) seconds")),
+    ("compile_hit", re.compile(r"Directly load (?:the compiled graph|AOT compilation)")),
+    ("compile_miss", re.compile(r"Compiling a graph for compile range|saved AOT compiled function")),
+    ("compile_done", re.compile(r"torch\.compile (?:took|takes) ([\d.]+) ?s in total")),
     # vLLM's memory profile (logged at DEBUG: VLLM_LOGGING_LEVEL=DEBUG), what the plan's reserve models
     (
         "memory_profile",
@@ -38,9 +50,17 @@ PHASES: list[tuple[str, re.Pattern[str]]] = [
         "graph_estimate",
         re.compile(r"gpu-memory-utilization=([\d.]+) is equivalent to --gpu-memory-utilization=([\d.]+) without"),
     ),
+    (
+        "graph_estimate_mode",
+        re.compile(
+            r"Estimated (\w+) CUDA graph memory: ([\d.]+) MiB first-capture \+ \((\d+)-1\) . ([\d.]+) MiB per-graph"
+        ),
+    ),
+    ("graph_estimate_total", re.compile(r"Estimated CUDA graph memory: ([\d.]+) GiB total")),
     ("kv_memory", re.compile(r"Available KV cache memory: ([\d.]+) GiB")),
     ("kv_cache", re.compile(r"(\w+) KV cache size: ([\d,]+) tokens")),
     ("max_concurrency", re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")),
+    ("graph_capture_start", re.compile(r"Capturing CUDA graphs")),
     ("graph_capture", re.compile(r"Graph capturing finished in ([\d.]+) secs?, took ([\d.\-]+) GiB")),
     ("engine_init", re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)")),
     ("api_up", re.compile(r"Application startup complete")),
@@ -80,7 +100,13 @@ class LogValues(BaseModel):
 
     vllm_version: str | None = None
     shards_percent: int | None = None
-    weights_load_s: float | None = None
+    weights_load_s: float | None = None  # the slowest rank's "Loading weights took"
+    weights_load_by_rank_s: dict[str, float] = {}  # per log prefix (EngineCore, Worker_TP1...)
+    filesystem: str | None = None  # vLLM's own reading of /proc/mounts
+    prefetch_s: float | None = None
+    ep_filter_experts: str | None = None  # "48/384" on one rank
+    compile_cache: str | None = None  # "hit" or "miss" by which lines appeared; None where nothing compiled
+    compile_s: float | None = None
     model_memory_gib: float | None = None  # weights per GPU, "Model loading took X GiB"
     model_load_s: float | None = None
     kv_cache_memory_gib: float | None = None
@@ -88,6 +114,9 @@ class LogValues(BaseModel):
     activation_peak_gib: float | None = None  # torch peak increase of the profile run (DEBUG log)
     non_torch_gib: float | None = None  # NCCL, cuBLAS and other memory outside torch's allocator (DEBUG log)
     graph_estimate_share: float | None = None  # CUDA graph memory vLLM set aside, as a share of GPU memory
+    graph_estimate_gib: float | None = None  # "Estimated CUDA graph memory: X GiB total"
+    # per capture mode (FULL, PIECEWISE): (first capture MiB, graphs, per-graph MiB), DEBUG log
+    graph_estimate_by_mode: dict[str, tuple[float, int, float]] = {}
     kv_cache_device: str | None = None  # GPU or CPU
     kv_cache_tokens: int | None = None  # per engine
     max_concurrency_context: int | None = None
@@ -115,9 +144,23 @@ class LoadProgress:
         first = name not in self.seen
         if first or name == "shards":  # shards advance; other phases keep their first sighting
             self.seen[name] = round(elapsed, 2)
-        values, message = _PHASE_READERS[name](m.groups())
+        values, message = _PHASE_READERS[name](m.groups()) if name in _PHASE_READERS else ({}, "")
+        values.update(self._accumulated(name, m.groups()))
         self.values = self.values.model_copy(update=values)
         return message if first or name == "shards" else ""
+
+    def _accumulated(self, name: str, g: tuple[str, ...]) -> dict[str, Any]:
+        """Values that gather over many lines: one per rank, one per capture mode; the miss wins a mix."""
+        v = self.values
+        if name == "weights_loaded":
+            by_rank = {**v.weights_load_by_rank_s, (g[0] or "engine"): float(g[1])}
+            return {"weights_load_by_rank_s": by_rank, "weights_load_s": max(by_rank.values())}
+        if name == "graph_estimate_mode":
+            modes = {**v.graph_estimate_by_mode, g[0]: (float(g[1]), int(g[2]), float(g[3]))}
+            return {"graph_estimate_by_mode": modes}
+        if name == "compile_hit" and v.compile_cache == "miss":
+            return {"compile_cache": "miss"}
+        return {}
 
 
 def _num(text: str) -> int:
@@ -127,9 +170,18 @@ def _num(text: str) -> int:
 # phase -> (values to record, progress message), from the regex groups
 _PHASE_READERS: dict[str, Callable[[tuple[str, ...]], tuple[dict[str, Any], str]]] = {
     "version": lambda g: ({"vllm_version": g[0]}, f"vLLM {g[0]} starting"),
+    "engine_start": lambda g: ({}, "engine process started"),
     "loading_model": lambda g: ({}, "loading model"),
+    "filesystem": lambda g: ({"filesystem": g[0]}, f"checkpoint on {g[0]}: {g[1]} GiB, {g[2]} GiB RAM available"),
+    "prefetch_done": lambda g: ({"prefetch_s": float(g[0])}, f"prefetch into the page cache took {g[0]} s"),
+    "ep_filter": lambda g: ({"ep_filter_experts": f"{g[2]}/{g[3]}"}, f"EP weight filter: {g[2]}/{g[3]} experts"),
+    "compile_hit": lambda g: ({"compile_cache": "hit"}, "torch.compile: loading from the cache"),
+    "compile_miss": lambda g: ({"compile_cache": "miss"}, "torch.compile: compiling (cache miss)"),
+    "compile_done": lambda g: ({"compile_s": float(g[0])}, f"torch.compile took {g[0]} s"),
+    "graph_estimate_total": lambda g: ({"graph_estimate_gib": float(g[0])}, f"CUDA graph estimate {g[0]} GiB"),
+    "graph_capture_start": lambda g: ({}, "capturing CUDA graphs"),
     "shards": lambda g: ({"shards_percent": int(g[0])}, f"checkpoint shards {g[0]}% ({g[1]}/{g[2]})"),
-    "weights_loaded": lambda g: ({"weights_load_s": float(g[0])}, f"weights loaded in {g[0]} s"),
+    "weights_loaded": lambda g: ({}, f"weights read in {g[1]} s" + (f" ({g[0]})" if g[0] else "")),
     "model_loaded": lambda g: (
         {"model_memory_gib": float(g[0]), "model_load_s": float(g[1])},
         f"model loaded: {g[0]} GiB in {float(g[1]):.1f} s",

@@ -7,11 +7,26 @@ from pathlib import Path
 import pandas as pd
 import psutil
 
-from servebook import client, hardware, multinode, remote, results, server, ui
-from servebook.errors import LaunchError
+from servebook import (
+    client,
+    hardware,
+    loadpath,
+    models,
+    multinode,
+    planner,
+    remote,
+    results,
+    server,
+    startplan,
+    startup,
+    ui,
+    vllm_compat,
+)
+from servebook.errors import LaunchError, PreflightError
 from servebook.params import Params
 from servebook.records import (
     DownloadRecord,
+    DryStart,
     GpuMemory,
     LaunchRecord,
     MemoryAfterLoad,
@@ -28,9 +43,52 @@ def config_for(p: Params, run_dir: Path) -> server.ServerConfig:
     device = found.device if found and p.device == "auto" else hardware.resolve_device(p.device, hardware.inventory())
     plan = results.read(run_dir, PlanRecord)
     downloaded = results.read(run_dir, DownloadRecord)
-    return server.ServerConfig.from_params(
+    cfg = server.ServerConfig.from_params(
         p, device, plan.layout_for_launch if plan else None, model_path=downloaded.local_path if downloaded else None
     )
+    return startplan.with_load_choice(cfg, load_choice_for(p, cfg, plan))
+
+
+def load_choice_for(p: Params, cfg: server.ServerConfig, plan: PlanRecord | None) -> loadpath.LoadChoice:
+    """The plan's load choice where it saw the checkpoint on disk; else the rule table on what is there now."""
+    if plan and plan.load_choice and plan.load_evidence and not plan.load_evidence.error:
+        return plan.load_choice
+    evidence = loadpath.gather(cfg.model_path, probe=False)
+    choice = loadpath.recommend(
+        evidence, expert_parallel=cfg.enable_expert_parallel, vllm_version=vllm_compat.vllm_version()
+    )
+    if p.load_strategy != "auto":
+        choice.load_strategy = p.load_strategy  # type: ignore[assignment]
+    return choice
+
+
+def check_load_options(cfg: server.ServerConfig) -> None:
+    """Load options the installed vLLM cannot take stop the launch before anything starts."""
+    problems = loadpath.option_problems(
+        cfg.load_strategy, cfg.load_format, cfg.ep_weight_filter, expert_parallel=cfg.enable_expert_parallel
+    )
+    if problems:
+        raise PreflightError("nothing started:\n  - " + "\n  - ".join(problems))
+
+
+def dry_start(cfg: server.ServerConfig, run_dir: Path, p: Params, predicted: planner.Layout | None) -> DryStart:
+    """The exact command with ``--load-format dummy``, started, measured and stopped."""
+    dry = cfg.dry()
+    print(f"dry start: {' '.join(dry.command()[-6:])} ...")
+    try:
+        launch = server.launch(
+            dry,
+            run_dir / "dry-run",
+            stop_leftovers=p.stop_leftovers,
+            on_progress=ui.load_progress(p.interactive, "dry start"),
+        )
+    except LaunchError as exc:
+        return DryStart(command_line=" ".join(dry.command()), ok=False, error=exc.cause or str(exc))
+    try:
+        record = DryStart.of(launch, predicted)
+    finally:
+        server.stop(port=dry.port)
+    return record
 
 
 def memory_after_load(launch: server.Launch) -> MemoryAfterLoad:
@@ -58,6 +116,12 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, LaunchRecord)  # a rerun never leaves the last attempt's record looking current
     cfg = config_for(p, run_dir)
+    check_load_options(cfg)
+    plan = results.read(run_dir, PlanRecord)
+    predicted = plan.find(cfg.parallelism) if plan else None
+    dry = dry_start(cfg, run_dir, p, predicted) if p.launch_dry_run else None
+    if dry and not dry.ok:
+        raise LaunchError("the dry start (--load-format dummy) failed; nothing was read", cause=dry.error)
     probes: list[multinode.NodeProbe] = []
     workers: list[remote.WorkerRecord] = []
     if p.nodes > 1:
@@ -67,9 +131,9 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     launch = server.launch(
         cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive), workers=workers
     )
-    plan = results.read(run_dir, PlanRecord)
-    predicted = plan.find(cfg.parallelism) if plan else None
     registered = server.registered(cfg.port)
+    if dry and launch.values.kv_cache_tokens and launch.timeline:
+        dry.real_adds = real_adds(dry, launch)
     record = LaunchRecord.of(
         launch,
         layout_source="plan" if plan and plan.layout_for_launch else "params",
@@ -77,9 +141,39 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         plan_check=PlanCheck.of(predicted, launch.values) if predicted else None,
         nodes=probes,
         workers=registered.workers if registered else [],
+        timeline=launch.timeline,
+        start_prediction=plan.start_prediction if plan else None,
+        load_choice=load_choice_for(p, cfg, plan),
+        dry_run=dry,
     )
+    if launch.timeline and not launch.reused:
+        remember_start(cfg, launch, record)
     results.write(run_dir, record)
     return record
+
+
+def real_adds(dry: DryStart, launch: server.Launch) -> str:
+    """What the real start cost beyond the dry one, and whether they sized the same KV cache."""
+    assert launch.timeline is not None
+    same = (
+        "the same KV cache"
+        if dry.kv_cache_tokens == launch.values.kv_cache_tokens
+        else (f"KV {dry.kv_cache_tokens:,} dry against {launch.values.kv_cache_tokens:,} real tokens")
+    )
+    extra = launch.timeline.total_s - dry.seconds_to_ready
+    read = launch.timeline.seconds("weights_read") + launch.timeline.seconds("post_processing")
+    return f"{same}; the real start took {extra:+.0f} s more, {read:.0f} s of it reading and post-processing weights"
+
+
+def remember_start(cfg: server.ServerConfig, launch: server.Launch, record: LaunchRecord) -> None:
+    """The start joins servebook's history, which the next plan predicts from."""
+    assert launch.timeline is not None
+    size, _ = models.checkpoint_bytes(cfg.model_path)
+    evidence = loadpath.gather(cfg.model_path, probe=False)
+    startup.remember(
+        startup.entry_of(cfg, launch.timeline, launch.values.vllm_version or vllm_compat.vllm_version(), float(size or 0),
+                         evidence.cached_share if not evidence.error else None, cfg.load_strategy)
+    )  # fmt: skip
 
 
 def check(record: LaunchRecord, p: Params) -> None:
@@ -103,5 +197,39 @@ def summary(record: LaunchRecord) -> str:
 
 
 def phase_table(record: LaunchRecord) -> pd.DataFrame:
-    """Seconds from process start to each load phase vLLM logged."""
-    return pd.DataFrame(sorted(record.phases.items(), key=lambda kv: kv[1]), columns=["phase", "seconds since start"])
+    """Each start-up phase with its seconds, vLLM's own figure, and what it folds in; unaccounted last."""
+    if record.timeline is None:
+        return pd.DataFrame(
+            sorted(record.phases.items(), key=lambda kv: kv[1]), columns=["phase", "seconds since start"]
+        )
+    rows = [
+        {"phase": p.label, "starts at s": p.start_s, "seconds": p.seconds, "vLLM says s": p.vllm_s,
+         "folds in": ", ".join(p.includes)}
+        for p in record.timeline.phases
+    ] + [{"phase": "unaccounted", "seconds": record.timeline.unaccounted_s}]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def timeline_text(record: LaunchRecord) -> str:
+    """The start in one paragraph: total, slowest phase with its fix, the plan's prediction beside it."""
+    tl = record.timeline
+    if tl is None:
+        return "reused a running server: no start to explain"
+    lines = [tl.summary(), f"slowest: {tl.slowest} — {tl.slowest_fix}"]
+    if record.start_prediction:
+        pred = record.start_prediction
+        error = 100 * (pred.total_s - tl.total_s) / tl.total_s if tl.total_s else 0.0
+        lines.append(f"the plan predicted {pred.total_s:.0f} s ({error:+.0f} %): {pred.limit}")
+    if record.load_choice:
+        lines.append(
+            "load path: "
+            + (" ".join(record.load_choice.flags()) or "vLLM's default")
+            + " — "
+            + "; ".join(record.load_choice.reasons)
+        )
+    if record.dry_run:
+        d = record.dry_run
+        lines.append(
+            f"dry start: ready in {d.seconds_to_ready:.0f} s, KV {d.kv_cache_tokens or 0:,} tokens (plan {d.predicted_kv_tokens or 0:,}); {d.real_adds}"
+        )
+    return "\n".join(lines)

@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from servebook import gpus, hardware, modelspec, multinode, planner, results, server_config
+from servebook import gpus, hardware, loadpath, modelspec, multinode, planner, results, server_config, startplan
 from servebook.errors import LayoutRejected, ServebookError
 from servebook.params import Params
 from servebook.records import PlanRecord, ReconRecord
@@ -53,7 +53,7 @@ def device_for(p: Params, run_dir: Path) -> planner.Device:
     )
 
 
-def make_plan(p: Params, device: planner.Device) -> PlanRecord:
+def make_plan(p: Params, device: planner.Device, evidence: loadpath.CheckpointEvidence | None = None) -> PlanRecord:
     """The plan for these params on this hardware, with the exact command each node would run for the layout
     the launch will use: the launch's own :class:`ServerConfig`, so what the plan prints is what starts."""
     planned = planner.plan(
@@ -64,19 +64,26 @@ def make_plan(p: Params, device: planner.Device) -> PlanRecord:
         kv_cache_dtype=p.kv_cache_dtype,
         reserve_gib=p.plan_reserve_gib or None,
         batch=p.plan_batch,
+        serving=planner.Serving(p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager),
     ).rank_by(p.plan_rank_by)
     launch_layout = "recommended" if p.layout_from_plan and planned.recommended else "params"
     record = PlanRecord(**dict(planned), requested=planned.find(p.layout), launch_layout=launch_layout)
     chosen = record.recommended if launch_layout == "recommended" else record.requested
     if chosen and chosen.accepted:
-        record.node_commands = launch_commands(p, planned.device, chosen.parallelism)
+        record.load_evidence = evidence if evidence is not None else startplan.load_evidence(p, probe=False)
+        record.load_choice, record.start_prediction = startplan.load_plan(p, planned, chosen, record.load_evidence)
+        record.node_commands = launch_commands(p, planned.device, chosen.parallelism, record.load_choice)
     return record
 
 
-def launch_commands(p: Params, device: planner.Device, layout: planner.Parallelism) -> list[list[str]]:
+def launch_commands(
+    p: Params, device: planner.Device, layout: planner.Parallelism, choice: loadpath.LoadChoice | None = None
+) -> list[list[str]]:
     """What the launch stage runs for this layout: one command, or each node's, head first."""
     model = str(Path(p.model).parent) if p.model.endswith("config.json") else p.model  # vLLM loads the folder
-    cfg = server_config.ServerConfig.from_params(p.model_copy(update={"model": model}), device.kind, layout)
+    cfg = startplan.with_load_choice(
+        server_config.ServerConfig.from_params(p.model_copy(update={"model": model}), device.kind, layout), choice
+    )
     if device.nodes <= 1:
         return [cfg.command()]
     head = p.node_addresses[0] if p.node_addresses else multinode.HEAD_ADDRESS
@@ -87,7 +94,8 @@ def launch_commands(p: Params, device: planner.Device, layout: planner.Paralleli
 def run(p: Params, run_dir: str | Path) -> PlanRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, PlanRecord)  # a rerun never leaves the last attempt's record looking current
-    record = make_plan(p, device_for(p, run_dir))
+    found = results.read(run_dir, ReconRecord)
+    record = make_plan(p, device_for(p, run_dir), found.checkpoint_io if found else None)
     results.write(run_dir, record)
     return record
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from servebook import environment, hardware, models, multinode, results
+from servebook import environment, hardware, models, multinode, results, startplan
 from servebook.errors import NotReady
 from servebook.hardware import Inventory
 from servebook.params import Params
@@ -104,6 +104,12 @@ def run(p: Params, run_dir: str | Path) -> ReconRecord:
     record = assess(p.model, p.model_store, p.device, p.world_size // p.nodes, p.gpu_ids, p.checkpoint_gb)
     if p.nodes > 1:
         assess_nodes(record, p)
+    record.checkpoint_io = startplan.load_evidence(p)
+    io = record.checkpoint_io
+    if not io.error:
+        record.verdict.notes.append(f"load: {io.describe()}")
+    if io.probe and io.probe.error:
+        record.verdict.notes.append(io.probe.error + "; the plan falls back to the datasheet disk rate")
     results.write(results.run_folder(run_dir), record)
     return record
 

@@ -1,0 +1,50 @@
+#!/bin/bash
+# The GPU runs of issues 26 (time to ready) and 27 (the reserve on MLA and INT4), one step per device call,
+# from the project root there:   bash docs/examples/h200-vllm/on-h200-wave.sh STEP
+#   kit1     unpack the Python tree; build the Kimi-K2.5-shaped mini (3 layers) and a MiniMax-M2.5-shaped FP8
+#            checkpoint (2 layers) on the GPU
+#   kit2     stage the second kernel part
+#   starts1  kernels in place; benchmarks/start_times.py on the Kimi mini: default strategy cold and warm, and
+#            a dry start (--load-format dummy)
+#   starts2  the same for prefetch and eager
+#   reserve  the Kimi mini with other max_num_seqs / max_num_batched_tokens / max_model_len, and the MiniMax FP8
+#            checkpoint at TP=1: each launched until ready, its DEBUG log kept, stopped
+#   pipeline stages 00-07 on the Kimi mini
+# Results go to $OUT (tarred).
+set -uo pipefail
+STEP=$1; EX=docs/examples/h200-vllm; R=/tmp/results; P=$EX/params-kimi-tp1.yaml
+if [ "$STEP" = kit1 ]; then source .gpu/c1/kit/unpack.sh; else source /tmp/kit/unpack.sh; fi
+mkdir -p $R
+pack() { tar czf "$OUT/$1.tgz" -C $R "$1" 2>/dev/null; ls -la "$OUT"; }
+gpu_mem() { nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | tr '\n' ' '; echo; }
+case $STEP in
+kit1)
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
+  df -hT /tmp | tail -1; grep MemAvailable /proc/meminfo; nproc
+  python3 /tmp/kit/mkkimi.py $MODELS/kimi-mini --tokenizer /tmp/tok --layers 3 2>&1 | tail -2
+  python3 $EX/../h200x8/mkckpt.py $MODELS/minimax-fp8 --tokenizer /tmp/tok --shape minimax-m2.5 --layers 2 --fp8 2>&1 | tail -2
+  du -sh $MODELS/*; sync ;;
+kit2) ls $STAGE ;;
+starts1|starts2)
+  mkdir -p $R/$STEP; servebook stop >/dev/null 2>&1
+  if [ $STEP = starts1 ]; then S=default; D=--dry; else S=prefetch,eager; D=; fi
+  ( sleep ${PARTIAL_S:-560}; tar czf $OUT/$STEP-partial.tgz -C $R $STEP ) </dev/null >/dev/null 2>&1 &
+  timeout ${RUN_S:-570} python3 benchmarks/start_times.py $P --strategies $S $D --out $R/$STEP 2>&1 | cut -c1-600
+  gpu_mem; find $R/$STEP -name '*.log' | head; pack $STEP ;;
+reserve)
+  mkdir -p $R/reserve; servebook stop >/dev/null 2>&1
+  ( sleep ${PARTIAL_S:-560}; tar czf $OUT/reserve-partial.tgz -C $R reserve ) </dev/null >/dev/null 2>&1 &
+  run() { name=$1; shift; log "launch $name: $*"
+    timeout 240 servebook launch "$@" --log-dir $R/reserve/$name 2>&1 | grep -v "^\[" | tail -4
+    servebook stop 2>&1 | tail -1; }
+  run kimi-seqs128 $P --set max_num_seqs=128
+  run kimi-32k-seqs256-mnbt4096 $P --set max_model_len=32768 --set max_num_seqs=256 --set max_num_batched_tokens=4096
+  run minimax-fp8-tp1 $P --set model=$MODELS/minimax-fp8 --set served_model_name=minimax-fp8
+  [ -n "${MORE:-}" ] && run kimi-seqs512-mnbt16384 $P --set max_num_seqs=512 --set max_num_batched_tokens=16384
+  gpu_mem; pack reserve ;;
+pipeline)
+  mkdir -p $R/pipeline; servebook stop >/dev/null 2>&1
+  ( sleep ${PARTIAL_S:-560}; tar czf $OUT/pipeline-partial.tgz -C $R pipeline ) </dev/null >/dev/null 2>&1 &
+  SERVEBOOK_OUTPUTS=$R/pipeline timeout ${RUN_S:-565} servebook run $P ${STAGES:+--stages $STAGES} 2>&1 | tee $R/pipeline/console.log | cut -c1-300
+  gpu_mem; pack pipeline ;;
+esac

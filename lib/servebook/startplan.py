@@ -1,0 +1,68 @@
+"""The load path and the start a plan predicts for a params file: the stages' shared use of
+:mod:`servebook.loadpath` (evidence, rules) and :mod:`servebook.startup` (prediction)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from servebook import loadpath, models, planner, server_config, startup, vllm_compat
+from servebook.params import Params
+
+# a probe that could not run: a Gen4 NVMe drive's sequential read, the datasheet figure the plan falls back to
+DATASHEET_DISK_GB_S = 7.0
+
+
+def load_evidence(p: Params, probe: bool = True) -> loadpath.CheckpointEvidence:
+    """What a start of this model reads; a checkpoint not on disk yet has its size and says so."""
+    path = models.resolve(p.model) if models.is_builtin(p.model) else str(Path(p.model).expanduser())
+    if p.model.endswith("config.json"):
+        path = str(Path(path).parent)
+    if Path(path).is_dir():
+        limit = int(p.read_probe_gb * 1e9)
+        return loadpath.gather(path, probe=probe and limit > 0, max_bytes=limit, max_s=p.read_probe_s)
+    size, _ = models.checkpoint_bytes(p.model, p.checkpoint_gb)
+    return loadpath.CheckpointEvidence(
+        path=p.model, bytes=size or 0, mem_available_bytes=loadpath.mem_available(),
+        error="not on this disk yet: the plan assumes the datasheet disk rate until the download",
+    )  # fmt: skip
+
+
+def load_plan(
+    p: Params, planned: planner.Plan, layout: planner.Layout, evidence: loadpath.CheckpointEvidence
+) -> tuple[loadpath.LoadChoice, startup.StartPrediction]:
+    """The load options the rule table picks (where the params leave them at auto) and the start they predict."""
+    version = vllm_compat.vllm_version()
+    choice = loadpath.recommend(evidence, expert_parallel=layout.ep, vllm_version=version)
+    if p.load_strategy != "auto":
+        choice.load_strategy = p.load_strategy
+        choice.reasons.append(f"load_strategy {p.load_strategy} from the params")
+    if p.load_format != "auto":
+        choice.load_format = p.load_format
+        choice.reasons.append(f"load_format {p.load_format} from the params")
+    if p.ep_weight_filter != "auto":
+        choice.ep_weight_filter = p.ep_weight_filter == "on"
+    weights = planner.weight_bytes(planned.model)
+    total = weights.total(planned.model)
+    share = planned.model.moe_layers * weights.experts / total if total else 0.0
+    cfg = server_config.ServerConfig.from_params(p, planned.device.kind, layout.parallelism)
+    prediction = startup.predict(
+        evidence, device=planned.device.kind, world_size=layout.parallelism.world_size, ep_ranks=layout.tp * layout.dp if layout.ep else 1,
+        choice=choice, vllm_version=version, key=startup.compile_key(cfg, version), model_path=cfg.model_path,
+        expert_share=share, enforce_eager=p.enforce_eager, fallback_gb_per_s=DATASHEET_DISK_GB_S,
+    )  # fmt: skip
+    return choice, prediction
+
+
+def with_load_choice(cfg: server_config.ServerConfig, choice: loadpath.LoadChoice | None) -> server_config.ServerConfig:
+    """The configuration with the params' ``auto`` load options replaced by the plan's choice."""
+    if choice is None:
+        return cfg
+    update = {}
+    if cfg.load_strategy == "auto":
+        update["load_strategy"] = choice.load_strategy
+    if cfg.load_format == "auto" and choice.load_format != "auto":
+        update["load_format"] = choice.load_format
+    if cfg.ep_weight_filter == "auto":
+        update["ep_weight_filter"] = "on" if choice.ep_weight_filter else "off"
+    return dataclasses.replace(cfg, **update)

