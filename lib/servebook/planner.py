@@ -629,9 +629,6 @@ CUDA_HIDDEN_BYTES = 0.60 * GiB  # NVML's total (140.40 GiB on an H200) minus wha
 NON_TORCH_BYTES = 0.25 * GiB  # CUDA context, cuBLAS workspaces (logged 0.23 GiB at TP=1; 0.08 per DP engine)
 NON_TORCH_COLLECTIVE_BYTES = 0.30 * GiB  # NCCL and custom all-reduce buffers at TP > 1 (logged 0.56; PP=2: 0.07)
 ACTIVATION_FACTOR = 2.06  # logged profile peak / the tensors the profile run must hold at once (below)
-# CUDA-graph estimate per layer of the model at TP=1 (0.35 GiB for 8 layers); not per PP stage: TP=1+PP=2
-# logged 0.39 GiB for a 4-layer stage
-GRAPH_BYTES_PER_LAYER = 0.044 * GiB
 GRAPH_TP_EXPONENT = 0.65  # TP=2 needed 0.224 GiB: graphs shrink with the activations they hold
 
 
@@ -649,12 +646,44 @@ def capture_sizes(max_num_seqs: int, max_capture: int = 0) -> list[int]:
     return [n for n in sizes if n <= largest]
 
 
-# What the profile run keeps on top of its forward: the dummy sampler's logits, min(max_num_seqs, tokens)
-# requests x vocabulary, as float32 through top-k/top-p (copies, sort values and indices): bytes per logit
-SAMPLER_BYTES_PER_LOGIT = 33.0
-# vLLM's CUDA-graph estimate captures the largest graphs and extrapolates (gpu_model_runner.py,
-# profile_cudagraph_memory): per captured graph and per layer, GQA (FlashAttention) and MLA (FLASH_ATTN_MLA)
-GRAPH_BYTES_PER_CAPTURE_LAYER = {"gqa": GRAPH_BYTES_PER_LAYER / 51, "mla": 27.0 * 2**20}
+# The dummy sampler run's logits, min(max_num_seqs, tokens) requests x vocabulary, on top of the forward's peak:
+# Kimi-shaped, 163,840 tokens of vocabulary, 1,024 requests against 128 logged 0.41 GiB more (3.0 bytes per logit)
+SAMPLER_BYTES_PER_LOGIT = 3.0
+# MLA's profile forward (DeepSeek-V3 / Kimi shapes, FLASH_ATTN_MLA, Marlin INT4 MoE), fitted on the Kimi-shaped
+# mini at 4,096 and 8,192 batched tokens (docs/examples/h200-vllm/README.md): a fixed part (MLA's absorbed
+# weights and the Marlin workspace) and, beside the MoE term every model has, bytes per token and head
+MLA_FIXED_BYTES = 1.855 * GiB
+MLA_BYTES_PER_TOKEN_HEAD = 1_350.0
+# vLLM's CUDA-graph estimate captures the two largest graphs of each mode and extrapolates: the first capture's
+# pool, plus one MiB (its floor) per further graph (gpu_model_runner.py, profile_cudagraph_memory); the pool is
+# the larger of the two modes'. The first FULL capture of N requests at S = min(max_model_len, tokens // N)
+# tokens each: MLA (FLASH_ATTN_MLA) logged 4,130 / 1,082 / 514 MiB at N, S = 512, 16 / 256, 16 / 128, 64;
+# GQA (FlashAttention 3) 384 MiB at 512 requests for hidden 3,072, and 0.35 GiB in all for hidden 2,048
+GRAPH_MLA_BYTES_PER_REQUEST_SQUARED = 0.014714 * 2**20
+GRAPH_MLA_BYTES_PER_TOKEN = 0.03332 * 2**20
+GRAPH_GQA_BYTES_PER_REQUEST_HIDDEN = 256.0
+GRAPH_PIECEWISE_BYTES_PER_HIDDEN = 144 * 2**20 / 7168  # Kimi 144 MiB, MiniMax 96 MiB (first PIECEWISE capture)
+GRAPH_EXTRA_BYTES = 2**20
+
+
+def graph_estimate(spec: ModelSpec, serving: Serving, seqs: int, tokens: int, max_model_len: int, tp: int) -> tuple[float, int]:
+    """(bytes, graphs captured) of vLLM's CUDA-graph estimate: FULL decode graphs up to max_num_seqs requests,
+    PIECEWISE graphs up to the largest capture size, as vLLM 0.25's default FULL_AND_PIECEWISE mode does."""
+    if serving.enforce_eager:
+        return 0.0, 0
+    piecewise = capture_sizes(seqs, serving.max_capture_size)
+    full = [n for n in piecewise if n <= seqs]
+    largest = full[-1] if full else 0
+    if spec.mla:
+        per_request = min(max_model_len, tokens // largest) if largest else 0
+        first_full = (
+            GRAPH_MLA_BYTES_PER_REQUEST_SQUARED * largest**2 + GRAPH_MLA_BYTES_PER_TOKEN * largest * per_request
+        )
+    else:
+        first_full = GRAPH_GQA_BYTES_PER_REQUEST_HIDDEN * largest * spec.hidden
+    first_piecewise = GRAPH_PIECEWISE_BYTES_PER_HIDDEN * spec.hidden
+    pool = max(first_full, first_piecewise) / tp**GRAPH_TP_EXPONENT
+    return pool + GRAPH_EXTRA_BYTES * (max(len(full) - 1, 0) + max(len(piecewise) - 1, 0)), len(full) + len(piecewise)
 
 
 def reserve_for(
@@ -663,6 +692,7 @@ def reserve_for(
     device: Device,
     gpu_memory_utilization: float,
     serving: Serving | None = None,
+    max_model_len: int = 4096,
 ) -> Reserve:
     """What vLLM will keep per GPU for this layout, term by term as its memory profile logs them."""
     serving = serving or Serving()
@@ -679,18 +709,18 @@ def reserve_for(
         moe = moe_tokens * spec.experts_per_token * (max(2 * inter, spec.hidden) + inter) * 2
     else:
         moe = tokens * (2 * max(spec.dense_intermediate // tp, 1) + spec.hidden) * 2
-    attention = tokens * (spec.heads + 2 * spec.kv_heads) * spec.head_dim * 2 / tp
-    forward = ACTIVATION_FACTOR * (moe + attention)
-    requests = min(seqs, tokens)
-    sampler = tokens * spec.hidden * 2 + requests * (spec.vocab / tp) * SAMPLER_BYTES_PER_LOGIT
+    if spec.mla:
+        forward = ACTIVATION_FACTOR * moe + MLA_FIXED_BYTES + tokens * spec.heads / tp * MLA_BYTES_PER_TOKEN_HEAD
+    else:
+        attention = tokens * (spec.heads + 2 * spec.kv_heads) * spec.head_dim * 2 / tp
+        forward = ACTIVATION_FACTOR * (moe + attention)
+    sampler = min(seqs, tokens) * (spec.vocab / tp) * SAMPLER_BYTES_PER_LOGIT
     collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 else 0.0
-    captures = 0 if serving.enforce_eager else len(capture_sizes(seqs, serving.max_capture_size))
-    per_capture = GRAPH_BYTES_PER_CAPTURE_LAYER["mla" if spec.mla else "gqa"]
-    graphs = per_capture * spec.layers * captures / tp**GRAPH_TP_EXPONENT
+    graphs, captures = graph_estimate(spec, serving, seqs, tokens, max_model_len, tp)
     return Reserve(
         cuda_hidden=gpu_memory_utilization * CUDA_HIDDEN_BYTES,
         non_torch=NON_TORCH_BYTES + collective,
-        activation=max(forward, sampler),
+        activation=forward + sampler,
         cuda_graphs=graphs,
         tokens=tokens,
         forward=forward,
@@ -770,7 +800,7 @@ def _size_kv_cache(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizi
         available, reserve_bytes = float(device.cpu_kv_bytes), 0.0
     else:
         if sizing.reserve_bytes is None:
-            layout.reserve = reserve_for(spec, layout, device, utilization, sizing.serving)
+            layout.reserve = reserve_for(spec, layout, device, utilization, sizing.serving, max_model_len)
         else:
             layout.reserve = Reserve(
                 cuda_hidden=0.0, non_torch=0.0, activation=sizing.reserve_bytes, cuda_graphs=0.0, tokens=0, flat=True
