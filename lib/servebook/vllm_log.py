@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,25 @@ def read_values(log_text: str) -> LogValues:
     for line in log_text.splitlines():
         progress.feed(ANSI_ESCAPE.sub("", line), 0.0)
     return progress.values
+
+
+# vLLM's own stamp on each line: "INFO 12-02 01:44:22 [...]", month-day and whole seconds, no year
+_STAMP = re.compile(r"\b(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
+
+
+def replay(log_text: str) -> LoadProgress:
+    """A finished log read as if live, each line at vLLM's own stamp (seconds since its first stamped line):
+    the timeline of a start servebook did not watch, to the whole second vLLM logs."""
+    progress, first, now = LoadProgress(), None, 0.0
+    for raw in log_text.splitlines():
+        line = ANSI_ESCAPE.sub("", raw)
+        if m := _STAMP.search(line):
+            month, day, hour, minute, second = (int(g) for g in m.groups())
+            stamp = datetime(2000, month, day, hour, minute, second).timestamp()  # a leap year: any 02-29 parses
+            first = stamp if first is None else first
+            now = stamp - first if stamp >= first else stamp + 366 * 86400 - first  # past New Year
+        progress.feed(line, now)
+    return progress
 
 
 def root_cause(log_text: str) -> str:

@@ -58,7 +58,7 @@ def load_choice_for(p: Params, cfg: server.ServerConfig, plan: PlanRecord | None
         evidence, expert_parallel=cfg.enable_expert_parallel, vllm_version=vllm_compat.vllm_version()
     )
     if p.load_strategy != "auto":
-        choice.load_strategy = p.load_strategy  # type: ignore[assignment]
+        choice.load_strategy = p.load_strategy
     return choice
 
 
@@ -128,6 +128,7 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         nodes = multinode.NodeSet.from_params(p)
         probes = multinode.preflight(nodes, cfg.model_path, [nodes.master_port])  # server.launch checks the API port
         cfg, workers = multinode.prepare(cfg, nodes, run_dir)
+    cached_share, kernels_cached = startup.state_before_start(cfg.model_path)
     launch = server.launch(
         cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive), workers=workers
     )
@@ -147,7 +148,7 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         dry_run=dry,
     )
     if launch.timeline and not launch.reused:
-        remember_start(cfg, launch, record)
+        remember_start(cfg, launch, cached_share, kernels_cached)
     results.write(run_dir, record)
     return record
 
@@ -165,15 +166,15 @@ def real_adds(dry: DryStart, launch: server.Launch) -> str:
     return f"{same}; the real start took {extra:+.0f} s more, {read:.0f} s of it reading and post-processing weights"
 
 
-def remember_start(cfg: server.ServerConfig, launch: server.Launch, record: LaunchRecord) -> None:
-    """The start joins servebook's history, which the next plan predicts from."""
+def remember_start(
+    cfg: server.ServerConfig, launch: server.Launch, cached_share: float | None, kernels_cached: bool
+) -> None:
+    """The start joins servebook's history, with the caches as it found them; the next plan predicts from it."""
     assert launch.timeline is not None
     size, _ = models.checkpoint_bytes(cfg.model_path)
-    evidence = loadpath.gather(cfg.model_path, probe=False)
-    startup.remember(
-        startup.entry_of(cfg, launch.timeline, launch.values.vllm_version or vllm_compat.vllm_version(), float(size or 0),
-                         evidence.cached_share if not evidence.error else None, cfg.load_strategy)
-    )  # fmt: skip
+    version = launch.values.vllm_version or vllm_compat.vllm_version()
+    entry = startup.entry_of(cfg, launch.timeline, version, float(size or 0), cached_share, cfg.load_strategy)
+    startup.remember(entry.model_copy(update={"kernels_cached": kernels_cached}))
 
 
 def check(record: LaunchRecord, p: Params) -> None:
