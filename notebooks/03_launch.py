@@ -125,14 +125,24 @@ if launched.nodes:
         print(f"{worker.node}: pid {worker.pid}, log {worker.log_path}\n  {' '.join(worker.command)}")
 
 # %% [markdown]
-# ## Load phases and what vLLM reported
-# Seconds are counted from process start. On the CPU the KV cache is set by `cpu_kv_cache_gib`; on GPUs it is
-# what remains of `gpu_memory_utilization` after weights and activations.
+# ## Where the start's time went
+# servebook stamps each vLLM log line as it reads it and times the phases between them: imports, engine spawn
+# and distributed init, the weights read (vLLM's own "Loading weights took" beside it), the repacking of quantized
+# weights, torch.compile (with its cache hit or miss), the memory profile, KV sizing, warm-up, CUDA-graph capture
+# and the API's start. The phases add up to the launch-to-ready time; what no log line explains is drawn as
+# *unaccounted*, never spread over the others. The plan's prediction and the dry start, where they ran, are drawn
+# beside this start on the same axis. A phase vLLM skips here (no compile or graphs under `enforce_eager`, no
+# memory profile on a CPU) folds into the next one that logs, named in *folds in*.
 
 # %%
+from servebook import plots
+
+if launched.timeline:
+    plots.start_timeline(stage.timeline_starts(launched)).show()
+print(stage.timeline_text(launched))
 if launched.phases:
     display(stage.phase_table(launched))
-print("\n".join(f"{k}: {v}" for k, v in launched.vllm_reported.model_dump().items() if v is not None))
+print("\n".join(f"{k}: {v}" for k, v in launched.vllm_reported.model_dump().items() if v not in (None, {}, [])))
 
 # %%
 mem = launched.memory_after_load
@@ -143,16 +153,23 @@ if mem.processes:
 
 # %% [markdown]
 # ## The plan, checked against vLLM
-# When the plan stage ran, its prediction for this layout is set beside what vLLM logged.
+# When the plan stage ran, its prediction for this layout is set beside what vLLM logged: KV tokens and weights,
+# then the reserve term by term (the profile run's activation peak, non-torch memory, the CUDA-graph estimate,
+# and the memory CUDA does not report, which vLLM logs no line for), so a miss names its term. vLLM logs its memory
+# profile at DEBUG: `extra_env: {VLLM_LOGGING_LEVEL: DEBUG}` shows it on a GPU.
 
 # %%
 check = launched.plan_check
 if check:
     kv_error = f" ({check.kv_tokens_error_pct:+.2f} %)" if check.kv_tokens_error_pct is not None else ""
     reported_weights = f"{check.reported_weight_gib:.2f} GiB" if check.reported_weight_gib else "not logged by this vLLM"
+    rows = [f"| {name} | {plan:.2f} GiB | {'—' if logged is None else f'{logged:.2f} GiB'} |"
+            for name, (plan, logged) in check.reserve_terms.items()]
     display(Markdown(f"| {check.layout} | plan | vLLM |\n|---|---|---|\n"
                      f"| KV tokens | {check.predicted_kv_tokens:,} | {check.reported_kv_tokens or 0:,}{kv_error} |\n"
-                     f"| weights per GPU | {check.predicted_weight_gib:.2f} GiB | {reported_weights} |"))
+                     f"| weights per GPU | {check.predicted_weight_gib:.2f} GiB | {reported_weights} |\n"
+                     + "\n".join(rows)))
+    print(f"furthest term: {check.worst_term()}")
 else:
     print("the plan stage did not run in this run")
 

@@ -139,6 +139,10 @@ for fig in stage.bandwidth_figures(tuned):
 # own noise band.
 
 # %%
+if tuned.ab and tuned.ab.cost:
+    cost = tuned.ab.cost
+    print(f"before: {cost.describe()}; spent: {cost.spent_s / 60:.1f} min")
+    display(pd.DataFrame([r.model_dump() for r in cost.relaunches]))
 if tuned.ab:
     display(stage.ab_table(tuned))
     fig = stage.ab_figure(tuned)

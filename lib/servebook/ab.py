@@ -9,6 +9,11 @@ band (and by more than 2 %); otherwise "no effect", flagged where every sample o
 variant lies beyond the baseline's range (one cold baseline window can widen the band:
 worth a longer A/B).  A variant whose server fails to start is reported with the root
 cause, and the sweep goes on.
+
+Every variant costs a relaunch, and a relaunch of a 547 GB model is minutes: before the first one the A/B says
+what its relaunches will cost at the measured start time (more where a variant changes a flag the compile cache
+is keyed on), records what each one cost, and flags a variant that stayed inside the baseline's noise band as
+not worth its relaunch.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from servebook import bench, loadgen, metrics, remote, server
+from servebook import bench, loadgen, metrics, remote, server, startup
 from servebook.client import Target
 from servebook.errors import AbFailed, LaunchError, ServebookError
 from servebook.params import AbVariant
@@ -44,6 +49,45 @@ class AbRow(BaseModel):
     cause: str = ""
 
 
+class Relaunch(BaseModel):
+    """What one relaunch of the A/B cost, against what it was expected to cost."""
+
+    name: str
+    expected_s: float
+    seconds_to_ready: float | None = None  # None: it failed to start
+    compile_cache: str | None = None
+    reused: bool = False
+
+
+class RelaunchCost(BaseModel):
+    """The A/B's relaunches, said before the first one and measured as each ran."""
+
+    start_s: float  # the start this A/B was priced at
+    start_basis: str = "the measured start"
+    compile_miss_s: float  # what a variant that changes a compile-key flag adds
+    relaunches: list[Relaunch]
+
+    @property
+    def expected_s(self) -> float:
+        return sum(r.expected_s for r in self.relaunches)
+
+    @property
+    def spent_s(self) -> float:
+        return sum(r.seconds_to_ready or 0.0 for r in self.relaunches)
+
+    def describe(self) -> str:
+        misses = [r.name for r in self.relaunches if r.expected_s > self.start_s]
+        extra = (
+            f"; {', '.join(misses)} change a flag the compile cache is keyed on (+{self.compile_miss_s:.0f} s each)"
+            if misses
+            else ""
+        )
+        return (
+            f"{len(self.relaunches)} relaunches at about {self.start_s:.0f} s each ({self.start_basis}){extra}: "
+            f"about {self.expected_s / 60:.1f} min of starts before any measurement"
+        )
+
+
 class AbResult(BaseModel):
     variants: list[AbVariant]
     samples: dict[str, dict[str, list[float]]]  # variant -> concurrency -> output tok/s per repeat
@@ -51,9 +95,22 @@ class AbResult(BaseModel):
     failures: dict[str, str]  # variant -> root cause of its failed start
     concurrencies: list[int]
     workload: loadgen.Workload
+    cost: RelaunchCost | None = None
 
     def variant(self, name: str) -> AbVariant:
         return next(v for v in self.variants if v.name == name)
+
+    def not_worth_relaunching(self) -> dict[str, float]:
+        """Variants inside the baseline's noise band at every concurrency, with what their relaunch cost (s)."""
+        spent = {r.name: r.seconds_to_ready or r.expected_s for r in self.cost.relaunches} if self.cost else {}
+        by_variant: dict[str, list[AbRow]] = {}
+        for row in self.rows:
+            by_variant.setdefault(row.variant, []).append(row)
+        return {
+            name: spent.get(name, 0.0)
+            for name, rows in by_variant.items()
+            if rows and all(r.verdict == "no effect" for r in rows)
+        }
 
 
 def variant_config(base: server.ServerConfig, variant: AbVariant) -> server.ServerConfig:
@@ -136,12 +193,33 @@ AcrossNodes = Callable[[server.ServerConfig, Path], tuple[server.ServerConfig, l
 
 def _measure_variant(
     name: str, cfg: server.ServerConfig, folder: Path, plan: AbPlan, across_nodes: AcrossNodes | None
-) -> dict[int, list[float]]:
+) -> tuple[server.Launch, dict[int, list[float]]]:
     """Launch one variant (on every node), measure it with the server's own key, leave it running."""
     head, workers = across_nodes(cfg, folder) if across_nodes else (cfg, [])
-    server.launch(head, folder, log=lambda _m: None, workers=workers)
+    launched = server.launch(head, folder, log=lambda _m: None, workers=workers)
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(cfg.model_path), seed=7)
-    return measure(head.target(), maker, plan)
+    return launched, measure(head.target(), maker, plan)
+
+
+def price(
+    base: server.ServerConfig,
+    order: list[tuple[str, server.ServerConfig]],
+    start: tuple[float, str],
+    compile_miss_s: float,
+) -> RelaunchCost:
+    """What the relaunches after the first (reused) server will cost: the measured start each, plus a compile
+    miss for a variant whose compile key differs from the baseline's."""
+    key = startup.compile_key(base, None)
+    start_s, basis = start
+    return RelaunchCost(
+        start_s=start_s,
+        start_basis=basis,
+        compile_miss_s=compile_miss_s,
+        relaunches=[
+            Relaunch(name=name, expected_s=start_s + (compile_miss_s if startup.compile_key(cfg, None) != key else 0.0))
+            for name, cfg in order[1:]
+        ],
+    )
 
 
 def run(
@@ -152,25 +230,39 @@ def run(
     *,
     log: Callable[[str], None] = print,
     across_nodes: AcrossNodes | None = None,
+    start: tuple[float, str] = (0.0, "not measured"),
+    compile_miss_s: float = 0.0,
 ) -> AbResult:
     """Baseline, each variant, baseline again; return samples, noise bands and verdicts. Leaves the baseline running.
 
     ``across_nodes`` (``multinode.prepare`` for the run's nodes) turns each configuration into the head's and the
-    other nodes' commands, so a variant's flags and environment reach every node, as NCCL settings must."""
+    other nodes' commands, so a variant's flags and environment reach every node, as NCCL settings must.
+    ``start`` (seconds and where from: the launch stage's measured start) and ``compile_miss_s`` price the
+    relaunches before the first."""
     samples: dict[str, dict[int, list[float]]] = {}
     failures: dict[str, str] = {}
     order = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in variants] + [(BASELINE, base)]
+    cost = price(base, order, start, compile_miss_s)
+    log(f"A/B: {cost.describe()}")
     for i, (name, cfg) in enumerate(order):
         log(f"A/B {name}: launching" + ("" if i else " (or reusing the running server)"))
+        relaunch = cost.relaunches[i - 1] if i else None
         try:
             if i:  # one server at a time on the port: stop whatever holds it first
                 server.stop(port=base.port)
-            got = _measure_variant(name, cfg, log_dir / f"ab-{i:02d}-{name}", plan, across_nodes)
+            launched, got = _measure_variant(name, cfg, log_dir / f"ab-{i:02d}-{name}", plan, across_nodes)
         except ServebookError as exc:
             cause = exc.cause if isinstance(exc, LaunchError) else ""
             failures[name] = cause or " ".join(str(exc).split())[:600]
             log(f"A/B {name}: failed: {failures[name]}")
             continue
+        if relaunch:
+            relaunch.seconds_to_ready, relaunch.reused = launched.seconds_to_ready, launched.reused
+            relaunch.compile_cache = launched.timeline.compile_cache if launched.timeline else None
+            cache = f", compile cache {relaunch.compile_cache}" if relaunch.compile_cache else ""
+            log(
+                f"A/B {name}: relaunch took {launched.seconds_to_ready:.0f} s (expected {relaunch.expected_s:.0f}{cache})"
+            )
         for c, values in got.items():
             samples.setdefault(name, {}).setdefault(c, []).extend(values)
         log(f"A/B {name}: " + ", ".join(f"c={c} {statistics.median(v):.1f} tok/s" for c, v in got.items()))
@@ -181,6 +273,7 @@ def run(
         failures=failures,
         concurrencies=plan.concurrencies,
         workload=plan.workload,
+        cost=cost,
     )
 
 

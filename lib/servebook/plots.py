@@ -17,6 +17,7 @@ from plotly.subplots import make_subplots
 
 from servebook.bench import SweepResult, off_clock
 from servebook.ratesweep import RateSweepResult
+from servebook.startup import PHASES
 
 LIMIT_LABELS = {
     "client": "client-bound",
@@ -262,5 +263,55 @@ def rates(result: RateSweepResult) -> go.Figure:
     fig.update_layout(
         title=dict(text=f"Open-loop request rates ({arrival} arrivals)<br><sup>{best}; {result.stop_reason}</sup>"),
         height=420,
+    )
+    return fig
+
+
+# one colour per start-up phase, in start-up order, the same in every start drawn
+_PHASE_ORDER = [name for name, _label, _milestone in PHASES] + ["other", "unaccounted"]
+_PHASE_COLOURS = dict(
+    zip(
+        _PHASE_ORDER,
+        ["#4c72b0", "#8172b3", "#55a868", "#64b5cd", "#c44e52", "#dd8452", "#b5cf6b", "#da8bc3", "#ccb974",
+         "#8c613c", "#1f3b73", "#7f7f7f", "#a6a6a6", "#e5e5e5"],
+        strict=True,
+    )
+)  # fmt: skip
+
+
+def start_timeline(starts: list[tuple[str, dict[str, float]]], title: str = "Where the start's time went") -> go.Figure:
+    """Each start (measured, predicted, dry) as one bar of its phases in start-up order, seconds from launch;
+    a phase gets its seconds written inside when it is wide enough to hold them."""
+    longest = max((sum(phases.values()) for _, phases in starts), default=0.0) or 1.0
+    names = [name for name, _ in starts]
+    fig = go.Figure()
+    for phase in _PHASE_ORDER:
+        seconds = [phases.get(phase, 0.0) for _, phases in starts]
+        if not any(s >= 0.05 for s in seconds):
+            continue
+        label = phase.replace("_", " ")
+        fig.add_bar(
+            y=names,
+            x=seconds,
+            name=label,
+            orientation="h",
+            marker_color=_PHASE_COLOURS.get(phase, "#888888"),
+            text=[f"{s:.0f} s" if s >= 0.06 * longest else "" for s in seconds],
+            textposition="inside",
+            insidetextanchor="middle",
+            hovertemplate=f"{label}: %{{x:.1f}} s<extra>%{{y}}</extra>",
+        )
+    totals = [sum(phases.values()) for _, phases in starts]
+    for name, total in zip(names, totals, strict=True):
+        fig.add_annotation(x=total, y=name, text=f"  {total:.0f} s", showarrow=False, xanchor="left")
+    fig.update_layout(
+        title=title,
+        barmode="stack",
+        xaxis_title="seconds from launch",
+        xaxis_range=[0, longest * 1.12],
+        yaxis_autorange="reversed",
+        height=200 + 50 * len(starts),
+        legend={"orientation": "h", "y": -0.25, "yanchor": "top", "traceorder": "normal"},
+        margin={"l": 140, "r": 30, "t": 60, "b": 40},
     )
     return fig

@@ -145,6 +145,9 @@ class PlanCheck(BaseModel):
     reported_weight_gib: float | None
     kv_tokens_error_pct: float | None = None
     weight_error_pct: float | None = None
+    # the reserve term by term, GiB: the plan's and the line vLLM's memory profile logged for it (None: not logged,
+    # vLLM logs the profile at DEBUG); "memory CUDA does not report" has no line of its own
+    reserve_terms: dict[str, tuple[float, float | None]] = {}
 
     @classmethod
     def of(cls, predicted: planner.Layout, reported: LogValues) -> PlanCheck:
@@ -152,6 +155,12 @@ class PlanCheck(BaseModel):
             return 100 * (p - r) / r if r else None
 
         weight_gib = predicted.weight_bytes_per_gpu / GiB
+        logged = {
+            "activation peak": reported.activation_peak_gib,
+            "non-torch": reported.non_torch_gib,
+            "CUDA-graph estimate": reported.graph_estimate_gib,
+        }
+        terms = predicted.reserve.terms() if predicted.reserve else {}
         return cls(
             layout=predicted.name,
             predicted_kv_tokens=predicted.max_kv_tokens,
@@ -160,7 +169,16 @@ class PlanCheck(BaseModel):
             reported_weight_gib=reported.model_memory_gib,
             kv_tokens_error_pct=error(predicted.max_kv_tokens, reported.kv_cache_tokens),
             weight_error_pct=error(weight_gib, reported.model_memory_gib),
+            reserve_terms={name: (round(gib, 3), logged.get(name)) for name, gib in terms.items()},
         )
+
+    def worst_term(self) -> str:
+        """The logged term furthest from the plan's, named with both figures: where the next miss comes from."""
+        gaps = [(abs(p - r), name, p, r) for name, (p, r) in self.reserve_terms.items() if r is not None]
+        if not gaps:
+            return "vLLM logged no memory profile (VLLM_LOGGING_LEVEL=DEBUG logs it)"
+        gap, name, p, r = max(gaps)
+        return f"{name}: plan {p:.2f} GiB, vLLM {r:.2f} GiB ({p - r:+.2f} GiB)"
 
 
 class DryStart(BaseModel):

