@@ -97,11 +97,12 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 # %%
 import time
 
+import pandas as pd
 from IPython.display import Markdown, display
 
 from servebook import params
 from servebook.stages import plan as stage
-from servebook.units import GiB
+from servebook.units import GiB, size
 
 p = params.from_namespace(globals())
 started = time.perf_counter()
@@ -167,6 +168,32 @@ if own:
     lines += [f"- ⚠️ {w}" for w in own.warnings]
 lines += ["", f"Launch uses the **{planned.launch_layout}** layout."]
 display(Markdown("\n".join(lines)))
+
+# %% [markdown]
+# ## The start: what the load reads, how fast, and how long to ready
+# What the launch layout's start will read (every rank reads every tensor with vLLM's default loader; the EP
+# weight filter skips other ranks' experts where the installed vLLM applies it to this checkpoint's names), the
+# disk's rate measured on the checkpoint's own files with their pages evicted first (`read_probe_gb`,
+# `read_probe_s`; the datasheet's NVMe rate where the files are not here yet), the page cache, and the load path
+# the rule table picks for `load_strategy: auto`. The prediction adds the other phases of the last start of this
+# model in servebook's history, with compile and memory profile as the compile cache will find them.
+
+# %%
+if planned.start_prediction:
+    ev, choice, pred = planned.load_evidence, planned.load_choice, planned.start_prediction
+    lines = [f"**{pred.describe()}**", ""]
+    if ev:
+        lines.append(f"- checkpoint: {ev.describe()}" + (f" ({ev.error})" if ev.error else ""))
+    if ev and ev.probe and ev.probe.error:
+        lines.append(f"- read probe: {ev.probe.error}; the plan assumes the datasheet rate")
+    lines.append(f"- per rank: {size(pred.bytes_per_rank)} read, {size(pred.disk_bytes)} of it from the disk; "
+                 f"compile cache: {pred.compile_cache} expected")
+    if choice:
+        lines.append(f"- load path: `{' '.join(choice.flags()) or 'vLLM default'}` — " + "; ".join(choice.reasons))
+    display(Markdown("\n".join(lines)))
+    display(pd.DataFrame([pred.phases]).T.rename(columns={0: "predicted s"}))
+else:
+    print("no launch layout: no start to predict")
 
 # %%
 stage.check(planned, p)

@@ -142,7 +142,7 @@ for fig in stage.bandwidth_figures(tuned):
 if tuned.ab and tuned.ab.cost:
     cost = tuned.ab.cost
     print(f"before: {cost.describe()}; spent: {cost.spent_s / 60:.1f} min")
-    display(pd.DataFrame([r.model_dump() for r in cost.relaunches]))
+    display(stage.relaunch_table(tuned))
 if tuned.ab:
     display(stage.ab_table(tuned))
     fig = stage.ab_figure(tuned)

@@ -77,8 +77,9 @@ class RelaunchCost(BaseModel):
 
     def describe(self) -> str:
         misses = [r.name for r in self.relaunches if r.expected_s > self.start_s]
+        verb = "changes" if len(misses) == 1 else "change"
         extra = (
-            f"; {', '.join(misses)} change a flag the compile cache is keyed on (+{self.compile_miss_s:.0f} s each)"
+            f"; {', '.join(misses)} {verb} a flag the compile cache is keyed on (+{self.compile_miss_s:.0f} s each)"
             if misses
             else ""
         )
@@ -208,15 +209,19 @@ def price(
     compile_miss_s: float,
 ) -> RelaunchCost:
     """What the relaunches after the first (reused) server will cost: the measured start each, plus a compile
-    miss for a variant whose compile key differs from the baseline's."""
+    miss for a variant that compiles (not under enforce_eager) and whose compile key differs from the baseline's."""
     key = startup.compile_key(base, None)
+
+    def misses(cfg: server.ServerConfig) -> bool:
+        return not cfg.enforce_eager and startup.compile_key(cfg, None) != key
+
     start_s, basis = start
     return RelaunchCost(
         start_s=start_s,
         start_basis=basis,
         compile_miss_s=compile_miss_s,
         relaunches=[
-            Relaunch(name=name, expected_s=start_s + (compile_miss_s if startup.compile_key(cfg, None) != key else 0.0))
+            Relaunch(name=name, expected_s=start_s + (compile_miss_s if misses(cfg) else 0.0))
             for name, cfg in order[1:]
         ],
     )

@@ -29,7 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from servebook import vllm_compat
+from servebook import units, vllm_compat
 
 GB = 1e9
 # vLLM's auto-prefetch covers these (weight_utils.py); the others are network or virtual filesystems where
@@ -94,8 +94,9 @@ class CheckpointEvidence(BaseModel):
     def describe(self) -> str:
         rate = f"{self.probe.gb_per_s:.2f} GB/s" if self.probe and self.probe.gb_per_s else "not measured"
         return (
-            f"{self.bytes / GB:.1f} GB in {self.shards} shards ({self.tensors:,} tensors) on {self.filesystem or '?'}; "
-            f"{self.cached_share:.0%} in the page cache; MemAvailable {self.mem_available_bytes / GB:.0f} GB; "
+            f"{units.size(self.bytes)} in {self.shards} shard{'s' if self.shards != 1 else ''} ({self.tensors:,} tensors) "
+            f"on {self.filesystem or '?'}; {self.cached_share:.0%} in the page cache; "
+            f"MemAvailable {units.size(self.mem_available_bytes)}; "
             f"disk read {rate}"
         )
 

@@ -302,16 +302,18 @@ def start_timeline(starts: list[tuple[str, dict[str, float]]], title: str = "Whe
             hovertemplate=f"{label}: %{{x:.1f}} s<extra>%{{y}}</extra>",
         )
     totals = [sum(phases.values()) for _, phases in starts]
-    for name, total in zip(names, totals, strict=True):
-        fig.add_annotation(x=total, y=name, text=f"  {total:.0f} s", showarrow=False, xanchor="left")
+    # the totals as a text trace, so the axis ranges over them as data
+    fig.add_scatter(
+        x=totals, y=names, mode="text", text=[f"  {t:.0f} s" for t in totals], textposition="middle right",
+        showlegend=False, hoverinfo="skip", cliponaxis=False,
+    )  # fmt: skip
     fig.update_layout(
         title=title,
         barmode="stack",
         xaxis_title="seconds from launch",
-        xaxis_range=[0, longest * 1.12],
         yaxis_autorange="reversed",
         height=200 + 50 * len(starts),
         legend={"orientation": "h", "y": -0.25, "yanchor": "top", "traceorder": "normal"},
-        margin={"l": 140, "r": 30, "t": 60, "b": 40},
+        margin={"l": 140, "r": 70, "t": 60, "b": 40},
     )
     return fig

@@ -311,7 +311,7 @@ class StartPrediction(BaseModel):
     bytes_per_rank: float
     disk_bytes: float  # what comes from the disk (the rest from the page cache)
     read_gb_per_s: float | None
-    compile_cache: str  # "hit" or "miss", as expected
+    compile_cache: str  # "hit" or "miss", as expected; "not used (enforce_eager)"
     limit: str
     basis: str  # where the non-read phases came from
 
@@ -389,7 +389,7 @@ def predict(
     if like:
         last = like[-1]
         others = {k: v for k, v in last.phases.items() if k != "weights_read"}
-        basis = f"other phases from the start of {last.at} (compile cache {last.compile_cache})"
+        basis = f"other phases from the start of {last.at} (compile cache {last.compile_cache or 'not used'})"
         was_hit, had_kernels = _caches(last)
         if was_hit != hit or (not hit and had_kernels is not None and had_kernels != kernels):
             others |= {
@@ -425,7 +425,7 @@ def predict(
         bytes_per_rank=per_rank,
         disk_bytes=disk_bytes,
         read_gb_per_s=disk_rate,
-        compile_cache="hit" if hit else "miss",
+        compile_cache="not used (enforce_eager)" if enforce_eager else compile_state,
         limit=limit,
         basis=basis,
     )

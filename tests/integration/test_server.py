@@ -73,8 +73,8 @@ def test_misspelled_flag_is_rejected_with_vllms_message_before_launch(tmp_path):
     print(f"bad flag reported in {time.monotonic() - start:.2f} s")
     assert "vllm serve: error: unrecognized arguments: --enable-pcie-oneshot-allreduce" in str(exc.value)
     with pytest.raises(PreflightError) as exc:
-        server.launch(config(8132, extra_args=["--max-num-batched-tokens", "many"]), tmp_path, log=print)
-    assert "argument --max-num-batched-tokens: invalid human_readable_int value: 'many'" in str(exc.value)
+        server.launch(config(8132, extra_args=["--max-num-active-seqs", "many"]), tmp_path, log=print)
+    assert "argument --max-num-active-seqs: Value many cannot be converted to <class 'int'>" in str(exc.value)
     # a flag a parameter owns is refused as such before vLLM's parser runs: the params would describe another server
     with pytest.raises(PreflightError, match="extra_args sets --max-num-seqs, which the parameter max_num_seqs owns"):
         server.launch(config(8132, extra_args=["--max-num-seqs", "8"]), tmp_path, log=print)

@@ -130,7 +130,7 @@ def test_the_ab_prices_its_relaunches_before_the_first_and_flags_the_ones_not_wo
     assert [r.expected_s for r in cost.relaunches] == [2160.0, 2220.0, 2160.0]  # NCCL_* is outside the compile key
     said = cost.describe()
     assert said.startswith("3 relaunches at about 2160 s each (the measured start)")
-    assert "seqs change a flag the compile cache is keyed on (+60 s each)" in said and "109.0 min" in said
+    assert "seqs changes a flag the compile cache is keyed on (+60 s each)" in said and "109.0 min" in said
     cost.relaunches[0].seconds_to_ready = 2100.0
     rows = [ab.AbRow(variant=v, concurrency=c, verdict=verdict, change=0.01, noise=0.05)
             for v, verdict in (("nccl-ll", "no effect"), ("seqs", "better")) for c in (1, 32)]  # fmt: skip
@@ -156,3 +156,13 @@ def test_a_reused_server_is_priced_at_the_plans_prediction():
     assert nccl_tuning.start_cost(Reused())[0] == 300.0  # type: ignore[arg-type]
     Reused.start_prediction = None
     assert nccl_tuning.start_cost(Reused())[1].startswith("unknown")  # type: ignore[arg-type]
+
+
+def test_an_eager_server_pays_no_compile_miss_on_relaunch():
+    from servebook.server_config import ServerConfig
+
+    base = ServerConfig(model="m", model_path="/m", served_model_name="m", enforce_eager=True)
+    bogus = ab.variant_config(base, AbVariant(name="bogus", extra_args=["--no-such-flag"]))
+    cost = ab.price(base, [("baseline", base), ("bogus", bogus), ("baseline", base)], (25.0, "measured"), 42.0)
+    assert [r.expected_s for r in cost.relaunches] == [25.0, 25.0]
+    assert "compile cache" not in cost.describe()

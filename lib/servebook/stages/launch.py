@@ -208,7 +208,8 @@ def phase_table(record: LaunchRecord) -> pd.DataFrame:
          "folds in": ", ".join(p.includes)}
         for p in record.timeline.phases
     ] + [{"phase": "unaccounted", "seconds": record.timeline.unaccounted_s}]  # fmt: skip
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    return table.astype(object).where(table.notna(), "")  # a phase vLLM gives no figure for shows nothing
 
 
 def timeline_starts(record: LaunchRecord) -> list[tuple[str, dict[str, float]]]:

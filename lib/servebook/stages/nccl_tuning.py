@@ -155,6 +155,23 @@ def bandwidth_figures(record: NcclTuningRecord) -> list[go.Figure]:
     ]
 
 
+def relaunch_table(record: NcclTuningRecord) -> pd.DataFrame:
+    """Each relaunch of the A/B: what it was expected to cost and what it took."""
+    if not record.ab or not record.ab.cost:
+        return pd.DataFrame()
+    return pd.DataFrame(
+        [
+            {
+                "relaunch": r.name,
+                "expected s": round(r.expected_s),
+                "took s": "failed to start" if r.seconds_to_ready is None else round(r.seconds_to_ready),
+                "compile cache": r.compile_cache or "not used",
+            }
+            for r in record.ab.cost.relaunches
+        ]
+    )
+
+
 def ab_table(record: NcclTuningRecord) -> pd.DataFrame:
     """The A/B in percent, each change beside the baseline's noise band that decides its verdict."""
     if not record.ab:
