@@ -32,9 +32,10 @@ def one_start(cfg: server.ServerConfig, log_dir: Path, evidence: loadpath.Checkp
     now = loadpath.gather(cfg.model_path, probe=False)
     now.probe = evidence.probe  # the disk's rate, measured once; the page cache as it is now
     choice = loadpath.LoadChoice(load_strategy=cfg.load_strategy if cfg.load_strategy != "auto" else "default")
+    kernels = startup.kernel_cache_warm()  # Triton's kernels, which the cold starts here do not evict
     predicted = startup.predict(
         now, device=cfg.device, world_size=cfg.world_size, ep_ranks=1, choice=choice, vllm_version=version,
-        key=key, model_path=cfg.model_path, enforce_eager=cfg.enforce_eager,
+        key=key, model_path=cfg.model_path, enforce_eager=cfg.enforce_eager, kernels_cached=kernels,
     )  # fmt: skip
     started = time.monotonic()
     launch = server.launch(cfg, log_dir, stop_leftovers=True, log=lambda _: None)
@@ -43,12 +44,14 @@ def one_start(cfg: server.ServerConfig, log_dir: Path, evidence: loadpath.Checkp
     tl = launch.timeline
     assert tl is not None
     if cfg.load_format != "dummy":
-        startup.remember(startup.entry_of(cfg, tl, version, float(now.bytes), now.cached_share, choice.load_strategy))
+        entry = startup.entry_of(cfg, tl, version, float(now.bytes), now.cached_share, choice.load_strategy)
+        startup.remember(entry.model_copy(update={"kernels_cached": kernels}))
     read_s = launch.values.weights_load_s
     row = {
         "start": label,
         "strategy": choice.load_strategy,
         "cached_before_pct": round(100 * now.cached_share, 1),
+        "kernels_cached_before": kernels,
         "ready_s": tl.total_s,
         "launch_call_s": round(wall, 1),
         "phases": {p.name: p.seconds for p in tl.phases},

@@ -9,6 +9,8 @@
 #   starts2  the same for prefetch and eager
 #   reserve  the Kimi mini with other max_num_seqs / max_num_batched_tokens / max_model_len, and the MiniMax FP8
 #            checkpoint at TP=1: each launched until ready, its DEBUG log kept, stopped
+#   heldout  what the next device session owes issues 26 and 27: Kimi launches at settings no calibration used
+#            (max_num_seqs 512 with 16,384 batched tokens; 64k context with 64 sequences), then eager cold and warm
 #   pipeline stages 00-07 on the Kimi mini
 # Results go to $OUT (tarred).
 set -uo pipefail
@@ -40,8 +42,17 @@ reserve)
   run kimi-seqs128 $P --set max_num_seqs=128
   run kimi-32k-seqs256-mnbt4096 $P --set max_model_len=32768 --set max_num_seqs=256 --set max_num_batched_tokens=4096
   run minimax-fp8-tp1 $P --set model=$MODELS/minimax-fp8 --set served_model_name=minimax-fp8
-  [ -n "${MORE:-}" ] && run kimi-seqs512-mnbt16384 $P --set max_num_seqs=512 --set max_num_batched_tokens=16384
   gpu_mem; pack reserve ;;
+heldout)
+  mkdir -p $R/heldout; servebook stop >/dev/null 2>&1
+  ( sleep ${PARTIAL_S:-560}; tar czf $OUT/heldout-partial.tgz -C $R heldout ) </dev/null >/dev/null 2>&1 &
+  run() { name=$1; shift; log "launch $name: $*"
+    timeout 200 servebook launch "$@" --log-dir $R/heldout/$name 2>&1 | grep -v "^\[" | tail -4
+    servebook stop 2>&1 | tail -1; }
+  run kimi-seqs512-mnbt16384 $P --set max_num_seqs=512 --set max_num_batched_tokens=16384
+  run kimi-64k-seqs64 $P --set max_model_len=65536 --set max_num_seqs=64
+  timeout ${RUN_S:-300} python3 benchmarks/start_times.py $P --strategies eager --out $R/heldout/starts 2>&1 | cut -c1-600
+  gpu_mem; pack heldout ;;
 pipeline)
   mkdir -p $R/pipeline; servebook stop >/dev/null 2>&1
   ( sleep ${PARTIAL_S:-560}; tar czf $OUT/pipeline-partial.tgz -C $R pipeline ) </dev/null >/dev/null 2>&1 &
