@@ -148,6 +148,9 @@ class Level(BaseModel):
     vllm_tpot_mean_ms: float | None = None
     window_requests: float | None = None  # the client's requests in the window, warm-ups included
     vllm_requests: float | None = None  # the requests vLLM counted meanwhile
+    # behind a router: each replica's share of the finished requests and its prefix-cache hit rate (medians)
+    replica_shares: dict[str, float] = {}
+    replica_prefix_hit_rates: dict[str, float | None] = {}
     tpot_clock_gap_pct: float | None = None  # client's mean TPOT against vLLM's, % (same requests only)
     client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core per process
     client_processes: float | None = None  # client processes that shared the streams
@@ -165,8 +168,12 @@ class Level(BaseModel):
 
     def flat(self) -> TableRow:
         """The levels table's row: the GPU evidence as ``gpu_*`` columns."""
-        row: TableRow = {k: v for k, v in self.model_dump(exclude={"gpu", "gpu_samples"}).items()}
+        exclude = {"gpu", "gpu_samples", "replica_shares", "replica_prefix_hit_rates"}
+        row: TableRow = {k: v for k, v in self.model_dump(exclude=exclude).items()}
         row["gpu_samples"] = ", ".join(map(str, self.gpu_samples))
+        for i, url in enumerate(sorted(self.replica_shares)):
+            row |= {f"replica{i}_url": url, f"replica{i}_share": self.replica_shares[url],
+                    f"replica{i}_prefix_hit_rate": self.replica_prefix_hit_rates.get(url)}  # fmt: skip
         return row | gpu_columns(self.gpu)
 
 
@@ -238,6 +245,37 @@ class ServerCounters(BaseModel):
         )
 
 
+class ReplicaShare(BaseModel):
+    """One replica behind a router over one window, from its own /metrics: what the router sent it."""
+
+    requests: float  # requests it finished (vllm:request_success_total)
+    share: float  # of all replicas' finished requests, 0-1
+    prefix_cache_hit_rate: float | None = None  # 0-1
+    answered: bool = True  # its /metrics answered after the window (False: it went away during it)
+
+
+def replica_shares(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, ReplicaShare]:
+    """Each engine's part of a window; {} for a single server."""
+    if len(before) < 2:
+        return {}
+
+    def delta(url: str, name: str) -> float:
+        return after.get(url, {}).get(name, 0.0) - before.get(url, {}).get(name, 0.0)
+
+    done = {url: max(0.0, delta(url, "vllm:request_success_total")) for url in before}
+    total = sum(done.values())
+    out = {}
+    for url in before:
+        queries = delta(url, "vllm:prefix_cache_queries_total")
+        out[url] = ReplicaShare(
+            requests=done[url],
+            share=done[url] / total if total else 0.0,
+            prefix_cache_hit_rate=delta(url, "vllm:prefix_cache_hits_total") / queries if queries > 0 else None,
+            answered=bool(after.get(url)),
+        )
+    return out
+
+
 class RunRow(BaseModel):
     """One measured window of a level: the client's numbers, the server's, both clocks, the GPUs'."""
 
@@ -251,6 +289,7 @@ class RunRow(BaseModel):
     client_processes: int
     gpu: GpuEvidence | None = None
     gpu_note: str = ""  # why there is no GPU evidence
+    replicas: dict[str, ReplicaShare] = {}  # behind a router: each replica's part, by its URL
 
     def flat(self) -> TableRow:
         """The runs table's row (and the scalars a level takes medians of)."""
@@ -263,6 +302,9 @@ class RunRow(BaseModel):
             "gpu_samples": self.gpu.samples if self.gpu else 0,
             "gpu_note": self.gpu_note,
         }
+        for i, (url, part) in enumerate(sorted(self.replicas.items())):
+            row |= {f"replica{i}_url": url, f"replica{i}_share": round(part.share, 4),
+                    f"replica{i}_prefix_hit_rate": part.prefix_cache_hit_rate}  # fmt: skip
         return row | gpu_columns(self.gpu)
 
 
@@ -287,6 +329,8 @@ MEDIAN_FIELDS = [
         "gpu",
         "gpu_samples",
         "gpu_note",
+        "replica_shares",
+        "replica_prefix_hit_rates",
     }
 ]
 
@@ -497,6 +541,11 @@ def aggregate(rows: list[RunRow]) -> list[Level]:
             )
         )
         out[-1].per_user_tok_s = per_user_speed(out[-1])
+        for url in sorted({u for r in reps for u in r.replicas}):
+            parts = [r.replicas[url] for r in reps if url in r.replicas]
+            rates = [x.prefix_cache_hit_rate for x in parts if x.prefix_cache_hit_rate is not None]
+            out[-1].replica_shares[url] = round(statistics.median(x.share for x in parts), 4)
+            out[-1].replica_prefix_hit_rates[url] = round(statistics.median(rates), 4) if rates else None
     return out
 
 
@@ -637,12 +686,16 @@ class _Sweep:
         """Measure one window at ``c`` streams, with the server's counters and the GPUs around it."""
         prompts = self.prompts(c, expected)
         reset = client.reset_prefix_cache(self.target) if self.cfg.reset_prefix_cache else "not requested"
-        before = client.scrape_metrics(self.target.url)
+        engines_before = client.scrape_engines(self.target)
         cpu_before, wall_before = _client_cpu_s(), time.monotonic()
-        with client.MetricsSampler(self.target.url) as sampler, gpu_evidence.GpuSampler(self.cfg.gpu_ids) as gpus:
+        with (
+            client.MetricsSampler(self.target.engine_urls) as sampler,
+            gpu_evidence.GpuSampler(self.cfg.gpu_ids) as gpus,
+        ):
             window = self.send(c, prompts)
         wall = max(time.monotonic() - wall_before, 1e-9)
-        after = client.scrape_metrics(self.target.url)
+        engines_after = client.scrape_engines(self.target)
+        before, after = client.summed(engines_before), client.summed(engines_after)
         for r in window.records:
             r.level, r.repeat = f"c{c}r{rep}", rep
         return RunRow(
@@ -657,6 +710,7 @@ class _Sweep:
             client_processes=self.processes,
             gpu=gpus.evidence,
             gpu_note="" if gpus.evidence else f"no GPU evidence: {gpus.absent or 'no sample within the window'}",
+            replicas=replica_shares(engines_before, engines_after),
         ), window
 
     def level(self, c: int) -> Level | None:

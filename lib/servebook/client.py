@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -62,9 +62,18 @@ class Target:
     model: str
     headers: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float = 600.0
+    # the vLLM servers behind ``url`` where it is a router: their /metrics and /reset_prefix_cache are theirs
+    engines: tuple[str, ...] = ()
 
     def with_timeout(self, timeout_s: float) -> Target:
-        return Target(self.url, self.model, self.headers, timeout_s)
+        return replace(self, timeout_s=timeout_s)
+
+    def with_url(self, url: str) -> Target:
+        return replace(self, url=url)
+
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        return self.engines or (self.url,)
 
 
 def served_name(url: str, headers: Mapping[str, str] | None = None) -> str:
@@ -134,11 +143,20 @@ def key_gauges(values: dict[str, float]) -> dict[str, float]:
     return shown
 
 
+SAMPLED_GAUGES = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+)
+
+
 class MetricsSampler:
     """Polls ``/metrics`` during a level for peaks of KV-cache usage, running and waiting requests."""
 
-    def __init__(self, url: str, every_s: float = 0.5):
-        self.url, self.every_s = url, every_s
+    def __init__(self, url: str | Sequence[str], every_s: float = 0.5):
+        # several engines (replicas behind a router): queues add up, the fullest KV cache is the one that limits
+        self.urls, self.every_s = ([url] if isinstance(url, str) else list(url)), every_s
         self.peaks: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -148,19 +166,19 @@ class MetricsSampler:
         # and a late answer is still a reading of the level, where a timed-out one is none
         with httpx.Client(timeout=10.0) as http:
             while not self._stop.wait(self.every_s):
-                try:
-                    values = parse_metrics(http.get(f"{self.url}/metrics").text)
-                except httpx.HTTPError:
-                    continue
-                for name in (
-                    "vllm:kv_cache_usage_perc",
-                    "vllm:gpu_cache_usage_perc",
-                    "vllm:num_requests_running",
-                    "vllm:num_requests_waiting",
-                ):
-                    if name in values:
-                        key = name.removeprefix("vllm:").replace("gpu_cache", "kv_cache")
-                        self.peaks[key] = max(self.peaks.get(key, 0.0), values[name])
+                now: dict[str, float] = {}
+                for url in self.urls:
+                    try:
+                        values = parse_metrics(http.get(f"{url}/metrics").text)
+                    except httpx.HTTPError:
+                        continue
+                    for name in SAMPLED_GAUGES:
+                        if name in values:
+                            key = name.removeprefix("vllm:").replace("gpu_cache", "kv_cache")
+                            add = key.startswith("num_requests")
+                            now[key] = now.get(key, 0.0) + values[name] if add else max(now.get(key, 0.0), values[name])
+                for key, value in now.items():
+                    self.peaks[key] = max(self.peaks.get(key, 0.0), value)
 
     def __enter__(self) -> MetricsSampler:
         self._thread.start()
@@ -179,18 +197,37 @@ def scrape_metrics(url: str) -> dict[str, float]:
         return {}
 
 
+def scrape_engines(target: Target) -> dict[str, dict[str, float]]:
+    """Each engine's /metrics behind the target (the server itself, or every replica behind a router)."""
+    return {url: scrape_metrics(url) for url in target.engine_urls}
+
+
+def summed(per_engine: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Counters and histograms of several engines as one server's (sums); gauges are read per engine."""
+    out: dict[str, float] = {}
+    for values in per_engine.values():
+        for name, value in values.items():
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
 def reset_prefix_cache(target: Target) -> str:
     """'reset', or why not: vLLM serves the endpoint only with VLLM_SERVER_DEV_MODE=1."""
-    try:
-        # the engine answers a reset at once; a hung one never does, and the window's watchdog names that
-        r = httpx.post(f"{target.url}/reset_prefix_cache", headers=dict(target.headers), timeout=10)
-    except httpx.HTTPError as exc:
-        return f"failed: {exc}"
-    if r.status_code == 200:
-        return "reset"
-    if r.status_code == 404:
-        return "unavailable (start the server with VLLM_SERVER_DEV_MODE=1 to allow it)"
-    return f"failed: http {r.status_code}"
+    said = set()
+    for url in target.engine_urls:  # behind a router, every replica's own cache
+        try:
+            # the engine answers a reset at once; a hung one never does, and the window's watchdog names that
+            r = httpx.post(f"{url}/reset_prefix_cache", headers=dict(target.headers), timeout=10)
+        except httpx.HTTPError as exc:
+            said.add(f"failed: {exc}")
+            continue
+        if r.status_code == 200:
+            said.add("reset")
+        elif r.status_code == 404:
+            said.add("unavailable (start the server with VLLM_SERVER_DEV_MODE=1 to allow it)")
+        else:
+            said.add(f"failed: http {r.status_code}")
+    return "; ".join(sorted(said))
 
 
 def _answered(r: httpx.Response, what: str) -> dict[str, Any]:
@@ -265,8 +302,13 @@ class SmokeResult(BaseModel):
         return [c for c in self.checks if not c.ok]
 
 
-def stream_timing(client: httpx.Client, model: str, max_tokens: int) -> StreamTiming:
-    """One streamed completion: time to first token and single-stream decode speed."""
+def stream_timing(client: httpx.Client, model: str, max_tokens: int, engines: Sequence[str] = ()) -> StreamTiming:
+    """One streamed completion: time to first token and single-stream decode speed (vLLM's own from the engines'
+    /metrics: the server's, or every replica's behind a router)."""
+
+    def engine_metrics() -> dict[str, float]:
+        return summed({url: scrape_metrics(url) for url in (engines or [str(client.base_url)])})
+
     body = {
         "model": model,
         "prompt": SMOKE_PROMPT,
@@ -277,7 +319,7 @@ def stream_timing(client: httpx.Client, model: str, max_tokens: int) -> StreamTi
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    before = scrape_metrics(str(client.base_url))
+    before = engine_metrics()
     sent = time.perf_counter()
     first = last = None
     usage: dict[str, Any] = {}
@@ -301,9 +343,7 @@ def stream_timing(client: httpx.Client, model: str, max_tokens: int) -> StreamTi
     out = usage.get("completion_tokens", chunks)
     decode_s = (last - first) if last and out > 1 else 0.0
     client_decode = (out - 1) / decode_s if decode_s > 0 else None
-    counted, vllm_tpot = histogram_mean_ms(
-        "vllm:request_time_per_output_token_seconds", before, scrape_metrics(str(client.base_url))
-    )
+    counted, vllm_tpot = histogram_mean_ms("vllm:request_time_per_output_token_seconds", before, engine_metrics())
     vllm_decode = 1000 / vllm_tpot if counted == 1 and vllm_tpot else None  # this request alone, by vLLM's clock
     return StreamTiming(
         ttft_ms=1000 * (first - sent),
@@ -390,7 +430,7 @@ def _smoke_test(target: Target, max_tokens: int) -> SmokeResult:
             client, "completion", "/v1/completions", {**common, "prompt": SMOKE_PROMPT}, lambda choice: choice["text"]
         )
         checks += chat_checks + completion_checks
-        stream = stream_timing(client, model, max_tokens)
+        stream = stream_timing(client, model, max_tokens, target.engine_urls)
         checks.append(
             Check(
                 check="stream honours max_tokens",
@@ -398,7 +438,7 @@ def _smoke_test(target: Target, max_tokens: int) -> SmokeResult:
                 detail=f"{stream.completion_tokens} of {max_tokens} tokens",
             )
         )
-        gauges = key_gauges(metrics(url))
+        gauges = key_gauges(summed({engine: metrics(engine) for engine in target.engine_urls}))  # every replica
         checks.append(
             Check(
                 check="metrics expose the running/waiting gauges",

@@ -190,6 +190,16 @@ class Params(BaseModel):
         2.0, ge=0, description="bytes of the checkpoint the disk-rate probe reads, GB; 0: none"
     )
     read_probe_s: float = Field(10.0, gt=0, description="the disk-rate probe's time limit, seconds")
+    replicas: int = Field(
+        1, ge=1, le=64,
+        description="independent servers of this layout on this node, each on its own GPUs, behind vllm-router",
+    )  # fmt: skip
+    router_policy: Literal["cache_aware", "consistent_hash", "round_robin", "power_of_two"] = Field(
+        "cache_aware", description="vllm-router's policy; consistent_hash keys on the X-Session-ID header"
+    )
+    replica_base_port: int = Field(
+        0, ge=0, le=65535, description="the first replica's port (the rest follow); 0: port + 1, the router on port"
+    )
     stop_leftovers: bool = Field(False, description="stop leftover vLLM processes holding our GPUs or port")
     require_ready: bool = Field(True, description="stop the pipeline at reconnaissance when the verdict is not ready")
 
@@ -310,12 +320,15 @@ class Params(BaseModel):
     def _check_combinations(self) -> Params:
         problems: list[str] = []  # every one of them, each on its own line of the message
         world = self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
-        if self.gpu_ids and len(self.gpu_ids) != world:
+        wanted = world * self.replicas
+        if self.gpu_ids and len(self.gpu_ids) != wanted:
+            of = f" x replicas {self.replicas}" if self.replicas > 1 else ""
             problems.append(
                 f"gpu_ids lists {len(self.gpu_ids)} GPUs but tensor_parallel_size*pipeline_parallel_size*"
-                f"data_parallel_size = {world}; list exactly {world} or leave gpu_ids empty"
+                f"data_parallel_size{of} = {wanted}; list exactly {wanted} or leave gpu_ids empty"
             )
         problems += self._node_problems(world)
+        problems += self._replica_problems(world)
         for key in self.extra_env:
             if is_secret_name(key):
                 problems.append(
@@ -342,6 +355,29 @@ class Params(BaseModel):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _replica_problems(self, world: int) -> list[str]:
+        """Several replicas: one node, GPUs listed for all of them, a stage 06 that compares one server."""
+        if self.replicas == 1:
+            return []
+        problems = []
+        if self.nodes > 1:
+            problems.append(
+                f"replicas {self.replicas} with nodes {self.nodes}: servebook runs replicas on one node; set nodes: 1, "
+                "or replicas: 1 for one server across nodes"
+            )
+        if self.ab_variants:
+            problems.append(
+                "ab_variants relaunch one server to compare it; with replicas > 1 there is a router in front: set "
+                "ab_variants: [] (or replicas: 1 for the A/B)"
+            )
+        first = self.replica_base_port or self.port + 1
+        if first <= self.port < first + self.replicas:
+            problems.append(
+                f"replica_base_port {first} puts a replica on port {self.port}, the router's; choose a base above "
+                f"{self.port} or below {self.port - self.replicas + 1}"
+            )
+        return problems
 
     def _bench_problems(self) -> list[str]:
         """The benchmark's parameters against each other and against max_model_len."""

@@ -250,12 +250,12 @@ def measure_rate(
     """One rate's window, with vLLM's counters and gauges around it."""
     if cfg.reset_prefix_cache:
         client.reset_prefix_cache(target)
-    before = client.scrape_metrics(target.url)
-    with client.MetricsSampler(target.url) as sampler:
+    before = client.summed(client.scrape_engines(target))
+    with client.MetricsSampler(target.engine_urls) as sampler:
         window = loadgen.run_open_level(
             target, cfg.workload, prompts, offsets=offsets, level=f"r{rate:g}", warmup=cfg.warmup,
             max_concurrency=cfg.max_concurrency,
         )  # fmt: skip
     summary = metrics.summarize(window.records, cfg.objectives)
-    clock = metrics.engine_clock(window.records, before, client.scrape_metrics(target.url))
+    clock = metrics.engine_clock(window.records, before, client.summed(client.scrape_engines(target)))
     return _level(rate, offsets, summary, window.records, sampler.peaks, cfg, clock=clock), window.records

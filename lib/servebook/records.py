@@ -7,6 +7,7 @@ produces its record, later stages and the report read it through this type
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from typing import Literal
 
@@ -31,6 +32,7 @@ from servebook import (
 )
 from servebook.planner import Parallelism
 from servebook.results import Record
+from servebook.router import RouterRecord
 from servebook.secrets import mask, mask_env
 from servebook.units import GiB
 from servebook.vllm_log import LogValues
@@ -181,6 +183,20 @@ class PlanCheck(BaseModel):
         return f"{name}: plan {p:.2f} GiB, vLLM {r:.2f} GiB ({p - r:+.2f} GiB)"
 
 
+class ReplicaRecord(BaseModel):
+    """One of several independent servers behind a router."""
+
+    index: int
+    url: str
+    port: int
+    pid: int
+    pgid: int
+    gpu_ids: list[int]
+    log_path: str
+    seconds_to_ready: float
+    reused: bool = False
+
+
 class DryStart(BaseModel):
     """A start with ``--load-format dummy``: the exact command's flags, shapes, KV sizing and graphs, no read."""
 
@@ -240,11 +256,22 @@ class LaunchRecord(Record):
     start_prediction: startup.StartPrediction | None = None  # what the plan expected of this start
     load_choice: loadpath.LoadChoice | None = None  # the load options the launch took, and why
     dry_run: DryStart | None = None  # the dummy-weights start before this one (launch_dry_run)
+    # replicas > 1: every replica (the first is the one the fields above describe) and the router in front
+    replicas: list[ReplicaRecord] = []
+    router: RouterRecord | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property
     def url(self) -> str:
-        return self.config.url
+        """Where clients go: the router where there are replicas, else the server."""
+        return self.router.url if self.router else self.config.url
+
+    def target(self, timeout_s: float = 600.0) -> client.Target:
+        """Where a stage sends requests, with the server's key; behind a router, its replicas' own /metrics."""
+        own = self.config.target(timeout_s)
+        if not self.router:
+            return own
+        return dataclasses.replace(own, url=self.router.url, engines=tuple(r.url for r in self.replicas))
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -254,8 +281,8 @@ class LaunchRecord(Record):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def gpu_ids(self) -> list[int]:
-        """The physical GPUs the server uses (none on the CPU)."""
-        return self.config.target_gpus
+        """The physical GPUs the server (every replica) uses (none on the CPU)."""
+        return [g for r in self.replicas for g in r.gpu_ids] if self.replicas else self.config.target_gpus
 
     @property
     def served_model_name(self) -> str:

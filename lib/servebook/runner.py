@@ -269,6 +269,14 @@ def run(
     params = params_mod.load(params_path, overrides)  # raises before anything exists
     declare_secret(params.api_key_env)  # its value is masked in every notebook, record and report, as the key it is
     selected = stages.select(wanted)
+    if params.replicas > 1 and any(stage.record.FILE == "07_deploy" for stage in selected):
+        raise errors.ParamsError(
+            str(params_path),
+            [
+                f"replicas {params.replicas}: the deploy stage renders one server's unit, not a router and its "
+                "replicas yet; run the stages before it (--stages 00,01,02,03,04,05,06), or set replicas: 1 to deploy"
+            ],
+        )
     declared = {stage.name: declared_parameters(notebook_of(stage)) for stage in selected}
     run_dir = new_run_dir(f"{params.run_name}-{suffix}" if suffix else params.run_name)
     pipeline = _Pipeline(params, run_dir, selected, declared, secret_values(), log, stream_output)

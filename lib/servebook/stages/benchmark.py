@@ -52,8 +52,8 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     planned = plan.find(launch.config.parallelism) if plan else None
     cfg.decode_ceiling = dict(planned.decode_ceiling) if planned else {}
     cfg.dataset = dataset.prompts if dataset else None
-    cfg.gpu_ids = list(launch.config.target_gpus) if launch.config.device == "cuda" else []
-    target = launch.config.target(p.bench_request_timeout_s)
+    cfg.gpu_ids = list(launch.gpu_ids) if launch.config.device == "cuda" else []
+    target = launch.target(p.bench_request_timeout_s)
     dataset_summary = dataset.summary() if dataset else ""
 
     def keep(so_far: bench.SweepResult) -> None:  # every level on disk as soon as it is measured

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from servebook import client, models, remote, results, server, server_config, systemd
-from servebook.errors import DeployFailed
+from servebook.errors import DeployFailed, PreflightError
 from servebook.params import Params
 from servebook.records import Command, DeployRecord, DryRun, LaunchRecord, NcclTuningRecord, NodeUnitRecord
 from servebook.secrets import MASK
@@ -173,6 +173,11 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, DeployRecord)  # a rerun never leaves the last attempt's record looking current
     launch = results.require(run_dir, LaunchRecord, "deploy")
+    if launch.router:
+        raise PreflightError(
+            f"the launch put {len(launch.replicas)} replicas behind a router; the deploy stage renders one server's "
+            "unit, not a router and its replicas yet: launch with replicas: 1 to deploy"
+        )
     tuned = results.read(run_dir, NcclTuningRecord)
     name = p.deploy_name or launch.served_model_name.replace("/", "-")
     size, _ = models.checkpoint_bytes(launch.model_path)

