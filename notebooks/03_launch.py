@@ -52,6 +52,12 @@
 # when `/health` answers, which vLLM allows only once every rank has joined; a node whose vLLM exits meanwhile
 # fails the launch with that node's log.
 #
+# With `replicas` above 1 this layout starts that many times on this node, each replica on its own GPUs
+# (consecutive slices of `gpu_ids`, or of all GPUs) and port (`replica_base_port`, else `port` + 1 on), and
+# vLLM's own router (`vllm-router`) listens on `port` in front of them with `router_policy`. The launch is ready
+# when the router lists every replica healthy and a completion through it answers; the later stages send their
+# requests to the router, and read vLLM's metrics from each replica.
+#
 # When the plan stage ran in this run with `layout_from_plan: true`, its recommended layout replaces the layout
 # parameters below; when the download stage ran, its verified local folder replaces `model`.
 
@@ -90,6 +96,9 @@ load_strategy: str = "auto"  # --safetensors-load-strategy; auto takes the plan'
 load_format: str = "auto"  # --load-format: auto, safetensors, fastsafetensors, instanttensor, runai_streamer
 ep_weight_filter: str = "auto"  # --enable-ep-weight-filter under expert parallelism; auto: where it skips this checkpoint
 launch_dry_run: bool = False  # stage 03 starts the exact command with --load-format dummy: flags, shapes, KV, graphs
+replicas: int = 1  # independent servers of this layout on this node, each on its own GPUs, behind vllm-router
+router_policy: str = "cache_aware"  # vllm-router's policy; consistent_hash keys on the X-Session-ID header
+replica_base_port: int = 0  # the first replica's port (the rest follow); 0: port + 1, the router on port
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%
@@ -113,6 +122,11 @@ display(Markdown(f"`{launched.url}` serving `{launched.served_model_name}` at **
                  f"{launched.pgid}; log `{launched.log_path}`"))
 print(launched.command_line)
 print("\n".join(f"{k}={v}" for k, v in launched.environment.items() if k.startswith(("VLLM_", "CUDA_", "NCCL_"))))
+if launched.router:
+    display(Markdown(f"**{len(launched.replicas)} replicas behind vllm-router** (`{launched.router.policy}`) at "
+                     f"`{launched.router.url}`, ready {launched.router.seconds_to_ready:.1f} s after the last replica; "
+                     f"log `{launched.router.log_path}`"))
+    display(stage.replica_table(launched))
 
 # %% [markdown]
 # ## The nodes

@@ -145,6 +145,16 @@ if limits_note:
     print(limits_note)
 
 # %% [markdown]
+# ## Replicas behind the router
+# With `replicas` above 1 the benchmark's requests went through vllm-router; each replica's share of the finished
+# requests and its prefix-cache hit rate come from its own `/metrics`, so an unbalanced router, or a policy that
+# sends a conversation away from its cached prefix, shows here. One server: nothing to show.
+
+# %%
+shares = stage.replica_table(result.levels)
+display(shares if not shares.empty else Markdown("One server, no router: no replica shares."))
+
+# %% [markdown]
 # ## Plots
 
 # %%

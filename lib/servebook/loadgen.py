@@ -312,6 +312,9 @@ def fold_event(rec: RequestRecord, raw: bytes, now: float, parts: list[str], par
     return False
 
 
+SESSION_HEADER = "X-Session-ID"
+
+
 @dataclass
 class _Client:
     """One event loop's view of a target: its session, the server, the workload; sends one request at a time."""
@@ -321,7 +324,14 @@ class _Client:
     workload: Workload
     activity: _Activity = field(default_factory=lambda: _Activity(0.0))
 
-    async def send(self, path: str, body: dict[str, Any], rec: RequestRecord, keep_text: bool = False) -> str:
+    async def send(
+        self,
+        path: str,
+        body: dict[str, Any],
+        rec: RequestRecord,
+        keep_text: bool = False,
+        extra_headers: dict[str, str] | None = None,
+    ) -> str:
         """Send one streaming request, fold its events into ``rec``, and return the answer's text (``keep_text``).
 
         Bytes are taken as they arrive and cut into server-sent events at blank lines; a plain token chunk is
@@ -338,7 +348,7 @@ class _Client:
             async with self.session.post(
                 self.target.url + path,
                 json=body,
-                headers=dict(self.target.headers),
+                headers={**self.target.headers, **(extra_headers or {})},
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
                 trace_request_ctx=rec,
             ) as resp:
@@ -382,11 +392,13 @@ class _Client:
         common = {
             k: v for k, v in _body(self.workload, self.target.model, "")[1].items() if k not in ("prompt", "messages")
         }
+        # one session id per conversation, as an agent client sends it: a router's consistent_hash keys on it
+        session = {SESSION_HEADER: f"servebook-{recs[0].level}-{recs[0].index // 1000}"} if recs else {}
         async with gate:
             for text, rec in zip(turns, recs):
                 messages.append({"role": "user", "content": text})
                 body = {**common, "messages": list(messages)}
-                answer = await self.send("/v1/chat/completions", body, rec, keep_text=True)
+                answer = await self.send("/v1/chat/completions", body, rec, keep_text=True, extra_headers=session)
                 if not rec.ok:
                     for later in recs[recs.index(rec) + 1 :]:
                         later.error = f"not sent: turn {rec.index} of this conversation failed"

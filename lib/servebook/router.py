@@ -24,11 +24,11 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel
 
-from servebook import client, processes, server
+from servebook import client, loadgen, processes, server
 from servebook.errors import LaunchError, PreflightError
 
 POLICIES = ("cache_aware", "consistent_hash", "round_robin", "power_of_two")
-SESSION_HEADER = "X-Session-ID"  # what consistent_hash keys on
+SESSION_HEADER = loadgen.SESSION_HEADER  # what consistent_hash keys on, and what the benchmark's chats send
 
 
 def binary() -> str:

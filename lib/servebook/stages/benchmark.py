@@ -345,3 +345,20 @@ def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:
     launch = results.read(path, LaunchRecord)
     label = f"{launch.layout.name} ({path.name})" if launch else path.name
     return label, levels(record)
+
+
+def replica_table(levels: list[bench.Level]) -> pd.DataFrame:
+    """Per level and replica: its share of the finished requests and its prefix-cache hit rate, in percent."""
+    rows = [
+        {
+            "streams": level.concurrency,
+            "replica": url,
+            "share of requests, %": round(100 * share, 1),
+            "prefix-cache hit rate, %": (
+                round(100 * rate, 1) if (rate := level.replica_prefix_hit_rates.get(url)) is not None else None
+            ),
+        }
+        for level in levels
+        for url, share in sorted(level.replica_shares.items())
+    ]
+    return pd.DataFrame(rows)

@@ -280,6 +280,18 @@ def summary(record: LaunchRecord) -> str:
     )
 
 
+def replica_table(record: LaunchRecord) -> pd.DataFrame:
+    """Each replica behind the router: where it listens, its GPUs, its start, and whether the router sees it."""
+    seen = {w.url: w.healthy for w in router.workers(record.router.url)} if record.router else {}
+    return pd.DataFrame(
+        [
+            {"replica": r.index, "url": r.url, "GPUs": ", ".join(map(str, r.gpu_ids)) or "CPU", "pid": r.pid,
+             "ready in s": r.seconds_to_ready, "healthy at the router": seen.get(r.url), "log": r.log_path}
+            for r in record.replicas
+        ]
+    )  # fmt: skip
+
+
 def phase_table(record: LaunchRecord) -> pd.DataFrame:
     """Each start-up phase with its seconds, vLLM's own figure, and what it folds in; unaccounted last."""
     if record.timeline is None:

@@ -1,0 +1,98 @@
+"""Replicas behind vllm-router without starting anything: the router's command, each replica's port and GPUs,
+the shares the benchmark reads off each replica's /metrics, and the refusals before anything starts."""
+
+import pytest
+
+from servebook import bench, params, router
+from servebook.errors import ParamsError, PreflightError
+from servebook.server_config import ServerConfig
+from servebook.stages import launch as launch_stage
+
+
+def test_the_router_command_names_its_replicas_policy_and_a_metrics_port_clear_of_theirs():
+    cfg = router.RouterConfig(port=8000, worker_urls=["http://127.0.0.1:8001", "http://127.0.0.1:8002"],
+                              policy="consistent_hash")  # fmt: skip
+    command = cfg.command()
+    assert command[0].endswith("vllm-router")
+    at = command.index("--worker-urls")
+    assert command[at + 1 : at + 3] == cfg.worker_urls
+    assert command[command.index("--policy") + 1] == "consistent_hash"
+    assert command[command.index("--prometheus-port") + 1] == "28000"
+    assert "--api-key" not in command  # the router forwards the client's key; it holds none
+    assert cfg.url == "http://127.0.0.1:8000" and cfg.fingerprint().startswith("router-")
+
+
+def test_a_missing_router_is_refused_with_the_install_command(monkeypatch):
+    monkeypatch.setattr(router.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(router.sys, "executable", "/nowhere/bin/python")
+    with pytest.raises(PreflightError, match=r"pip install vllm-router .*or set replicas: 1"):
+        router.binary()
+
+
+def test_each_replica_gets_its_port_and_its_slice_of_the_gpus():
+    p = params.validate({"replicas": 2, "tensor_parallel_size": 4, "port": 9000, "device": "cuda"})
+    cfg = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", tensor_parallel_size=4)
+    first, second = launch_stage.replica_configs(p, cfg)
+    assert (first.port, first.gpu_ids, second.port, second.gpu_ids) == (9001, [0, 1, 2, 3], 9002, [4, 5, 6, 7])
+    listed = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", tensor_parallel_size=4,
+                          gpu_ids=[7, 6, 5, 4, 3, 2, 1, 0])  # fmt: skip
+    p = params.validate({"replicas": 2, "tensor_parallel_size": 4, "replica_base_port": 9100,
+                         "gpu_ids": [7, 6, 5, 4, 3, 2, 1, 0]})  # fmt: skip
+    a, b = launch_stage.replica_configs(p, listed)
+    assert (a.port, a.gpu_ids, b.port, b.gpu_ids) == (9100, [7, 6, 5, 4], 9101, [3, 2, 1, 0])
+
+
+def test_each_replicas_share_and_prefix_hits_come_from_its_own_counters():
+    before = {
+        "http://a": {"vllm:request_success_total": 10, "vllm:prefix_cache_queries_total": 100,
+                     "vllm:prefix_cache_hits_total": 0},
+        "http://b": {"vllm:request_success_total": 5, "vllm:prefix_cache_queries_total": 0},
+    }  # fmt: skip
+    after = {
+        "http://a": {"vllm:request_success_total": 40, "vllm:prefix_cache_queries_total": 300,
+                     "vllm:prefix_cache_hits_total": 150},
+        "http://b": {"vllm:request_success_total": 15, "vllm:prefix_cache_queries_total": 100},
+    }  # fmt: skip
+    parts = bench.replica_shares(before, after)
+    assert parts["http://a"].share == pytest.approx(0.75) and parts["http://b"].share == pytest.approx(0.25)
+    assert parts["http://a"].prefix_cache_hit_rate == pytest.approx(0.75)
+    assert parts["http://b"].prefix_cache_hit_rate == 0.0
+    assert bench.replica_shares({"http://a": {}}, {"http://a": {}}) == {}  # one server: nothing to split
+    gone = bench.replica_shares(before, {"http://a": after["http://a"], "http://b": {}})
+    assert gone["http://b"].answered is False and gone["http://a"].share == 1.0
+
+
+def test_a_level_carries_the_shares_into_its_table_row():
+    level = bench.Level(concurrency=4, repeats=1, output_throughput=10.0, output_throughput_min=10.0,
+                        output_throughput_max=10.0, spread_pct=None,
+                        replica_shares={"http://b": 0.4, "http://a": 0.6},
+                        replica_prefix_hit_rates={"http://a": 0.5, "http://b": None})  # fmt: skip
+    row = level.flat()
+    assert (row["replica0_url"], row["replica0_share"], row["replica0_prefix_hit_rate"]) == ("http://a", 0.6, 0.5)
+    assert row["replica1_share"] == 0.4 and "replica_shares" not in row
+
+
+@pytest.mark.parametrize(
+    "values, says",
+    [
+        ({"replicas": 2, "nodes": 2, "node_hosts": ["a", "b"]}, "servebook runs replicas on one node"),
+        ({"replicas": 2, "port": 8000, "replica_base_port": 7999}, "puts a replica on port 8000, the router's"),
+        ({"replicas": 2, "tensor_parallel_size": 2, "gpu_ids": [0, 1]}, "x replicas 2 = 4; list exactly 4"),
+        ({"replicas": 0}, "replicas"),
+        ({"replicas": 2, "router_policy": "fastest"}, "router_policy"),
+    ],
+)
+def test_replica_settings_that_cannot_work_are_refused_by_name(values, says):
+    with pytest.raises(ParamsError) as err:
+        params.validate({"ab_variants": [], **values})
+    assert says in str(err.value)
+
+
+def test_a_pipeline_with_replicas_is_refused_before_it_starts_when_it_would_deploy(tmp_path):
+    from servebook import runner
+
+    file = tmp_path / "p.yaml"
+    file.write_text("replicas: 2\nab_variants: []\n")
+    with pytest.raises(ParamsError, match="deploy stage renders one server's unit"):
+        runner.run(file)
+    assert not (tmp_path / "outputs").exists()
