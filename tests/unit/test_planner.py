@@ -225,6 +225,23 @@ VLLM_LOGS = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-logs"
 H200_NVML_BYTES = 143771 * 2**20  # what NVML reported on those machines
 
 
+def logged_on_h200(log_name: str):
+    from servebook.vllm_log import read_values
+
+    return read_values((VLLM_LOGS / f"gpu-0.25.0-h200-{log_name}.log").read_text())
+
+
+def h200s(count: int) -> planner.Device:
+    return planner.Device.for_gpu(gpus.lookup("H200"), count, memory_bytes=H200_NVML_BYTES)
+
+
+def assert_kv_and_weights_match(layout, logged) -> None:
+    """Planned against logged, per GPU: KV tokens within 0.3 %, weights within 1.5 % (issues #13 and #27)."""
+    assert logged.kv_cache_tokens and logged.model_memory_gib
+    assert abs(layout.max_kv_tokens / logged.kv_cache_tokens - 1) < 0.003
+    assert abs(layout.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.015
+
+
 @pytest.mark.parametrize(
     "log_name, dtype, tp, pp, dp, ep",
     [
@@ -239,17 +256,11 @@ H200_NVML_BYTES = 143771 * 2**20  # what NVML reported on those machines
 )
 def test_kv_tokens_and_weights_match_vllm_on_h200(log_name, dtype, tp, pp, dp, ep):
     """Planned against logged, per GPU: KV tokens within 0.3 %, weights within 1.5 % (issue #13's goals)."""
-    from servebook.vllm_log import read_values
-
-    logged = read_values((VLLM_LOGS / f"gpu-0.25.0-h200-{log_name}.log").read_text())
-    g = gpus.lookup("H200")
-    dev = planner.Device.for_gpu(g, tp * pp * dp, memory_bytes=H200_NVML_BYTES)
-    planned = planner.plan(spec(f"q3moe-30b-a3b-shapes-8l-{dtype}"), dev, max_model_len=4096)
+    logged = logged_on_h200(log_name)
+    planned = planner.plan(spec(f"q3moe-30b-a3b-shapes-8l-{dtype}"), h200s(tp * pp * dp), max_model_len=4096)
     layout = planned.find(planner.Parallelism(tp=tp, pp=pp, dp=dp, ep=ep))
     assert layout is not None and layout.usable
-    assert logged.kv_cache_tokens and logged.model_memory_gib
-    assert abs(layout.max_kv_tokens / logged.kv_cache_tokens - 1) < 0.003
-    assert abs(layout.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.015
+    assert_kv_and_weights_match(layout, logged)
     # the parts vLLM logged at DEBUG, where it did, against the model's parts
     if logged.activation_peak_gib is not None:
         assert layout.reserve is not None
@@ -277,18 +288,12 @@ STORY_ROWS = [
 def test_the_story_architectures_match_vllm_term_by_term(log_name, config, max_model_len, seqs, tokens, hit):
     """KV tokens within 0.3 % and weights within 1.5 % (issue #27's goals), and each reserve term within 0.1 GiB
     or 10 % of the line vLLM logged for it, so a miss names its term."""
-    from servebook.vllm_log import read_values
-
-    log = (VLLM_LOGS / f"gpu-0.25.0-h200-{log_name}.log").read_text()
-    logged = read_values(log)
-    dev = planner.Device.for_gpu(gpus.lookup("H200"), 1, memory_bytes=H200_NVML_BYTES)
+    logged = logged_on_h200(log_name)
     serving = planner.Serving(max_num_seqs=seqs, max_num_batched_tokens=tokens, compile_cache_hit=hit)
-    layout = planner.plan(spec(config), dev, max_model_len=max_model_len, serving=serving).layouts[0]
+    layout = planner.plan(spec(config), h200s(1), max_model_len=max_model_len, serving=serving).layouts[0]
     assert layout.usable and layout.reserve is not None
-    assert logged.compile_cache == ("hit" if hit else "miss")
-    assert logged.kv_cache_tokens and logged.model_memory_gib and logged.activation_peak_gib is not None
-    assert abs(layout.max_kv_tokens / logged.kv_cache_tokens - 1) < 0.003
-    assert abs(layout.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.015
+    assert logged.compile_cache == ("hit" if hit else "miss") and logged.activation_peak_gib is not None
+    assert_kv_and_weights_match(layout, logged)
     terms = layout.reserve.terms()
 
     def near(planned: float, log: float) -> bool:
@@ -306,9 +311,8 @@ def test_a_compile_cache_hit_admits_more_kv_than_a_first_start():
     """The same settings give a relaunch that loads its compiled graphs about 1 % more KV cache on MLA: the plan
     sizes a first start (the fewer tokens) unless it is told the cache will hit."""
     kimi = spec("kimi-k2.5-shapes-3l-int4")
-    dev = planner.Device.for_gpu(gpus.lookup("H200"), 1, memory_bytes=H200_NVML_BYTES)
-    cold = planner.plan(kimi, dev, max_model_len=8192).layouts[0]
-    warm = planner.plan(kimi, dev, max_model_len=8192, serving=planner.Serving(compile_cache_hit=True)).layouts[0]
+    cold = planner.plan(kimi, h200s(1), max_model_len=8192).layouts[0]
+    warm = planner.plan(kimi, h200s(1), max_model_len=8192, serving=planner.Serving(compile_cache_hit=True)).layouts[0]
     assert 1.005 < warm.max_kv_tokens / cold.max_kv_tokens < 1.03
 
 

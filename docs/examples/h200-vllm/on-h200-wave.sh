@@ -19,6 +19,13 @@ if [ "$STEP" = kit1 ]; then source .gpu/c1/kit/unpack.sh; else source /tmp/kit/u
 mkdir -p $R
 pack() { tar czf "$OUT/$1.tgz" -C $R "$1" 2>/dev/null; ls -la "$OUT"; }
 gpu_mem() { nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | tr '\n' ' '; echo; }
+# a fresh results folder for the step, with a partial tarball before the call's limit
+begin() { mkdir -p $R/$STEP; servebook stop >/dev/null 2>&1
+  ( sleep ${PARTIAL_S:-560}; tar czf $OUT/$STEP-partial.tgz -C $R $STEP ) </dev/null >/dev/null 2>&1 & }
+# one launch until ready (its DEBUG log kept under the step's folder), then stopped
+launch_once() { name=$1; shift; log "launch $name: $*"
+  timeout ${LAUNCH_S:-240} servebook launch "$@" --log-dir $R/$STEP/$name 2>&1 | grep -v "^\[" | tail -4
+  servebook stop 2>&1 | tail -1; }
 case $STEP in
 kit1)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
@@ -28,34 +35,24 @@ kit1)
   du -sh $MODELS/*; sync ;;
 kit2) ls $STAGE ;;
 starts1|starts2)
-  mkdir -p $R/$STEP; servebook stop >/dev/null 2>&1
+  begin
   if [ $STEP = starts1 ]; then S=default; D=--dry; else S=prefetch,eager; D=; fi
-  ( sleep ${PARTIAL_S:-560}; tar czf $OUT/$STEP-partial.tgz -C $R $STEP ) </dev/null >/dev/null 2>&1 &
   timeout ${RUN_S:-570} python3 benchmarks/start_times.py $P --strategies $S $D --out $R/$STEP 2>&1 | cut -c1-600
   gpu_mem; find $R/$STEP -name '*.log' | head; pack $STEP ;;
 reserve)
-  mkdir -p $R/reserve; servebook stop >/dev/null 2>&1
-  ( sleep ${PARTIAL_S:-560}; tar czf $OUT/reserve-partial.tgz -C $R reserve ) </dev/null >/dev/null 2>&1 &
-  run() { name=$1; shift; log "launch $name: $*"
-    timeout 240 servebook launch "$@" --log-dir $R/reserve/$name 2>&1 | grep -v "^\[" | tail -4
-    servebook stop 2>&1 | tail -1; }
-  run kimi-seqs128 $P --set max_num_seqs=128
-  run kimi-32k-seqs256-mnbt4096 $P --set max_model_len=32768 --set max_num_seqs=256 --set max_num_batched_tokens=4096
-  run minimax-fp8-tp1 $P --set model=$MODELS/minimax-fp8 --set served_model_name=minimax-fp8
+  begin
+  launch_once kimi-seqs128 $P --set max_num_seqs=128
+  launch_once kimi-32k-seqs256-mnbt4096 $P --set max_model_len=32768 --set max_num_seqs=256 --set max_num_batched_tokens=4096
+  launch_once minimax-fp8-tp1 $P --set model=$MODELS/minimax-fp8 --set served_model_name=minimax-fp8
   gpu_mem; pack reserve ;;
 heldout)
-  mkdir -p $R/heldout; servebook stop >/dev/null 2>&1
-  ( sleep ${PARTIAL_S:-560}; tar czf $OUT/heldout-partial.tgz -C $R heldout ) </dev/null >/dev/null 2>&1 &
-  run() { name=$1; shift; log "launch $name: $*"
-    timeout 200 servebook launch "$@" --log-dir $R/heldout/$name 2>&1 | grep -v "^\[" | tail -4
-    servebook stop 2>&1 | tail -1; }
-  run kimi-seqs512-mnbt16384 $P --set max_num_seqs=512 --set max_num_batched_tokens=16384
-  run kimi-64k-seqs64 $P --set max_model_len=65536 --set max_num_seqs=64
+  begin; LAUNCH_S=200
+  launch_once kimi-seqs512-mnbt16384 $P --set max_num_seqs=512 --set max_num_batched_tokens=16384
+  launch_once kimi-64k-seqs64 $P --set max_model_len=65536 --set max_num_seqs=64
   timeout ${RUN_S:-300} python3 benchmarks/start_times.py $P --strategies eager --out $R/heldout/starts 2>&1 | cut -c1-600
   gpu_mem; pack heldout ;;
 pipeline)
-  mkdir -p $R/pipeline; servebook stop >/dev/null 2>&1
-  ( sleep ${PARTIAL_S:-560}; tar czf $OUT/pipeline-partial.tgz -C $R pipeline ) </dev/null >/dev/null 2>&1 &
+  begin
   SERVEBOOK_OUTPUTS=$R/pipeline timeout ${RUN_S:-565} servebook run $P ${STAGES:+--stages $STAGES} 2>&1 | tee $R/pipeline/console.log | cut -c1-300
   gpu_mem; pack pipeline ;;
 esac
