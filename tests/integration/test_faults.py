@@ -114,6 +114,31 @@ def test_an_interrupted_benchmark_keeps_its_levels_and_leaves_nothing(tmp_path, 
     nothing_left(port, before)
 
 
+@INTERRUPTS
+def test_an_interrupted_run_with_replicas_stops_the_router_and_every_replica(tmp_path, sig, to_group, code):
+    """Two replicas behind vllm-router, interrupted mid-benchmark: the router and both replicas are stopped, the
+    levels measured so far kept, with each replica's share; a keyed server (its own variable name)."""
+    before = set(vllm_titles())
+    port = 8195 if sig == signal.SIGTERM else 8185
+    run = Run(tmp_path, "--set", f"port={port}", "--set", "replicas=2", "--set", "ab_variants=[]",
+              "--set", "api_key_env=SERVEBOOK_FAULTS_KEY", "--set", "router_policy=round_robin",
+              "--stages", "launch,benchmark", env={"SERVEBOOK_FAULTS_KEY": "sk-faults-replicas-42"})  # fmt: skip
+    run.wait_for("concurrency    2 repeat 1")
+    router_pid = server.registered(port).pid
+    os.killpg(run.proc.pid, sig) if to_group else run.proc.send_signal(sig)
+    assert run.finish() == code
+    assert manifest_of(run)["status"] == "interrupted"
+    sweep = json.loads((run.run_dir / "05_benchmark.json").read_text())
+    assert sweep["levels"] and sorted(sweep["levels"][0]["replica_shares"]) == [
+        f"http://127.0.0.1:{port + 1}",
+        f"http://127.0.0.1:{port + 2}",
+    ]
+    for each in (port, port + 1, port + 2):
+        nothing_left(each, before)
+    assert not psutil.pid_exists(router_pid) or psutil.Process(router_pid).status() == psutil.STATUS_ZOMBIE
+    assert "sk-faults-replicas-42" not in (run.run_dir / "03_launch.json").read_text()
+
+
 def test_a_hung_engine_is_named_within_a_minute_while_health_answers(tmp_path):
     """SIGSTOP on VLLM::EngineCore: /health still answers 200 (vllm-project/vllm#39863); servebook status says the
     server is hung, and the benchmark fails naming the stall instead of waiting out 600-s request timeouts."""

@@ -25,15 +25,15 @@ def test_two_replicas_behind_vllm_router_serve_share_and_stop(tmp_path, monkeypa
     monkeypatch.setenv(KEY_ENV, KEY)
     p = params.load(
         "params/ci.yaml",
-        ["port=8171", "replicas=2", "router_policy=round_robin", "ab_variants=[]", f"api_key_env={KEY_ENV}",
+        ["port=8191", "replicas=2", "router_policy=round_robin", "ab_variants=[]", f"api_key_env={KEY_ENV}",
          "bench_max_concurrency=4", "bench_prompts_per_level=8", "bench_request_rates=[]", "bench_repeats=1",
          "bench_max_repeats=1"],
     )  # fmt: skip
     run_dir = tmp_path / "run"
     try:
         launched = launch_stage.run(p, run_dir)
-        assert launched.router is not None and launched.url == "http://127.0.0.1:8171"
-        assert [r.port for r in launched.replicas] == [8172, 8173]
+        assert launched.router is not None and launched.url == "http://127.0.0.1:8191"
+        assert [r.port for r in launched.replicas] == [8192, 8193]
         assert all(w.healthy for w in router.workers(launched.url)) and len(router.workers(launched.url)) == 2
         assert "2 replicas behind vllm-router (round_robin)" in launch_stage.summary(launched)
         # the router forwards the client's key; without it the replicas refuse, through the router too
@@ -69,8 +69,8 @@ def test_two_replicas_behind_vllm_router_serve_share_and_stop(tmp_path, monkeypa
         assert states == {launched.replicas[0].url: True, dead.url: False}
     finally:
         said = stop_started_servers(run_dir.resolve(), print)
-    assert "port 8171" in said and "port 8172" in said
-    assert server.registered(8171) is None and server.registered(8172) is None and server.registered(8173) is None
+    assert "port 8191" in said and "port 8192" in said
+    assert server.registered(8191) is None and server.registered(8192) is None and server.registered(8193) is None
     for replica in launched.replicas:
         assert ours_left(replica.pgid) == []
     assert ours_left(launched.router.pgid) == []
