@@ -416,11 +416,9 @@ def _wait_ready(
     pending = ""
     checked_workers = start
     told: set[str] = set()
-    while True:
-        elapsed = time.monotonic() - start
-        if workers and time.monotonic() - checked_workers > WORKER_CHECK_S:
-            checked_workers = time.monotonic()
-            multinode.Workers(list(workers)).check(elapsed)
+
+    def read_log(elapsed: float) -> None:
+        nonlocal offset, pending
         with open(log_path, errors="replace") as fh:
             fh.seek(offset)
             chunk = fh.read()
@@ -435,6 +433,13 @@ def _wait_ready(
                 if message.split()[0] not in told and on_progress:
                     told.add(message.split()[0])
                     on_progress(f"phase {message}", at)
+
+    while True:
+        elapsed = time.monotonic() - start
+        if workers and time.monotonic() - checked_workers > WORKER_CHECK_S:
+            checked_workers = time.monotonic()
+            multinode.Workers(list(workers)).check(elapsed)
+        read_log(elapsed)
         code = proc.poll()
         if code is not None:
             text = log_path.read_text(errors="replace")
@@ -446,6 +451,9 @@ def _wait_ready(
             )
         state = health(cfg.url)
         if state == "ready":
+            # what vLLM logged between the last read and /health's answer ("Application startup complete") was
+            # written before that answer: read it now, at the answer's time, so no milestone is lost to the race
+            read_log(time.monotonic() - start)
             _check_answers(cfg, proc, log_path)
             progress.seen["ready"] = round(time.monotonic() - start, 2)
             if on_progress:
