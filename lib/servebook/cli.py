@@ -291,6 +291,43 @@ def deploy(
     _run_stages(params_file, set_, "launch,deploy", suffix="deploy")
 
 
+export_app = typer.Typer(no_args_is_help=True, help="Render what a plan would run somewhere else.")
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("k8s")
+def export_k8s(
+    params_file: Path = typer.Argument(..., help="params YAML (the server, nodes, plan_gpu, k8s_* parameters)"),
+    set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE"),
+    out: Path = typer.Option(None, "--out", help="folder for the manifests; default outputs/<run_name>-k8s"),
+    model_config: str = typer.Option("", "--model-config", help="a config.json to plan from without the Hub"),
+    validate: bool = typer.Option(True, help="check every object against the Kubernetes and LWS schemas"),
+) -> None:
+    """A LeaderWorkerSet and a Service (and vllm-router for several replicas) that run the plan's launch on a
+    Kubernetes cluster: the same vLLM flags, bound to the variables LWS gives each pod."""
+    from servebook import k8s, params
+
+    try:
+        p = params.load(params_file, set_)
+        manifests = k8s.export(p, model_config)
+        problems = k8s.validate(manifests) if validate else []
+    except ServebookError as exc:
+        _fail(exc, code=2)
+    folder = out or Path("outputs") / f"{p.run_name}-k8s"
+    if folder.exists() and any(folder.iterdir()):
+        _fail(ServebookError(f"--out {folder} is not empty; name a new folder (nothing was overwritten)"), code=2)
+    for path in manifests.write(folder):
+        typer.echo(f"wrote {path}")
+    for note in manifests.notes:
+        typer.echo(f"  {note}")
+    if problems:
+        for problem in problems:
+            typer.echo(f"invalid: {problem}", err=True)
+        raise typer.Exit(1)
+    if validate:
+        typer.echo(f"valid: {len(manifests.objects())} objects against Kubernetes {k8s.KUBERNETES_VERSION} and LWS v1")
+
+
 @app.command()
 def compare(
     run_dirs: List[Path] = typer.Argument(

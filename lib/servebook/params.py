@@ -200,6 +200,16 @@ class Params(BaseModel):
     replica_base_port: int = Field(
         0, ge=0, le=65535, description="the first replica's port (the rest follow); 0: port + 1, the router on port"
     )
+    k8s_image: str = Field(
+        "vllm/vllm-openai:latest", description="the serving image `servebook export k8s` renders; pin a tag"
+    )
+    k8s_namespace: str = Field("default", description="the namespace the Kubernetes manifests go into")
+    k8s_model_pvc: str = Field(
+        "", description="a PersistentVolumeClaim holding model_store; empty: the same host path on every node"
+    )
+    k8s_router_image: str = Field(
+        "servebook/vllm-router:0.1.17", description="an image with vllm-router (export k8s writes its Dockerfile)"
+    )
     stop_leftovers: bool = Field(False, description="stop leftover vLLM processes holding our GPUs or port")
     require_ready: bool = Field(True, description="stop the pipeline at reconnaissance when the verdict is not ready")
 
@@ -357,15 +367,10 @@ class Params(BaseModel):
         return self
 
     def _replica_problems(self, world: int) -> list[str]:
-        """Several replicas: one node, GPUs listed for all of them, a stage 06 that compares one server."""
+        """Several replicas: GPUs listed for all of them, a stage 06 that compares one server, ports apart."""
         if self.replicas == 1:
             return []
         problems = []
-        if self.nodes > 1:
-            problems.append(
-                f"replicas {self.replicas} with nodes {self.nodes}: servebook runs replicas on one node; set nodes: 1, "
-                "or replicas: 1 for one server across nodes"
-            )
         if self.ab_variants:
             problems.append(
                 "ab_variants relaunch one server to compare it; with replicas > 1 there is a router in front: set "
@@ -486,6 +491,8 @@ class Params(BaseModel):
 FIELDS = tuple(Params.model_fields)
 # Read by the runner itself; no notebook declares them.
 RUN_LEVEL = frozenset({"run_name", "keep_server"})
+# read by a terminal command, not by a stage: `servebook export k8s` (the cluster's image, namespace, volumes)
+COMMAND_ONLY = frozenset({"k8s_image", "k8s_namespace", "k8s_model_pvc", "k8s_router_image"})
 # Set by the runner, never by a params file: name -> (annotation, default, help).
 RUNNER_PARAMETERS = {
     "run_dir": ("str", "", "run folder for results (set by `servebook run`); empty means outputs/interactive")

@@ -13,6 +13,7 @@ header: one agent session, one replica), ``round_robin``, ``power_of_two``.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,13 @@ def binary() -> str:
             "(or pip install 'servebook[router]'), or set replicas: 1"
         )
     return found
+
+
+def installed_version() -> str | None:
+    try:
+        return importlib.metadata.version("vllm-router")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)

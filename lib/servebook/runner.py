@@ -277,6 +277,15 @@ def run(
                 "replicas yet; run the stages before it (--stages 00,01,02,03,04,05,06), or set replicas: 1 to deploy"
             ],
         )
+    if params.replicas > 1 and params.nodes > 1 and any(stage.record.FILE == "03_launch" for stage in selected):
+        raise errors.ParamsError(
+            str(params_path),
+            [
+                f"replicas {params.replicas} with nodes {params.nodes}: servebook's own launch runs replicas on one "
+                "node; set nodes: 1, or replicas: 1 for one server across nodes (`servebook export k8s` renders "
+                "replicas of a multi-node server as LeaderWorkerSet groups)"
+            ],
+        )
     declared = {stage.name: declared_parameters(notebook_of(stage)) for stage in selected}
     run_dir = new_run_dir(f"{params.run_name}-{suffix}" if suffix else params.run_name)
     pipeline = _Pipeline(params, run_dir, selected, declared, secret_values(), log, stream_output)
@@ -424,9 +433,9 @@ def check_params_against_notebooks(params_files: list[Path], notebooks: list[Pat
             problems.append(str(exc))
             continue
         for key in values:
-            if key not in declared_any and key not in params_mod.RUN_LEVEL:
+            if key not in declared_any and key not in params_mod.RUN_LEVEL | params_mod.COMMAND_ONLY:
                 problems.append(f"{pf.name} sets '{key}', which no notebook declares")
-    unused = set(params_mod.FIELDS) - declared_any - params_mod.RUN_LEVEL
+    unused = set(params_mod.FIELDS) - declared_any - params_mod.RUN_LEVEL - params_mod.COMMAND_ONLY
     for name in sorted(unused):
         problems.append(f"'{name}' is in the vocabulary but no notebook declares it")
     return problems

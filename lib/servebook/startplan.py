@@ -6,11 +6,31 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from servebook import loadpath, models, planner, server_config, startup, vllm_compat
+from servebook import loadpath, models, modelspec, planner, server_config, startup, vllm_compat
 from servebook.params import Params
 
 # a probe that could not run: a Gen4 NVMe drive's sequential read, the datasheet figure the plan falls back to
 DATASHEET_DISK_GB_S = 7.0
+
+
+def plan(p: Params, device: planner.Device, model: str = "") -> planner.Plan:
+    """The plan for these params on ``device``, ranked as they ask; ``model`` (a config.json) stands in for
+    ``p.model`` where the architecture must come from elsewhere."""
+    return planner.plan(
+        modelspec.load(model or p.model),
+        device,
+        max_model_len=p.max_model_len,
+        gpu_memory_utilization=p.gpu_memory_utilization,
+        kv_cache_dtype=p.kv_cache_dtype,
+        reserve_gib=p.plan_reserve_gib or None,
+        batch=p.plan_batch,
+        serving=planner.Serving(p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager),
+    ).rank_by(p.plan_rank_by)
+
+
+def chosen_layout(p: Params, planned: planner.Plan) -> planner.Layout | None:
+    """The layout stage 03 launches: the plan's recommendation with ``layout_from_plan``, else the params' own."""
+    return planned.recommended if p.layout_from_plan and planned.recommended else planned.find(p.layout)
 
 
 def load_evidence(p: Params, probe: bool = True) -> loadpath.CheckpointEvidence:

@@ -4,12 +4,14 @@ own /metrics, one replica killed, everything stopped and nothing left."""
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 
-from servebook import params, router, server
+from servebook import k8s, params, router, server
 from servebook.runner import stop_started_servers
 from servebook.stages import benchmark, smoke_test
 from servebook.stages import launch as launch_stage
@@ -40,6 +42,12 @@ def test_two_replicas_behind_vllm_router_serve_share_and_stop(tmp_path, monkeypa
         keyless = httpx.post(f"{launched.url}/v1/completions", json={"model": launched.served_model_name,
                              "prompt": "hi", "max_tokens": 2}, timeout=30)  # fmt: skip
         assert keyless.status_code == 401
+        # the readiness probe `servebook export k8s` renders, run the way the kubelet runs it in the leader
+        probe = k8s.readiness_script(launched.replicas[0].port, launched.served_model_name)
+        for key, ready in ((KEY, True), ("sk-wrong", False)):
+            ran = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "VLLM_API_KEY": key},
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert (ran.returncode == 0) is ready, ran.stderr[-400:]
 
         smoke = smoke_test.run(p, run_dir)
         assert smoke.passed, smoke.failed()

@@ -75,7 +75,6 @@ def test_a_level_carries_the_shares_into_its_table_row():
 @pytest.mark.parametrize(
     "values, says",
     [
-        ({"replicas": 2, "nodes": 2, "node_hosts": ["a", "b"]}, "servebook runs replicas on one node"),
         ({"replicas": 2, "port": 8000, "replica_base_port": 7999}, "puts a replica on port 8000, the router's"),
         ({"replicas": 2, "tensor_parallel_size": 2, "gpu_ids": [0, 1]}, "x replicas 2 = 4; list exactly 4"),
         ({"replicas": 0}, "replicas"),
@@ -86,6 +85,18 @@ def test_replica_settings_that_cannot_work_are_refused_by_name(values, says):
     with pytest.raises(ParamsError) as err:
         params.validate({"ab_variants": [], **values})
     assert says in str(err.value)
+
+
+def test_replicas_across_nodes_are_refused_before_a_launch_starts(tmp_path):
+    from servebook import runner
+
+    file = tmp_path / "p.yaml"
+    file.write_text(
+        "replicas: 2\nab_variants: []\nnodes: 2\ntensor_parallel_size: 2\nnode_hosts: [local, b]\nnode_interconnect: 100GbE\n"
+    )
+    with pytest.raises(ParamsError, match="servebook's own launch runs replicas on one node"):
+        runner.run(file, wanted="reconnaissance,plan,launch")
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_a_pipeline_with_replicas_is_refused_before_it_starts_when_it_would_deploy(tmp_path):

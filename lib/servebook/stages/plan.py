@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from servebook import gpus, hardware, loadpath, modelspec, multinode, planner, results, server_config, startplan
+from servebook import gpus, hardware, loadpath, multinode, planner, results, server_config, startplan
 from servebook.errors import LayoutRejected, ServebookError
 from servebook.params import Params
 from servebook.records import PlanRecord, ReconRecord
@@ -56,16 +56,7 @@ def device_for(p: Params, run_dir: Path) -> planner.Device:
 def make_plan(p: Params, device: planner.Device, evidence: loadpath.CheckpointEvidence | None = None) -> PlanRecord:
     """The plan for these params on this hardware, with the exact command each node would run for the layout
     the launch will use: the launch's own :class:`ServerConfig`, so what the plan prints is what starts."""
-    planned = planner.plan(
-        modelspec.load(p.model),
-        device,
-        max_model_len=p.max_model_len,
-        gpu_memory_utilization=p.gpu_memory_utilization,
-        kv_cache_dtype=p.kv_cache_dtype,
-        reserve_gib=p.plan_reserve_gib or None,
-        batch=p.plan_batch,
-        serving=planner.Serving(p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager),
-    ).rank_by(p.plan_rank_by)
+    planned = startplan.plan(p, device)
     launch_layout = "recommended" if p.layout_from_plan and planned.recommended else "params"
     record = PlanRecord(**dict(planned), requested=planned.find(p.layout), launch_layout=launch_layout)
     chosen = record.recommended if launch_layout == "recommended" else record.requested
