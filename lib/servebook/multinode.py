@@ -134,6 +134,7 @@ def commands(
 _PROBE = r"""
 import glob, hashlib, importlib.metadata as md, json, os, socket, sys, time
 model, address, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3].split(",") if p]
+peer = sys.argv[4] if len(sys.argv) > 4 else ""
 def version(name):
     try:
         return md.version(name)
@@ -184,6 +185,19 @@ out["gpus"] = [f"{i}: {name}, {total} MiB, {used} MiB used" for i, name, total, 
 out["gpu_processes"] = [f"pid {pid} {name} ({mib} MiB)" for pid, name, mib in
                         smi("compute-apps=pid,process_name,used_memory")]
 out["env"] = {k: os.environ[k] for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA") if k in os.environ}
+out["route"] = {}
+if peer:
+    try:
+        words = subprocess.run(["ip", "-4", "-o", "route", "get", peer], capture_output=True, text=True,
+                               timeout=10).stdout.split()
+        out["route"] = {k: words[words.index(k) + 1] for k in ("dev", "src") if k in words[:-1]}
+    except (OSError, subprocess.SubprocessError):
+        pass
+try:
+    st = os.statvfs("/dev/shm")
+    out["shm_bytes"] = st.f_blocks * st.f_frsize
+except OSError:
+    out["shm_bytes"] = None
 out["time"] = time.time()
 print(json.dumps(out))
 """
@@ -203,14 +217,20 @@ class NodeProbe(BaseModel):
     gpus: list[str] = []  # nvidia-smi's view: "index: name, total MiB, used MiB"
     gpu_processes: list[str] = []
     env: dict[str, str] = {}
+    route: dict[str, str] = {}  # `ip -4 route get PEER` there: the interface ("dev") and address ("src") it leaves by
+    peer: str = ""  # the address routed to: the head's, or for the head the first other node's
+    shm_bytes: int | None = None  # /dev/shm's size there
     clock_skew_s: float = 0.0
     seconds: float = 0.0
 
 
 def probe(node: Node, nodes: NodeSet, model_path: str, ports: list[int]) -> NodeProbe:
-    """What one node has: versions, checkpoint, ports, interfaces, clock (one SSH round trip)."""
+    """What one node has: versions, checkpoint, ports, interfaces, its route to the others, /dev/shm, clock (one
+    SSH round trip)."""
     python = sys.executable if not node.ssh else nodes.node_python
-    argv = [python, "-c", _PROBE, model_path, node.address or "0.0.0.0", ",".join(map(str, ports))]
+    others = [n.address for n in nodes.nodes if n is not node and n.address]
+    peer = nodes.head.address if node is not nodes.head and nodes.head.address else (others[0] if others else "")
+    argv = [python, "-c", _PROBE, model_path, node.address or "0.0.0.0", ",".join(map(str, ports)), peer]
     sent = time.time()
     try:
         proc = remote.run(node.ssh, shlex.join(argv), nodes.ssh_config, timeout_s=60)
@@ -224,7 +244,9 @@ def probe(node: Node, nodes: NodeSet, model_path: str, ports: list[int]) -> Node
     # the node's clock read somewhere between our send and its answer: only what falls outside is skew
     then = data.pop("time")
     skew = then - back if then > back else then - sent if then < sent else 0.0
-    return NodeProbe(node=node.name, reachable=True, clock_skew_s=round(skew, 3), seconds=round(back - sent, 2), **data)
+    return NodeProbe(
+        node=node.name, reachable=True, peer=peer, clock_skew_s=round(skew, 3), seconds=round(back - sent, 2), **data
+    )
 
 
 def probe_table(probes: list[NodeProbe]) -> pd.DataFrame:
@@ -242,6 +264,8 @@ def probe_table(probes: list[NodeProbe]) -> pd.DataFrame:
                 else "missing",
                 "index sha256": str(n.checkpoint.get("sha256") or "")[:12],
                 "interface": n.interface,
+                "route to peer": f"{n.route.get('dev')} from {n.route.get('src')}" if n.route else "",
+                "/dev/shm GiB": round(n.shm_bytes / 2**30, 1) if n.shm_bytes else None,
                 "GPUs": len(n.gpus),
                 "GPU holders": "; ".join(n.gpu_processes) or "none",
                 "InfiniBand": ", ".join(n.infiniband) or "none",
@@ -275,6 +299,7 @@ def problems(probes: list[NodeProbe], nodes: NodeSet, checkpoint: bool = True, g
                 f"{found.node}: address {node.address} is on none of its interfaces ({', '.join(found.interfaces)}); "
                 "give node_addresses as each node's own IP on the network the nodes share"
             )
+        out += network_problems(found, node)
         for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
             wanted = found.env.get(key, "")
             names = [n.lstrip("=^") for n in wanted.split(",") if n]
@@ -324,6 +349,36 @@ def problems(probes: list[NodeProbe], nodes: NodeSet, checkpoint: bool = True, g
                 f"{found.node}: its clock is {found.clock_skew_s:+.1f} s off the head's; start chrony or ntp there "
                 "(vLLM's distributed timeouts and every log's timestamps assume one clock)"
             )
+    return out
+
+
+SHM_MIN_BYTES = 1 << 30
+
+
+def network_problems(found: NodeProbe, node: Node) -> list[str]:
+    """What the users' multi-node failures came from: an address that is not where traffic to the other nodes
+    leaves (vLLM registers VLLM_HOST_IP, node_addresses' value, while the route goes out elsewhere), Gloo given
+    NCCL's interface syntax, a container's 64 MiB /dev/shm."""
+    out = []
+    dev, src = found.route.get("dev"), found.route.get("src")
+    if dev and found.interface and dev != found.interface:
+        out.append(
+            f"{found.node}: node_addresses gives {node.address} (on {found.interface}), but `ip -4 route get "
+            f"{found.peer}` there leaves through {dev} (from {src}); list {src} in node_addresses, or route the "
+            f"nodes' network through {found.interface}"
+        )
+    gloo = found.env.get("GLOO_SOCKET_IFNAME", "")
+    if gloo and (gloo[0] in "^=" or "," in gloo):
+        fix = f"GLOO_SOCKET_IFNAME={dev}, the interface the route to {found.peer} uses there" if dev else "one name"
+        out.append(
+            f"{found.node}: GLOO_SOCKET_IFNAME={gloo} is NCCL's syntax (exclusions, exact match, lists); Gloo takes "
+            f"one interface name: set {fix}"
+        )
+    if found.shm_bytes is not None and found.shm_bytes < SHM_MIN_BYTES:
+        out.append(
+            f"{found.node}: /dev/shm is {found.shm_bytes / 2**20:.0f} MiB; NCCL's shared-memory transport and vLLM's "
+            "queues between the ranks need more: run the container with --ipc=host or --shm-size=16g"
+        )
     return out
 
 

@@ -169,6 +169,35 @@ def test_nodes_that_differ_are_refused_each_by_name_with_the_fix():
     assert multinode.problems([probe("node0 (this machine)"), probe("node1 (gpu-b)")], NODES) == []
 
 
+def test_the_networks_that_broke_users_launches_are_refused_by_node_with_the_fix():
+    """An address that is not where the route to the head leaves, NCCL's syntax given to Gloo, a 64 MiB /dev/shm."""
+    head = probe("node0 (this machine)", route={"dev": "ib0", "src": "10.0.0.1"}, peer="10.0.0.2", shm_bytes=32 << 30)
+    other = probe(
+        "node1 (gpu-b)", route={"dev": "eth0", "src": "192.168.1.7"}, peer="10.0.0.1", interfaces=["eth0", "ib0", "lo"],
+        env={"GLOO_SOCKET_IFNAME": "^lo,docker0"}, shm_bytes=64 << 20,
+    )  # fmt: skip
+    text = "\n".join(multinode.problems([head, other], NODES))
+    assert (
+        "node1 (gpu-b): node_addresses gives 10.0.0.2 (on ib0), but `ip -4 route get 10.0.0.1` there leaves through "
+        "eth0 (from 192.168.1.7); list 192.168.1.7 in node_addresses" in text
+    )
+    assert "GLOO_SOCKET_IFNAME=^lo,docker0 is NCCL's syntax" in text and "set GLOO_SOCKET_IFNAME=eth0" in text
+    assert "node1 (gpu-b): /dev/shm is 64 MiB" in text and "--shm-size=16g" in text
+    assert "node0" not in text
+
+
+def test_the_probe_reads_this_machines_route_and_shared_memory():
+    """The probe for real on this machine (no SSH for a local node): the route to a peer, /dev/shm's size."""
+    nodes = multinode.NodeSet(
+        nodes=[multinode.Node(name="node0", address="127.0.0.1"), multinode.Node(name="node1", address="127.0.0.3")],
+        gpus_per_node=1,
+    )
+    found = multinode.probe(nodes.nodes[0], nodes, "/nonexistent", [])
+    assert found.peer == "127.0.0.3" and found.route == {"dev": "lo", "src": "127.0.0.1"}
+    assert found.shm_bytes and found.shm_bytes > 0
+    assert multinode.network_problems(found, nodes.nodes[0]) == []
+
+
 def test_an_unreachable_node_is_refused_before_anything_starts(tmp_path):
     """A real SSH client against an address where nothing listens: refused, named, with the fix."""
     config = tmp_path / "ssh_config"
@@ -249,3 +278,19 @@ def test_a_lost_start_on_an_unreachable_node_says_what_to_run_there(tmp_path):
     config.write_text("Host gone\n  HostName 127.0.0.1\n  Port 1\n  ConnectTimeout 3\n")
     done = remote.stop_unanswered("gone", "/var/log/w.log", str(config))
     assert "cannot reach gone over SSH" in done and "kill -TERM -- -$(cat /var/log/w.log.pid)` on gone" in done
+
+
+def test_an_engine_wait_shorter_than_the_load_is_refused_before_the_launch():
+    from servebook import server_config
+    from servebook.errors import PreflightError
+    from servebook.stages import launch as launch_stage
+
+    p = params.validate({"model": "builtin:tiny-qwen3-moe", "load_timeout_s": 900,
+                         "extra_env": {"VLLM_ENGINE_READY_TIMEOUT_S": "600"}})  # fmt: skip
+    cfg = server_config.ServerConfig.from_params(p, "cpu", model_path="/nonexistent")
+    with pytest.raises(PreflightError, match="VLLM_ENGINE_READY_TIMEOUT_S=600, under the load budget of 900 s"):
+        launch_stage.check_load_options(cfg)
+    longer = server_config.ServerConfig.from_params(
+        p.model_copy(update={"extra_env": {"VLLM_ENGINE_READY_TIMEOUT_S": "1200"}}), "cpu", model_path="/nonexistent"
+    )
+    launch_stage.check_load_options(longer)

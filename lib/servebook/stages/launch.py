@@ -71,8 +71,25 @@ def check_load_options(cfg: server.ServerConfig) -> None:
     problems = loadpath.option_problems(
         cfg.load_strategy, cfg.load_format, cfg.ep_weight_filter, expert_parallel=cfg.enable_expert_parallel
     )
+    problems += ready_timeout_problems(cfg)
     if problems:
         raise PreflightError("nothing started:\n  - " + "\n  - ".join(problems))
+
+
+def ready_timeout_problems(cfg: server.ServerConfig) -> list[str]:
+    """vLLM's own wait for its engines (VLLM_ENGINE_READY_TIMEOUT_S; the data-parallel coordinator waits for the
+    other nodes' engines under it) set in extra_env below the load budget: the load would be cut short."""
+    given = cfg.extra_env.get("VLLM_ENGINE_READY_TIMEOUT_S")
+    budget = cfg.load_budget_s()
+    if given is None:
+        return []
+    if not given.isdigit() or int(given) < budget:
+        return [
+            f"extra_env sets VLLM_ENGINE_READY_TIMEOUT_S={given}, under the load budget of {budget:.0f} s: vLLM would "
+            "give up on its engines (on other nodes too) before they load; take it out of extra_env (servebook sets "
+            "it to the budget) or raise load_timeout_s"
+        ]
+    return []
 
 
 def dry_start(cfg: server.ServerConfig, run_dir: Path, p: Params, predicted: planner.Layout | None) -> DryStart:
