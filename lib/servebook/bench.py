@@ -151,6 +151,12 @@ class Level(BaseModel):
     # behind a router: each replica's share of the finished requests and its prefix-cache hit rate (medians)
     replica_shares: dict[str, float] = {}
     replica_prefix_hit_rates: dict[str, float | None] = {}
+    dead_replicas: list[str] = []  # replicas whose /metrics stopped answering during the level
+    # the router's own counts over the level's windows (sums): requests it retried on another replica, requests
+    # whose retries ran out, and requests it answered with an error
+    router_retries: float | None = None
+    router_retries_exhausted: float | None = None
+    router_errors: float | None = None
     tpot_clock_gap_pct: float | None = None  # client's mean TPOT against vLLM's, % (same requests only)
     client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core per process
     client_processes: float | None = None  # client processes that shared the streams
@@ -168,9 +174,10 @@ class Level(BaseModel):
 
     def flat(self) -> TableRow:
         """The levels table's row: the GPU evidence as ``gpu_*`` columns."""
-        exclude = {"gpu", "gpu_samples", "replica_shares", "replica_prefix_hit_rates"}
+        exclude = {"gpu", "gpu_samples", "replica_shares", "replica_prefix_hit_rates", "dead_replicas"}
         row: TableRow = {k: v for k, v in self.model_dump(exclude=exclude).items()}
         row["gpu_samples"] = ", ".join(map(str, self.gpu_samples))
+        row["dead_replicas"] = ", ".join(self.dead_replicas)
         for i, url in enumerate(sorted(self.replica_shares)):
             row |= {f"replica{i}_url": url, f"replica{i}_share": self.replica_shares[url],
                     f"replica{i}_prefix_hit_rate": self.replica_prefix_hit_rates.get(url)}  # fmt: skip
@@ -276,6 +283,27 @@ def replica_shares(before: dict[str, dict[str, float]], after: dict[str, dict[st
     return out
 
 
+ROUTER_COUNTERS = {
+    "retries": "vllm_router_retries_total",
+    "retries_exhausted": "vllm_router_retries_exhausted_total",
+    "errors": "vllm_router_request_errors_total",
+}
+
+
+class RouterCounts(BaseModel):
+    """What vllm-router counted over one window (its Prometheus counters, summed over their labels)."""
+
+    retries: float = 0.0
+    retries_exhausted: float = 0.0
+    errors: float = 0.0
+
+    @classmethod
+    def of(cls, before: dict[str, float], after: dict[str, float]) -> RouterCounts | None:
+        if not after:
+            return None
+        return cls(**{k: max(0.0, after.get(n, 0.0) - before.get(n, 0.0)) for k, n in ROUTER_COUNTERS.items()})
+
+
 class RunRow(BaseModel):
     """One measured window of a level: the client's numbers, the server's, both clocks, the GPUs'."""
 
@@ -290,6 +318,7 @@ class RunRow(BaseModel):
     gpu: GpuEvidence | None = None
     gpu_note: str = ""  # why there is no GPU evidence
     replicas: dict[str, ReplicaShare] = {}  # behind a router: each replica's part, by its URL
+    router: RouterCounts | None = None
 
     def flat(self) -> TableRow:
         """The runs table's row (and the scalars a level takes medians of)."""
@@ -331,6 +360,10 @@ MEDIAN_FIELDS = [
         "gpu_note",
         "replica_shares",
         "replica_prefix_hit_rates",
+        "dead_replicas",
+        "router_retries",
+        "router_retries_exhausted",
+        "router_errors",
     }
 ]
 
@@ -389,6 +422,21 @@ def plateau_level(levels: list[int], throughputs: list[float], gain: float) -> i
         return None
     best = max(throughputs)
     return next(c for c, t in zip(levels, throughputs) if t >= best * (1 - gain))
+
+
+def failover_text(level: Level) -> str:
+    """Behind a router: the replicas that stopped answering during the level, what the router retried and what was
+    lost; '' when every replica answered and nothing was retried."""
+    if not level.dead_replicas and not level.router_retries and not level.failed:
+        return ""
+    dead = f"{', '.join(level.dead_replicas)} stopped answering; " if level.dead_replicas else ""
+    retried = (
+        f"the router retried {level.router_retries:.0f} request(s) on another replica"
+        f" ({level.router_retries_exhausted:.0f} ran out of retries), "
+        if level.router_retries is not None
+        else ""
+    )
+    return f"{dead}{retried}{level.failed} request(s) lost" if dead or retried else ""
 
 
 def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitKind, str]:
@@ -546,6 +594,13 @@ def aggregate(rows: list[RunRow]) -> list[Level]:
             rates = [x.prefix_cache_hit_rate for x in parts if x.prefix_cache_hit_rate is not None]
             out[-1].replica_shares[url] = round(statistics.median(x.share for x in parts), 4)
             out[-1].replica_prefix_hit_rates[url] = round(statistics.median(rates), 4) if rates else None
+            if not all(x.answered for x in parts):
+                out[-1].dead_replicas.append(url)
+        counted = [r.router for r in reps if r.router]
+        if counted:
+            out[-1].router_retries = sum(x.retries for x in counted)
+            out[-1].router_retries_exhausted = sum(x.retries_exhausted for x in counted)
+            out[-1].router_errors = sum(x.errors for x in counted)
     return out
 
 
@@ -687,6 +742,7 @@ class _Sweep:
         prompts = self.prompts(c, expected)
         reset = client.reset_prefix_cache(self.target) if self.cfg.reset_prefix_cache else "not requested"
         engines_before = client.scrape_engines(self.target)
+        router_before = client.router_metrics(self.target.router_metrics) if self.target.router_metrics else {}
         cpu_before, wall_before = _client_cpu_s(), time.monotonic()
         with (
             client.MetricsSampler(self.target.engine_urls) as sampler,
@@ -695,6 +751,7 @@ class _Sweep:
             window = self.send(c, prompts)
         wall = max(time.monotonic() - wall_before, 1e-9)
         engines_after = client.scrape_engines(self.target)
+        router_after = client.router_metrics(self.target.router_metrics) if self.target.router_metrics else {}
         before, after = client.summed(engines_before), client.summed(engines_after)
         for r in window.records:
             r.level, r.repeat = f"c{c}r{rep}", rep
@@ -711,6 +768,7 @@ class _Sweep:
             gpu=gpus.evidence,
             gpu_note="" if gpus.evidence else f"no GPU evidence: {gpus.absent or 'no sample within the window'}",
             replicas=replica_shares(engines_before, engines_after),
+            router=RouterCounts.of(router_before, router_after),
         ), window
 
     def level(self, c: int) -> Level | None:
@@ -776,6 +834,8 @@ class _Sweep:
                 return Stop("fault", f"server fault at concurrency {c}")
             label_limits([*self.levels, level], self.cfg)
             self.log(f"concurrency {c:4d}: {level.limit}")
+            if said := failover_text(level):
+                self.log(f"concurrency {c:4d}: {said}")
             self.levels.append(level)
             self.on_level()
             if not self.cfg.client_processes and (level.client_cpu_pct or 0) >= CLIENT_SPLIT_PCT:

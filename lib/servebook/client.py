@@ -64,6 +64,7 @@ class Target:
     timeout_s: float = 600.0
     # the vLLM servers behind ``url`` where it is a router: their /metrics and /reset_prefix_cache are theirs
     engines: tuple[str, ...] = ()
+    router_metrics: str = ""  # the router's own Prometheus endpoint, where there is one
 
     def with_timeout(self, timeout_s: float) -> Target:
         return replace(self, timeout_s=timeout_s)
@@ -116,11 +117,12 @@ def histogram_mean_ms(name: str, before: dict[str, float], after: dict[str, floa
     return round(count), (1000 * total / count if count > 0 else None)
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sum each vLLM metric over its label sets (one engine, one model: the sum is the value)."""
+def parse_metrics(text: str, prefix: str = "vllm:") -> dict[str, float]:
+    """Sum each vLLM metric (or each of those named ``prefix``...) over its label sets (one engine, one model:
+    the sum is the value)."""
     values: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        if not line.startswith(prefix):
             continue
         name_labels, _, value = line.rpartition(" ")
         name = name_labels.split("{", 1)[0]
@@ -131,10 +133,18 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
+def metrics(url: str, timeout: float = 5.0, prefix: str = "vllm:") -> dict[str, float]:
     r = httpx.get(f"{url}/metrics", timeout=timeout)
     r.raise_for_status()
-    return parse_metrics(r.text)
+    return parse_metrics(r.text, prefix)
+
+
+def router_metrics(url: str) -> dict[str, float]:
+    """vllm-router's Prometheus counters now (``vllm_router_*``); {} when it does not answer."""
+    try:
+        return metrics(url, prefix="vllm_router_")
+    except httpx.HTTPError:
+        return {}
 
 
 def key_gauges(values: dict[str, float]) -> dict[str, float]:

@@ -271,7 +271,12 @@ class LaunchRecord(Record):
         own = self.config.target(timeout_s)
         if not self.router:
             return own
-        return dataclasses.replace(own, url=self.router.url, engines=tuple(r.url for r in self.replicas))
+        return dataclasses.replace(
+            own,
+            url=self.router.url,
+            engines=tuple(r.url for r in self.replicas),
+            router_metrics=self.router.metrics_url,
+        )
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -102,6 +102,7 @@ class RouterRecord(BaseModel):
     log_path: str
     seconds_to_ready: float
     workers: list[WorkerState] = []
+    metrics_url: str = ""  # its Prometheus endpoint: requests, retries, errors
 
 
 def workers(url: str, timeout_s: float = 5.0) -> list[WorkerState]:
@@ -146,6 +147,7 @@ def start(
     return RouterRecord(
         url=cfg.url, port=cfg.port, policy=cfg.policy, worker_urls=cfg.worker_urls, command=command, pid=proc.pid,
         pgid=proc.pid, log_path=str(log_path), seconds_to_ready=round(time.monotonic() - started, 2), workers=listed,
+        metrics_url=f"http://127.0.0.1:{cfg.metrics_port}",
     )  # fmt: skip
 
 

@@ -107,3 +107,22 @@ def test_a_pipeline_with_replicas_is_refused_before_it_starts_when_it_would_depl
     with pytest.raises(ParamsError, match="deploy stage renders one server's unit"):
         runner.run(file)
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_level_names_the_replica_that_died_and_what_the_router_did_about_it():
+    counts = bench.RouterCounts.of(
+        {"vllm_router_retries_total": 2.0}, {"vllm_router_retries_total": 5.0, "vllm_router_request_errors_total": 1.0}
+    )
+    assert counts == bench.RouterCounts(retries=3.0, retries_exhausted=0.0, errors=1.0)
+    assert bench.RouterCounts.of({}, {}) is None  # no router answered: nothing counted, not zero
+    level = bench.Level(concurrency=4, repeats=1, output_throughput=1.0, output_throughput_min=1.0,
+                        output_throughput_max=1.0, spread_pct=None, failed=1, dead_replicas=["http://b"],
+                        router_retries=3.0, router_retries_exhausted=1.0)  # fmt: skip
+    said = bench.failover_text(level)
+    assert said == (
+        "http://b stopped answering; the router retried 3 request(s) on another replica (1 ran out of retries), "
+        "1 request(s) lost"
+    )
+    assert level.flat()["dead_replicas"] == "http://b"
+    calm = level.model_copy(update={"dead_replicas": [], "router_retries": 0.0, "failed": 0})
+    assert bench.failover_text(calm) == ""

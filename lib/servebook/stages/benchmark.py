@@ -357,6 +357,9 @@ def replica_table(levels: list[bench.Level]) -> pd.DataFrame:
             "prefix-cache hit rate, %": (
                 round(100 * rate, 1) if (rate := level.replica_prefix_hit_rates.get(url)) is not None else None
             ),
+            "answered": "no: stopped during the level" if url in level.dead_replicas else "yes",
+            "router retries (level)": level.router_retries,
+            "lost (level)": level.failed,
         }
         for level in levels
         for url, share in sorted(level.replica_shares.items())
