@@ -72,13 +72,19 @@ print(Path(deployed.unit_file).read_text())
 # A server across several nodes gets one unit per other node: vLLM `--headless` there, started by the head's unit
 # (`ExecStartPre`, over SSH) and stopped after it (`ExecStopPost`). Copy each to its node's
 # `/etc/systemd/system/` (with `deploy_install: true` servebook does, over the same SSH).
+#
+#
+# Several replicas behind vllm-router get one unit per replica, each with the command and cores it ran with here;
+# the router's unit `Requires=` them and starts `After=` them, so `systemctl start` on the router brings every
+# replica up first (each start returns once its `/health` answers), and `PartOf=` makes a stop or restart of the
+# router reach them.
 
 # %%
-for node_unit in deployed.node_units:
+for node_unit in [*deployed.node_units, *deployed.replica_units]:
     print(f"# {node_unit.node}: {node_unit.unit_name} (systemd-analyze verify: {'passed' if node_unit.verify.ok else 'see notes'})")
     print(Path(node_unit.unit_file).read_text())
-if not deployed.node_units:
-    print("one node: no other unit")
+if not deployed.node_units and not deployed.replica_units:
+    print("one server on one node: no other unit")
 
 # %% [markdown]
 # ## Checks

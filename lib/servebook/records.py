@@ -195,6 +195,8 @@ class ReplicaRecord(BaseModel):
     log_path: str
     seconds_to_ready: float
     reused: bool = False
+    command: list[str] = []  # exactly what it runs (its own port and cores), secrets masked
+    environment: dict[str, str] = {}  # what differs from the launching shell, secrets masked
 
 
 class DryStart(BaseModel):
@@ -421,6 +423,7 @@ class DeployRecord(Record):
     dry_run: DryRun | None = None
     dry_run_skipped: str = ""
     node_units: list[NodeUnitRecord] = []  # a multi-node server's other nodes, started by the head's unit
+    replica_units: list[NodeUnitRecord] = []  # behind a router: each replica's unit, which the router's requires
     run_as: str = ""  # the user the dry run ran as: the unit's where it exists here
     access_problems: list[str] = []  # what the unit's user could not read or run, each with the fix
     warnings: list[str] = []  # what the unit left out of the launch's environment, and why

@@ -269,14 +269,6 @@ def run(
     params = params_mod.load(params_path, overrides)  # raises before anything exists
     declare_secret(params.api_key_env)  # its value is masked in every notebook, record and report, as the key it is
     selected = stages.select(wanted)
-    if params.replicas > 1 and any(stage.record.FILE == "07_deploy" for stage in selected):
-        raise errors.ParamsError(
-            str(params_path),
-            [
-                f"replicas {params.replicas}: the deploy stage renders one server's unit, not a router and its "
-                "replicas yet; run the stages before it (--stages 00,01,02,03,04,05,06), or set replicas: 1 to deploy"
-            ],
-        )
     if params.replicas > 1 and params.nodes > 1 and any(stage.record.FILE == "03_launch" for stage in selected):
         raise errors.ParamsError(
             str(params_path),

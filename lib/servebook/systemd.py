@@ -64,6 +64,8 @@ class UnitSpec:
     role: str = "server"  # "server" (serves the API), or "worker" (a headless node of a multi-node server)
     worker_units: list[NodeUnit] = field(default_factory=list)  # the head's: the other nodes' units
     ssh_config: str = ""
+    requires: list[str] = field(default_factory=list)  # a router's: its replicas' units, up before it starts
+    part_of: str = ""  # a replica's: the router's unit, whose stop and restart reach it
 
     @property
     def unit_name(self) -> str:
@@ -143,6 +145,19 @@ def _start_lines(u: UnitSpec) -> tuple[str, str]:
     return pre, post
 
 
+def _dependency_lines(u: UnitSpec) -> str:
+    """A router and its replicas as units: starting the router starts every replica first and waits for each to be
+    started, which their ExecStartPost makes mean answering; stopping or restarting the router does the same to
+    them."""
+    lines = []
+    if u.requires:
+        lines += ["# its replicas first: each one's start returns only once its /health answers",
+                  f"Requires={' '.join(u.requires)}"]  # fmt: skip
+    if u.part_of:
+        lines += ["# stopped and restarted with the router in front of it", f"PartOf={u.part_of}"]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def render_unit(u: UnitSpec) -> str:
     pre, post = _start_lines(u)
     state = u.state_dir or f"/var/lib/servebook/{u.name}"
@@ -152,9 +167,9 @@ def render_unit(u: UnitSpec) -> str:
 [Unit]
 Description={u.description}
 Documentation=https://docs.vllm.ai/
-After=network-online.target
+After=network-online.target{"".join(" " + r for r in u.requires)}
 Wants=network-online.target
-# A window that holds {START_BURST} complete long loads: a slow start is not a crash loop.
+{_dependency_lines(u)}# A window that holds {START_BURST} complete long loads: a slow start is not a crash loop.
 StartLimitIntervalSec={u.start_limit_interval_s}
 StartLimitBurst={START_BURST}
 

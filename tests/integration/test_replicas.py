@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from servebook import bench, k8s, params, results, router, server
 from servebook.records import BenchmarkRecord
 from servebook.runner import stop_started_servers
-from servebook.stages import benchmark, smoke_test
+from servebook.stages import benchmark, deploy, smoke_test
 from servebook.stages import launch as launch_stage
 
 from .conftest import ours_left
@@ -90,9 +91,35 @@ def test_two_replicas_behind_vllm_router_serve_share_and_stop(tmp_path, monkeypa
             time.sleep(1)
         states = {w.url: w.healthy for w in router.workers(launched.url)}
         assert states == {launched.replicas[0].url: True, dead.url: False}
+
+        # deploy: the router's unit requires one unit per replica, each with the command and cores it ran with
+        deployed = deploy.run(p, run_dir)
+        front = (run_dir / deployed.unit_name).read_text()
+        replica_units = [u.unit_name for u in deployed.replica_units]
+        assert replica_units == [
+            "servebook-tiny-qwen3-moe-replica0.service",
+            "servebook-tiny-qwen3-moe-replica1.service",
+        ]
+        assert (
+            f"Requires={' '.join(replica_units)}" in front
+            and f"After=network-online.target {replica_units[0]}" in front
+        )
+        assert "vllm-router" in front.split("ExecStart=", 1)[1].splitlines()[0]
+        for record, replica in zip(deployed.replica_units, launched.replicas, strict=True):
+            text = Path(record.unit_file).read_text()
+            assert "PartOf=servebook-tiny-qwen3-moe.service" in text and f"--port {replica.port}" in text
+            assert "VLLM_CPU_OMP_THREADS_BIND" in text  # its own cores, as it ran here
+            assert KEY not in text and record.verify.ok, record.verify.output
+        assert deployed.verify.ok, deployed.verify.output
+        assert (
+            "(filled at install from $SERVEBOOK_REPLICA_KEY)" in (run_dir / "tiny-qwen3-moe-replica0.env").read_text()
+        )
+        assert "port 8191" in deployed.ad_hoc_server_stopped  # the units replace the ad hoc router and replicas
+        assert "requiring 2 replica unit(s)" in deploy.summary(deployed)
+        deploy.check(deployed, p)
     finally:
         said = stop_started_servers(run_dir.resolve(), print)
-    assert "port 8191" in said and "port 8192" in said
+    assert server.registered(8191) is None
     assert server.registered(8191) is None and server.registered(8192) is None and server.registered(8193) is None
     for replica in launched.replicas:
         assert ours_left(replica.pgid) == []

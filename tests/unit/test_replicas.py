@@ -99,16 +99,6 @@ def test_replicas_across_nodes_are_refused_before_a_launch_starts(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-def test_a_pipeline_with_replicas_is_refused_before_it_starts_when_it_would_deploy(tmp_path):
-    from servebook import runner
-
-    file = tmp_path / "p.yaml"
-    file.write_text("replicas: 2\nab_variants: []\n")
-    with pytest.raises(ParamsError, match="deploy stage renders one server's unit"):
-        runner.run(file)
-    assert not (tmp_path / "outputs").exists()
-
-
 def test_a_level_names_the_replica_that_died_and_what_the_router_did_about_it():
     counts = bench.RouterCounts.of(
         {"vllm_router_retries_total": 2.0}, {"vllm_router_retries_total": 5.0, "vllm_router_request_errors_total": 1.0}

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from servebook import client, models, remote, results, server, server_config, systemd
-from servebook.errors import DeployFailed, PreflightError
+from servebook.errors import DeployFailed
 from servebook.params import Params
 from servebook.records import Command, DeployRecord, DryRun, LaunchRecord, NcclTuningRecord, NodeUnitRecord
 from servebook.secrets import MASK
@@ -38,12 +38,7 @@ def unit_spec(
     """A unit from the launch record: its exact command, its environment, its measured load time."""
     measured = launch.started_by_this_run and launch.seconds_to_ready > 0
     load = launch.seconds_to_ready if measured else float(predicted_load_s or server_config.BASE_BUDGET_S)
-    env = {
-        k: v
-        for k, v in launch.environment.items()
-        if v != MASK and k not in systemd.SECRET_VARS and k not in systemd.DEVELOPMENT_ONLY
-    }
-    env.update(nccl_env or {})
+    env = unit_environment(launch.environment, nccl_env)
     cfg = launch.config
     unit = systemd.UnitSpec(
         name=name,
@@ -63,6 +58,59 @@ def unit_spec(
     # vLLM's own engine-ready timeout must not cut the load shorter than the unit allows
     unit.environment["VLLM_ENGINE_READY_TIMEOUT_S"] = str(unit.timeout_start_s)
     return unit
+
+
+def unit_environment(environment: dict[str, str], nccl_env: dict[str, str] | None = None) -> dict[str, str]:
+    """A launch's environment as a unit's: no secrets (they go in the environment file), nothing development-only."""
+    env = {
+        k: v
+        for k, v in environment.items()
+        if v != MASK and k not in systemd.SECRET_VARS and k not in systemd.DEVELOPMENT_ONLY
+    }
+    return env | (nccl_env or {})
+
+
+def router_units(
+    name: str, launch: LaunchRecord, nccl_env: dict[str, str] | None, user: str
+) -> tuple[systemd.UnitSpec, list[systemd.UnitSpec]]:
+    """The router's unit and one per replica, each replica with exactly the command and cores it ran with here;
+    the router's requires them all, so `systemctl start` of the router brings them up first."""
+    assert launch.router is not None
+    base = unit_spec(name, launch, nccl_env, user=user)
+    replicas = []
+    for rep in launch.replicas:
+        spec = dataclasses.replace(
+            base,
+            name=f"{name}-replica{rep.index}",
+            description=f"vLLM serving {launch.config.served_model_name}, replica {rep.index} (servebook)",
+            command=list(rep.command),
+            environment=unit_environment(rep.environment, nccl_env),
+            url=rep.url,
+            port=rep.port,
+            gpu_ids=list(rep.gpu_ids),
+            load_seconds=rep.seconds_to_ready or base.load_seconds,
+            part_of=f"servebook-{name}.service",
+        )
+        spec.environment["VLLM_ENGINE_READY_TIMEOUT_S"] = str(spec.timeout_start_s)
+        replicas.append(spec)
+    routed = launch.router
+    front = systemd.UnitSpec(
+        name=name,
+        description=f"vllm-router ({routed.policy}) in front of {len(replicas)} vLLM replicas (servebook)",
+        command=list(routed.command),
+        environment={},
+        secret_sources={},  # it forwards each client's key to the replicas and holds none
+        url=routed.url,
+        port=routed.port,
+        gpu_ids=[],
+        device="cpu",
+        load_seconds=routed.seconds_to_ready,
+        load_source="measured",
+        servebook=base.servebook,
+        user=user,
+        requires=[r.unit_name for r in replicas],
+    )
+    return front, replicas
 
 
 def _run(args: list[str], timeout: float) -> Command:
@@ -173,13 +221,12 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, DeployRecord)  # a rerun never leaves the last attempt's record looking current
     launch = results.require(run_dir, LaunchRecord, "deploy")
-    if launch.router:
-        raise PreflightError(
-            f"the launch put {len(launch.replicas)} replicas behind a router; the deploy stage renders one server's "
-            "unit, not a router and its replicas yet: launch with replicas: 1 to deploy"
-        )
     tuned = results.read(run_dir, NcclTuningRecord)
     name = p.deploy_name or launch.served_model_name.replace("/", "-")
+    if launch.router:
+        record = _deploy_router(p, run_dir, launch, name, tuned.recommended_env if tuned else None)
+        results.write(run_dir, record)
+        return record
     size, _ = models.checkpoint_bytes(launch.model_path)
     unit = unit_spec(
         name, launch, tuned.recommended_env if tuned else None, server_config.load_budget_s(size), p.deploy_user
@@ -240,6 +287,69 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     return record
 
 
+def _deploy_router(
+    p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
+) -> DeployRecord:
+    """A router and its replicas: a unit each, verified, the replicas' reach checked as the unit's user; installed
+    (replicas first) only when asked. No dry run: it would start every replica as its unit; installing proves them."""
+    front, replicas = router_units(name, launch, nccl_env, p.deploy_user)
+    replica_records = []
+    for spec in replicas:
+        path = run_dir / spec.unit_name
+        path.write_text(systemd.render_unit(spec))
+        (run_dir / f"{spec.name}.env").write_text(systemd.render_env_file(spec))
+        replica_records.append(
+            NodeUnitRecord(node=f"replica {spec.name.rsplit('replica', 1)[1]} on port {spec.port}",
+                           unit_name=spec.unit_name, unit_file=str(path), verify=systemd.verify(path))
+        )  # fmt: skip
+    unit_text = systemd.render_unit(front)
+    unit_path = run_dir / front.unit_name
+    unit_path.write_text(unit_text)
+    env_path = run_dir / f"{name}.env"
+    env_path.write_text(systemd.render_env_file(front))
+    watchdog = [run_dir / n for n in systemd.watchdog_names(front)]
+    for path, text in zip(watchdog, systemd.render_watchdog(front), strict=True):
+        path.write_text(text)
+    as_unit_user, run_as_user = run_as(front.user)
+    reach = {"the router": front.command[0], **unit_paths(launch, replicas[0])}
+    record = DeployRecord(
+        unit_name=front.unit_name,
+        unit_file=str(unit_path),
+        env_file=str(env_path),
+        timeout_start_s=front.timeout_start_s,
+        load_seconds=max(r.load_seconds for r in replicas),
+        load_source="measured" if all(r.load_source == "measured" for r in replicas) else "predicted",
+        start_limit_interval_s=front.start_limit_interval_s,
+        verify=systemd.verify(unit_path),
+        systemd_running=systemd.systemd_running(),
+        pre_start_with_ad_hoc_server=pre_start_check(front),
+        replica_units=replica_records,
+        watchdog_files=[str(w) for w in watchdog],
+        watchdog_verify=systemd.verify(watchdog[0]),
+        run_as=run_as_user,
+        access_problems=systemd.access_problems(front.user, reach) if as_unit_user else [],
+        dry_run_skipped=(
+            "a router and its replicas start as several units (the router's requires the replicas'); they are "
+            "rendered, verified and checked for what their user must reach here, and proven by installing them "
+            "(deploy_install: true)"
+        ),
+    )
+    if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
+        stopped = [
+            f"port {port}: {server.stop(port=port).summary}" for port in [front.port, *(r.port for r in replicas)]
+        ]
+        record.ad_hoc_server_stopped = "; ".join(stopped)  # the units replace the router and every replica
+    if p.deploy_install and not record.access_problems:
+        for spec in replicas:
+            systemd.install(spec, systemd.render_unit(spec))
+        record.installed = systemd.install(front, unit_text)
+        ok, message, _ = server.wait_ready(front.url, front.timeout_start_s)
+        record.service_ready = message
+        if ok:
+            record.smoke_test = client.smoke_test(launch.target(timeout_s=120), 8)
+    return record
+
+
 def _dry_run(record: DeployRecord, unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> None:
     """The dry run as the unit's user where it can be taken on here, after checking that user reaches what the
     unit runs; as this user otherwise, saying so."""
@@ -263,7 +373,7 @@ def check(record: DeployRecord, p: Params) -> None:
         problems.append(
             "the watchdog's unit, systemd-analyze verify: " + "; ".join(watchdog.blocking or [watchdog.output])
         )
-    for node_unit in record.node_units:
+    for node_unit in [*record.node_units, *record.replica_units]:
         if node_unit.verify.ran and not node_unit.verify.ok:
             blocking = node_unit.verify.blocking or [node_unit.verify.output]
             problems.append(f"{node_unit.node}'s unit, systemd-analyze verify: " + "; ".join(blocking))
@@ -302,6 +412,9 @@ def summary(record: DeployRecord) -> str:
         proven = f"; **its user cannot start it**: {record.access_problems[0]}"
     installed = "; installed" if record.installed and record.installed.enabled else ""
     nodes = ""
+    if record.replica_units:
+        nodes = f", requiring {len(record.replica_units)} replica unit(s) it starts first and stops with it"
+        proven = "; no dry run of a router and its replicas (install proves them)" if not installed else proven
     if record.node_units:
         nodes = f", with {len(record.node_units)} worker node unit(s) it starts and stops over SSH"
         proven = "; no dry run across nodes (install proves them)" if not installed else proven

@@ -243,7 +243,8 @@ def launch_replicas(
     )
     records = [
         ReplicaRecord(index=i, url=x.url, port=x.config.port, pid=x.pid, pgid=x.pgid, gpu_ids=x.config.target_gpus,
-                      log_path=x.log_path, seconds_to_ready=x.seconds_to_ready, reused=x.reused)
+                      log_path=x.log_path, seconds_to_ready=x.seconds_to_ready, reused=x.reused,
+                      command=x.command, environment=x.environment)
         for i, x in enumerate(launches)
     ]  # fmt: skip
     return launches[0], records, routed
