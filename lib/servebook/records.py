@@ -30,6 +30,7 @@ from servebook import (
     startup,
     systemd,
 )
+from servebook.errors import PreflightError
 from servebook.planner import Parallelism
 from servebook.results import Record
 from servebook.router import RouterRecord
@@ -267,6 +268,15 @@ class LaunchRecord(Record):
     def url(self) -> str:
         """Where clients go: the router where there are replicas, else the server."""
         return self.router.url if self.router else self.config.url
+
+    def require_answering(self, needed_by: str) -> None:
+        """One line instead of a connection traceback when the server this record describes is gone."""
+        state = client.health(self.url, timeout=5.0)
+        if state != "ready":
+            raise PreflightError(
+                f"{needed_by} needs the server in {self.FILE}.json, and {self.url} does not answer /health ({state}); "
+                f"run 03_launch (servebook run PARAMS --stages launch,{needed_by}), or `servebook status` to see why"
+            )
 
     def target(self, timeout_s: float = 600.0) -> client.Target:
         """Where a stage sends requests, with the server's key; behind a router, its replicas' own /metrics."""

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from servebook import bench, k8s, params, results, router, server
+from servebook.errors import PreflightError
 from servebook.records import BenchmarkRecord
 from servebook.runner import stop_started_servers
 from servebook.stages import benchmark, deploy, smoke_test
@@ -120,6 +121,13 @@ def test_two_replicas_behind_vllm_router_serve_share_and_stop(tmp_path, monkeypa
     finally:
         said = stop_started_servers(run_dir.resolve(), print)
     assert server.registered(8191) is None
+    # a stage that needs the server, after it stopped: one line naming the record, the URL and the fix
+    with pytest.raises(PreflightError) as stopped:
+        smoke_test.run(p, run_dir)
+    assert str(stopped.value).startswith(
+        "smoke_test needs the server in 03_launch.json, and http://127.0.0.1:8191 does"
+    )
+    assert "run 03_launch" in str(stopped.value)
     assert server.registered(8191) is None and server.registered(8192) is None and server.registered(8193) is None
     for replica in launched.replicas:
         assert ours_left(replica.pgid) == []

@@ -46,6 +46,7 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, BenchmarkRecord)
     launch = results.require(run_dir, LaunchRecord, "benchmark")
+    launch.require_answering("benchmark")
     dataset = load_dataset(p, launch)
     plan = results.read(run_dir, PlanRecord)
     cfg = sweep_config(p, admitted_sequences(launch, plan))

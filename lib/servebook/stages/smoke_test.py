@@ -13,6 +13,7 @@ def run(p: Params, run_dir: str | Path) -> SmokeTestRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, SmokeTestRecord)  # a rerun never leaves the last attempt's record looking current
     launch = results.require(run_dir, LaunchRecord, "smoke_test")
+    launch.require_answering("smoke_test")
     found = client.smoke_test(launch.target(timeout_s=120), p.smoke_max_tokens)
     record = SmokeTestRecord(**dict(found))
     results.write(run_dir, record)
