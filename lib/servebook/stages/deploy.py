@@ -232,14 +232,7 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
         name, launch, tuned.recommended_env if tuned else None, server_config.load_budget_s(size), p.deploy_user
     )
     node_units = _node_units(unit, launch, run_dir)
-    unit_text = systemd.render_unit(unit)
-    unit_path = run_dir / unit.unit_name
-    unit_path.write_text(unit_text)
-    env_path = run_dir / f"{name}.env"
-    env_path.write_text(systemd.render_env_file(unit))
-    watchdog = [run_dir / n for n in systemd.watchdog_names(unit)]
-    for path, text in zip(watchdog, systemd.render_watchdog(unit), strict=True):
-        path.write_text(text)
+    unit_text, unit_path, env_path, watchdog = write_unit_files(unit, run_dir)
     dropped = [
         f"{k} left out of the unit: {why}" for k, why in systemd.DEVELOPMENT_ONLY.items() if k in launch.environment
     ]
@@ -287,6 +280,19 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     return record
 
 
+def write_unit_files(unit: systemd.UnitSpec, run_dir: Path) -> tuple[str, Path, Path, list[Path]]:
+    """The unit, its environment file (secrets left to the install) and its watchdog, written beside the records."""
+    unit_text = systemd.render_unit(unit)
+    unit_path = run_dir / unit.unit_name
+    unit_path.write_text(unit_text)
+    env_path = run_dir / f"{unit.name}.env"
+    env_path.write_text(systemd.render_env_file(unit))
+    watchdog = [run_dir / n for n in systemd.watchdog_names(unit)]
+    for path, text in zip(watchdog, systemd.render_watchdog(unit), strict=True):
+        path.write_text(text)
+    return unit_text, unit_path, env_path, watchdog
+
+
 def _deploy_router(
     p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
 ) -> DeployRecord:
@@ -302,14 +308,7 @@ def _deploy_router(
             NodeUnitRecord(node=f"replica {spec.name.rsplit('replica', 1)[1]} on port {spec.port}",
                            unit_name=spec.unit_name, unit_file=str(path), verify=systemd.verify(path))
         )  # fmt: skip
-    unit_text = systemd.render_unit(front)
-    unit_path = run_dir / front.unit_name
-    unit_path.write_text(unit_text)
-    env_path = run_dir / f"{name}.env"
-    env_path.write_text(systemd.render_env_file(front))
-    watchdog = [run_dir / n for n in systemd.watchdog_names(front)]
-    for path, text in zip(watchdog, systemd.render_watchdog(front), strict=True):
-        path.write_text(text)
+    unit_text, unit_path, env_path, watchdog = write_unit_files(front, run_dir)
     as_unit_user, run_as_user = run_as(front.user)
     reach = {"the router": front.command[0], **unit_paths(launch, replicas[0])}
     record = DeployRecord(
