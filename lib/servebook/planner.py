@@ -650,17 +650,18 @@ def capture_sizes(max_num_seqs: int, max_capture: int = 0) -> list[int]:
 # Kimi-shaped, 163,840 tokens of vocabulary, 1,024 requests against 128 logged 0.41 GiB more (3.0 bytes per logit)
 SAMPLER_BYTES_PER_LOGIT = 3.0
 # MLA's profile forward (DeepSeek-V3 / Kimi shapes, FLASH_ATTN_MLA, Marlin INT4 MoE), fitted on the Kimi-shaped
-# mini at 4,096 and 8,192 batched tokens (docs/examples/h200-vllm/README.md): a fixed part (MLA's absorbed
+# mini at 4,096, 8,192 and 16,384 batched tokens (docs/examples/h200-vllm/README.md): a fixed part (MLA's absorbed
 # weights and the Marlin workspace) and, beside the MoE term every model has, bytes per token and head
-MLA_FIXED_BYTES = 1.855 * GiB
-MLA_BYTES_PER_TOKEN_HEAD = 1_350.0
+MLA_FIXED_BYTES = 1.995 * GiB
+MLA_BYTES_PER_TOKEN_HEAD = 933.0
 # vLLM's CUDA-graph estimate captures the two largest graphs of each mode and extrapolates: the first capture's
 # pool, plus one MiB (its floor) per further graph (gpu_model_runner.py, profile_cudagraph_memory); the pool is
-# the larger of the two modes'. The first FULL capture of N requests at S = min(max_model_len, tokens // N)
-# tokens each: MLA (FLASH_ATTN_MLA) logged 4,130 / 1,082 / 514 MiB at N, S = 512, 16 / 256, 16 / 128, 64;
-# GQA (FlashAttention 3) 384 MiB at 512 requests for hidden 3,072, and 0.35 GiB in all for hidden 2,048
-GRAPH_MLA_BYTES_PER_REQUEST_SQUARED = 0.014714 * 2**20
-GRAPH_MLA_BYTES_PER_TOKEN = 0.03332 * 2**20
+# the larger of the two modes'. The first FULL capture of N requests (at min(max_model_len, tokens // N) tokens
+# each, which moved nothing measurable): MLA (FLASH_ATTN_MLA) logged 4,130 MiB at N = 512 with 8,192 and with
+# 16,384 batched tokens, 1,082 at 256, 514 at 128, 264 at 64: the larger of a term in N² and one per request.
+# GQA (FlashAttention 3): 384 MiB at 512 requests for hidden 3,072, and 0.35 GiB in all for hidden 2,048
+GRAPH_MLA_BYTES_PER_REQUEST_SQUARED = 0.015755 * 2**20
+GRAPH_MLA_BYTES_PER_REQUEST = 4.1 * 2**20
 GRAPH_GQA_BYTES_PER_REQUEST_HIDDEN = 256.0
 GRAPH_PIECEWISE_BYTES_PER_HIDDEN = 144 * 2**20 / 7168  # Kimi 144 MiB, MiniMax 96 MiB (first PIECEWISE capture)
 GRAPH_EXTRA_BYTES = 2**20
@@ -681,10 +682,7 @@ def graph_estimate(
     full = [n for n in piecewise if n <= seqs]
     largest = full[-1] if full else 0
     if spec.mla:
-        per_request = min(max_model_len, tokens // largest) if largest else 0
-        first_full = (
-            GRAPH_MLA_BYTES_PER_REQUEST_SQUARED * largest**2 + GRAPH_MLA_BYTES_PER_TOKEN * largest * per_request
-        )
+        first_full = max(GRAPH_MLA_BYTES_PER_REQUEST_SQUARED * largest**2, GRAPH_MLA_BYTES_PER_REQUEST * largest)
     else:
         first_full = GRAPH_GQA_BYTES_PER_REQUEST_HIDDEN * largest * spec.hidden
     first_piecewise = GRAPH_PIECEWISE_BYTES_PER_HIDDEN * spec.hidden

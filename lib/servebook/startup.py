@@ -336,11 +336,21 @@ def _caches(start: StartEntry) -> tuple[bool, bool | None]:
     return start.compile_cache == "hit", start.kernels_cached
 
 
-def _loader_rate(starts: list[StartEntry], strategy: str) -> float | None:
-    """The read rate of the last start of this model that read from the page cache with this strategy."""
+# what one rank's loader takes for a strategy with no start of its own in the history: eager reads every file whole
+# into memory before it copies a tensor, 0.56 GB/s cold and 0.58 warm on the H200 with the Kimi-shaped mini (the
+# default loader 1.3-2.2) (docs/examples/h200-vllm/start-times)
+STRATEGY_LOADER_GB_S = {"cuda": {"eager": 0.57}}
+
+
+def _loader_rate(starts: list[StartEntry], strategy: str, device: str = "cuda") -> float | None:
+    """The read rate of the last start of this model that read from the page cache with this strategy; else the
+    strategy's measured rate where one is known; None (the device's default) otherwise: another strategy's rate
+    says nothing about this one (eager reads at a third of the default loader's)."""
     warm = [s for s in starts if (s.cached_share or 0) >= 0.9 and s.bytes_per_rank and s.phases.get("weights_read")]
-    warm = [s for s in warm if s.load_strategy == strategy] or warm
-    return warm[-1].bytes_per_rank / warm[-1].phases["weights_read"] / GB if warm else None
+    own = [s for s in warm if s.load_strategy == strategy]
+    if own:
+        return own[-1].bytes_per_rank / own[-1].phases["weights_read"] / GB
+    return STRATEGY_LOADER_GB_S.get(device, {}).get(strategy)
 
 
 def predict(
@@ -375,12 +385,14 @@ def predict(
     cached = evidence.cached_share if evidence else 0.0
     probe = evidence.probe if evidence else None
     same_model = [s for s in starts if s.model_path == model_path and s.device == device]
+    same_caches = [s for s in same_model if _caches(s) == (hit, kernels)]
     like = (
-        [s for s in same_model if _caches(s) == (hit, kernels)]
+        [s for s in same_caches if s.load_strategy == choice.load_strategy]
+        or same_caches
         or [s for s in same_model if _caches(s)[0] == hit]
         or same_model
     )
-    loader = _loader_rate(same_model, choice.load_strategy) or d["loader_gb_per_s"]
+    loader = _loader_rate(same_model, choice.load_strategy, device) or d["loader_gb_per_s"]
     disk_rate = (probe.gb_per_s if probe and probe.gb_per_s else None) or fallback_gb_per_s
     cache_rate = min(probe.warm_gb_per_s, loader) if probe and probe.warm_gb_per_s else loader
     disk_bytes = size * (1 - cached)  # the ranks share one page cache: the disk is read once in total

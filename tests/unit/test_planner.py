@@ -280,6 +280,11 @@ STORY_ROWS = [
     ("kimi-int4-tp1-dummy", "kimi-k2.5-shapes-3l-int4", 8192, 0, 0, True),
     ("kimi-int4-tp1-seqs128", "kimi-k2.5-shapes-3l-int4", 8192, 128, 0, False),
     ("kimi-int4-tp1-32k-seqs256-mnbt4096", "kimi-k2.5-shapes-3l-int4", 32768, 256, 4096, False),
+    # held out: launched on 2026-12-02 after the reserve was fitted on the rows above, nothing fitted on them
+    ("kimi-int4-tp1-seqs512-mnbt16384", "kimi-k2.5-shapes-3l-int4", 8192, 512, 16384, False),
+    ("kimi-int4-tp1-64k-seqs64", "kimi-k2.5-shapes-3l-int4", 65536, 64, 0, False),
+    ("kimi-int4-tp1-eager-cold", "kimi-k2.5-shapes-3l-int4", 8192, 0, 0, False),
+    ("kimi-int4-tp1-eager-warm", "kimi-k2.5-shapes-3l-int4", 8192, 0, 0, True),
     ("minimax-fp8-tp1", "minimax-m2.5-shapes-2l-fp8", 8192, 0, 0, False),
 ]
 

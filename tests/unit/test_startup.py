@@ -298,6 +298,30 @@ def test_the_h200_starts_are_predicted_within_a_quarter_from_the_ones_before(tmp
     assert abs(fetched.total_s / prefetch_cold["ready_s"] - 1) < 0.25
 
 
+def test_the_second_h200_sessions_starts_are_predicted_in_order(tmp_path, monkeypatch):
+    """The starts of 2026-12-02's second session (a fresh machine, Triton's kernels filled by its first launch),
+    each predicted from the ones before it in the order they ran: eager cold and warm, then default and prefetch
+    cold and warm (start-times/starts-eager.json, starts3.json). Issue #26's goal is 25 %; the replay prints each
+    error, and the starts it cannot hold to the goal are named here."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    ev_eager, eager = recorded("starts-eager")
+    ev3, rest = recorded("starts3")
+    history: list[startup.StartEntry] = []
+    errors = {}
+    for ev, start in [*((ev_eager, s) for s in eager), *((ev3, s) for s in rest)]:
+        cold = start["cached_before_pct"] < 50
+        compile_dir = tmp_path / "torch_compile_cache"
+        if cold and compile_dir.exists():  # the benchmark gives every cold start an empty compile cache
+            compile_dir.rmdir()
+        guess = predicted(ev, cached=not cold, history=history, kernels=True, strategy=start["strategy"])
+        errors[start["start"]] = round(100 * (guess.total_s / start["ready_s"] - 1), 1)
+        history.append(entry(start, ev.bytes, "k", hit=start["compile_cache"] == "hit", kernels=True))
+        compile_dir.mkdir(exist_ok=True)
+    print(errors)
+    assert set(errors) == {"eager cold", "eager warm", "default cold", "default warm", "prefetch cold", "prefetch warm"}
+    assert all(abs(e) < 25 for e in errors.values()), errors
+
+
 def test_a_changed_compile_key_predicts_a_miss(tmp_path, monkeypatch):
     (tmp_path / "torch_compile_cache").mkdir()
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))

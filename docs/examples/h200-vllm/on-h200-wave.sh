@@ -31,7 +31,7 @@ kit1)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
   df -hT /tmp | tail -1; grep MemAvailable /proc/meminfo; nproc
   python3 /tmp/kit/mkkimi.py $MODELS/kimi-mini --tokenizer /tmp/tok --layers 3 2>&1 | tail -2
-  python3 $EX/../h200x8/mkckpt.py $MODELS/minimax-fp8 --tokenizer /tmp/tok --shape minimax-m2.5 --layers 2 --fp8 2>&1 | tail -2
+  [ "${MINIMAX:-1}" = 1 ] && python3 $EX/../h200x8/mkckpt.py $MODELS/minimax-fp8 --tokenizer /tmp/tok --shape minimax-m2.5 --layers 2 --fp8 2>&1 | tail -2
   du -sh $MODELS/*; sync ;;
 kit2) ls $STAGE ;;
 starts1|starts2)

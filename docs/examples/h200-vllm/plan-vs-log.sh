@@ -19,4 +19,8 @@ exec ../../../.venv/bin/python plan_vs_log.py \
   "kimi-int4-tp1 dummy weights (hit)=$K:1:1:1:0:$L-kimi-int4-tp1-dummy.log:8192:0:0:1" \
   "kimi-int4-tp1 max_num_seqs 128=$K:1:1:1:0:$L-kimi-int4-tp1-seqs128.log:8192:128:0:0" \
   "kimi-int4-tp1 32k, seqs 256, mnbt 4096=$K:1:1:1:0:$L-kimi-int4-tp1-32k-seqs256-mnbt4096.log:32768:256:4096:0" \
+  "held out: kimi-int4-tp1 seqs 512, mnbt 16384=$K:1:1:1:0:$L-kimi-int4-tp1-seqs512-mnbt16384.log:8192:512:16384:0" \
+  "held out: kimi-int4-tp1 64k, seqs 64=$K:1:1:1:0:$L-kimi-int4-tp1-64k-seqs64.log:65536:64:0:0" \
+  "held out: kimi-int4-tp1 eager cold=$K:1:1:1:0:$L-kimi-int4-tp1-eager-cold.log:8192:0:0:0" \
+  "held out: kimi-int4-tp1 eager warm (hit)=$K:1:1:1:0:$L-kimi-int4-tp1-eager-warm.log:8192:0:0:1" \
   "minimax-fp8-tp1 (2 layers)=$C/minimax-m2.5-shapes-2l-fp8.json:1:1:1:0:$L-minimax-fp8-tp1.log:8192:0:0:0"
