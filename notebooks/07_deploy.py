@@ -3,30 +3,22 @@
 #   jupytext:
 #     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: kernelspec,language_info,jupytext,-all
+#     notebook_metadata_filter: kernelspec,jupytext,-all
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
 #       jupytext_version: 1.19.6
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: servebook (.venv)
 #     language: python
-#     name: python3
-#   language_info:
-#     codemirror_mode:
-#       name: ipython
-#       version: 3
-#     file_extension: .py
-#     mimetype: text/x-python
-#     name: python
-#     nbconvert_exporter: python
-#     pygments_lexer: ipython3
-#     version: 3.11.7
+#     name: servebook
 # ---
 
 # %% [markdown]
 # # 07 · Deploy
+#
+# **Answers:** the launched configuration as a systemd service that starts only when ready. **Needs:** stage 03's record (06's when it ran); root to install.
 #
 # The configuration the earlier stages chose, as a systemd service that starts only when ready and cleans up
 # after itself. The unit is rendered from the launch stage's record (the exact command vLLM's parser accepted,
@@ -46,6 +38,8 @@
 # post-start wait itself, then a smoke test against that server, to prove each piece works.
 
 # %% tags=["parameters"]
+params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
+interactive: bool = True  # widgets and live views (JupyterLab) instead of printed lines and static plots; `servebook run` and nbval run with false
 deploy_name: str = ""  # unit servebook-<name>.service; empty means the served name
 deploy_user: str = "vllm"  # dedicated non-root user the service runs as
 deploy_install: bool = False  # install, enable and start the unit (needs root and a running systemd)
@@ -56,10 +50,10 @@ from pathlib import Path
 
 from IPython.display import Markdown, display
 
-from servebook import params
+from servebook import ui
 from servebook.stages import deploy as stage
 
-p = params.from_namespace(globals())
+p = ui.notebook_params(globals())
 deployed = stage.run(p, run_dir)
 
 # %% [markdown]

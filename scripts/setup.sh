@@ -29,14 +29,20 @@ if [ "$(cat "$venv/.setup-stamp" 2>/dev/null)" != "$stamp" ]; then
   "$venv/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
   echo "$stamp" > "$venv/.setup-stamp"
 fi
+# the notebooks name this kernel: JupyterLab from .venv opens them on the project's virtualenv, whatever its Python
+if [ ! -f "$venv/share/jupyter/kernels/servebook/kernel.json" ]; then
+  "$venv/bin/python" -m ipykernel install --sys-prefix --name servebook --display-name "servebook (.venv)" >/dev/null
+fi
 # JupyterLab lists each stage once: the py:percent twins (kept for review and diffs) are hidden from its file
 # browser; jupytext still keeps each pair in step
 "$venv/bin/python" - "$venv/etc/jupyter/jupyter_server_config.json" <<'PY'
 import json, pathlib, sys
 path = pathlib.Path(sys.argv[1]); path.parent.mkdir(parents=True, exist_ok=True)
 config = json.loads(path.read_text()) if path.is_file() else {}
+# notebooks open unmodified on any Python: the kernel's language_info is added when served, dropped when saved
+config.setdefault("ServerApp", {})["contents_manager_class"] = "servebook.lab.WorkbookContentsManager"
 config.setdefault("ContentsManager", {})["hide_globs"] = [
-    "__pycache__", "*.pyc", "*.pyo", ".DS_Store", "*~", "[0-9][0-9]_*.py"]
+    "__pycache__", "*.pyc", "*.pyo", ".DS_Store", "*~", "[0-9][0-9]_*.py", "compare.py"]
 path.write_text(json.dumps(config, indent=1) + "\n")
 PY
 "$venv/bin/servebook" build-model --quiet

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pair() {
-  for src in notebooks/[0-9][0-9]_*.py; do
+  for src in notebooks/[0-9][0-9]_*.py notebooks/compare.py; do
     nb="${src%.py}.ipynb"
     if [ -f "$nb" ]; then .venv/bin/jupytext --sync --quiet "$nb"; else .venv/bin/jupytext --quiet --to ipynb "$src"; fi
   done
@@ -13,4 +13,4 @@ pair() {
 pair
 .venv/bin/servebook sync-notebooks
 pair
-.venv/bin/nbstripout notebooks/[0-9][0-9]_*.ipynb
+.venv/bin/nbstripout --extra-keys "metadata.language_info" notebooks/*.ipynb

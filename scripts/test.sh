@@ -17,8 +17,9 @@ trap cleanup EXIT
 missing=()
 command -v systemd-analyze >/dev/null || missing+=(systemd)
 [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
-# the report's offline check opens every report in headless Chromium
+# the report's offline check opens every report in headless Chromium; the workbook tests drive JupyterLab in it
 command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
@@ -28,7 +29,7 @@ echo "tests: ruff, mypy, nbstripout"
 .venv/bin/ruff format --check --quiet lib tests benchmarks
 .venv/bin/ruff check --quiet lib tests benchmarks
 .venv/bin/mypy
-.venv/bin/nbstripout --verify notebooks/*.ipynb
+.venv/bin/nbstripout --verify --extra-keys "metadata.language_info" notebooks/*.ipynb
 
 rm -rf build/nbval
 .venv/bin/servebook prepare params/ci.yaml --out build/nbval --set port=$nbval_port \

@@ -236,6 +236,14 @@ def plan(
     from servebook import params, planner
     from servebook.stages.plan import make_plan, node_commands_text, table
 
+    if model.endswith((".yaml", ".yml")):
+        _fail(
+            ServebookError(
+                f"plan takes a model (a checkpoint folder, config.json or hub repo id), not the params file {model}; "
+                f"for a params file: servebook run {model} --stages reconnaissance,plan"
+            )
+        )
+
     try:
         if nodes > 1 and not interconnect:
             raise ServebookError(

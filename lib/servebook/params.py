@@ -84,7 +84,9 @@ class Params(BaseModel):
         "default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="name appended to the run folder"
     )
     interactive: bool = Field(
-        False, description="live progress bars in JupyterLab instead of printed lines; batch runs leave it false"
+        False,
+        description="widgets and live views (JupyterLab) instead of printed lines and static plots; "
+        "`servebook run` and nbval run with false",
     )
     keep_server: bool = Field(False, description="leave the server running when a batch run ends")
 
@@ -495,8 +497,16 @@ RUN_LEVEL = frozenset({"run_name", "keep_server"})
 COMMAND_ONLY = frozenset({"k8s_image", "k8s_namespace", "k8s_model_pvc", "k8s_router_image"})
 # Set by the runner, never by a params file: name -> (annotation, default, help).
 RUNNER_PARAMETERS = {
-    "run_dir": ("str", "", "run folder for results (set by `servebook run`); empty means outputs/interactive")
+    "run_dir": ("str", "", "run folder for results (set by `servebook run`); empty means outputs/interactive"),
+    "params_file": (
+        "str",
+        "../params/default.yaml",
+        "params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty",
+    ),
 }
+# what a notebook opened by a person starts with, where it differs from the vocabulary's default (which the runner
+# and nbval pass explicitly): a person in JupyterLab gets the widgets
+NOTEBOOK_DEFAULTS: dict[str, Any] = {"interactive": True}
 
 
 def _annotation(name: str) -> str:
@@ -515,11 +525,7 @@ def parameter_line(name: str) -> str:
         annotation, default, help_text = RUNNER_PARAMETERS[name]
     else:
         field = Params.model_fields[name]
-        annotation, default, help_text = (
-            _annotation(name),
-            field.get_default(call_default_factory=True),
-            field.description or "",
-        )
+        annotation, default, help_text = _annotation(name), notebook_default(name), field.description or ""
     literal = repr(default) if isinstance(default, (bool, type(None))) else json.dumps(default)
     return f"{name}: {annotation} = {literal}  # {help_text}"
 
@@ -595,7 +601,62 @@ def notebook_values(params: Params, declared: set[str]) -> dict[str, Any]:
     return {k: v for k, v in params.model_dump().items() if k in declared}
 
 
-def from_namespace(namespace: dict[str, Any]) -> Params:
-    """Validate the parameters a notebook declared (its globals), so interactive edits are checked too."""
+def notebook_default(name: str) -> Any:
+    """The value a notebook's parameters cell starts with."""
+    if name in RUNNER_PARAMETERS:
+        return RUNNER_PARAMETERS[name][1]
+    if name in NOTEBOOK_DEFAULTS:
+        return NOTEBOOK_DEFAULTS[name]
+    return Params.model_fields[name].get_default(call_default_factory=True)
+
+
+def resolve_params_file(name: str) -> Path:
+    """A notebook's ``params_file``: relative to the notebook's folder (JupyterLab's working directory), else to the
+    checkout; a missing file is named with the ones there are."""
+    from servebook.results import repo_root
+
+    path = Path(name).expanduser()
+    for candidate in (path, repo_root() / "notebooks" / path, repo_root() / path):
+        if candidate.is_file():
+            return candidate
+    there = sorted(f"../params/{p.name}" for p in (repo_root() / "params").glob("*.yaml"))
+    raise ParamsError(
+        "params_file",
+        [f"no such file: {name!r}; set params_file to one of {', '.join(there) or 'params/*.yaml'}, or '' for none"],
+    )
+
+
+class NotebookParams(BaseModel):
+    """Where a notebook's parameters came from: the file that filled the cell's defaults, and what was edited."""
+
+    params: Params
+    params_file: str = ""
+    from_file: list[str] = []  # names whose value the file gave
+    edited: list[str] = []  # names the cell changed from its default, which win over the file
+
+    def describe(self) -> str:
+        if not self.params_file:
+            return "parameters: this notebook's cell (params_file is empty)"
+        text = f"parameters: {len(self.from_file)} from {self.params_file}"
+        return text + (f"; edited in this notebook: {', '.join(self.edited)}" if self.edited else "")
+
+
+def notebook_params(namespace: dict[str, Any]) -> NotebookParams:
+    """The parameters a notebook declared (its globals), with ``params_file``'s values where the cell kept its
+    default; validated as a whole, so interactive edits are checked too."""
     values = {k: namespace[k] for k in FIELDS if k in namespace}
-    return validate(values, source="notebook parameters")
+    name = str(namespace.get("params_file") or "")
+    edited = sorted(k for k, v in values.items() if v != notebook_default(k))
+    from_file: list[str] = []
+    if name:
+        for key, value in load(resolve_params_file(name)).model_dump(exclude_unset=True).items():
+            if key not in edited:
+                values[key] = value
+                from_file.append(key)
+    p = validate(values, source=f"notebook parameters{f' with {name}' if name else ''}")
+    return NotebookParams(params=p, params_file=name, from_file=sorted(from_file), edited=[k for k in edited if name])
+
+
+def from_namespace(namespace: dict[str, Any]) -> Params:
+    """A notebook's parameters (see :func:`notebook_params`)."""
+    return notebook_params(namespace).params

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, computed_field
 
@@ -37,6 +37,9 @@ from servebook.router import RouterRecord
 from servebook.secrets import mask, mask_env
 from servebook.units import GiB
 from servebook.vllm_log import LogValues
+
+if TYPE_CHECKING:
+    from servebook.params import Params
 
 # ---------------------------------------------------------------- 00 reconnaissance
 
@@ -70,11 +73,37 @@ class ReconRecord(Record):
 # ---------------------------------------------------------------- 01 plan
 
 
+class LayoutChoice(BaseModel):
+    """A layout and the settings a person chose in the plan's explorer ("use this layout"), for stage 03."""
+
+    layout: Parallelism
+    max_model_len: int
+    gpu_memory_utilization: float
+    kv_cache_dtype: str
+    kv_tokens: int  # what the plan sized for them, per engine
+    chosen_at: str = ""
+
+    def overrides(self) -> dict[str, object]:
+        """The params this choice replaces, as the params name them."""
+        return {
+            "tensor_parallel_size": self.layout.tp,
+            "pipeline_parallel_size": self.layout.pp,
+            "data_parallel_size": self.layout.dp,
+            "enable_expert_parallel": self.layout.ep,
+            "max_model_len": self.max_model_len,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "layout_from_plan": False,
+        }
+
+
 class PlanRecord(Record, planner.Plan):
     FILE = "01_plan"
 
     requested: planner.Layout | None  # the params' own layout as the plan judged it
-    launch_layout: Literal["recommended", "params"]  # which one the launch stage uses
+    # which one the launch stage uses; "chosen": the explorer's choice (``chosen``)
+    launch_layout: Literal["recommended", "params", "chosen"]
+    chosen: LayoutChoice | None = None
     node_commands: list[list[str]] = []  # several nodes: each node's vllm serve command, head first
     load_evidence: loadpath.CheckpointEvidence | None = None
     load_choice: loadpath.LoadChoice | None = None  # the rule table's choice for the launch layout
@@ -83,9 +112,15 @@ class PlanRecord(Record, planner.Plan):
     @property
     def layout_for_launch(self) -> Parallelism | None:
         """The layout handed to the launch stage, or None when launch keeps the params' layout."""
+        if self.launch_layout == "chosen" and self.chosen:
+            return self.chosen.layout
         if self.launch_layout == "recommended" and self.recommended:
             return self.recommended.parallelism
         return None
+
+    def params_for_launch(self, p: Params) -> Params:
+        """The params stage 03 launches with: the explorer's choice over the params where one was made."""
+        return p.model_copy(update=self.chosen.overrides()) if self.launch_layout == "chosen" and self.chosen else p
 
 
 # ---------------------------------------------------------------- 02 download
@@ -236,7 +271,7 @@ class LaunchRecord(Record):
     FILE = "03_launch"
 
     config: server.ServerConfig  # what the A/B relaunches and deploy turns into a unit
-    layout_source: Literal["plan", "params"] = "params"
+    layout_source: Literal["plan", "explorer", "params"] = "params"
     command: list[str]  # secrets masked
     command_line: str
     environment: dict[str, str]  # what differs from the launching shell, secrets masked

@@ -31,7 +31,7 @@ from jupyter_client.manager import AsyncKernelManager
 from servebook import environment, errors, report, results, server, stages
 from servebook import params as params_mod
 from servebook.errors import ParamsError, ServebookError
-from servebook.records import LaunchRecord
+from servebook.records import LaunchRecord, PlanRecord
 from servebook.results import Manifest, StageRun, outputs_root, repo_root
 from servebook.secrets import declare as declare_secret
 from servebook.secrets import mask, secret_values
@@ -200,9 +200,7 @@ class _Pipeline:
     def run_stage(self, n: int, stage: Stage) -> tuple[StageRun, int]:
         """Execute one stage's notebook; (how it ended, its exit code). A stage that finished without writing
         its record failed: nothing later could read what it found."""
-        values = params_mod.notebook_values(self.params, set(self.declared[stage.name]))
-        if "run_dir" in self.declared[stage.name]:
-            values["run_dir"] = str(self.run_dir)
+        values = injected_values(self.params, set(self.declared[stage.name]), self.run_dir)
         out = self.run_dir / stage.notebook
         total = len(self.selected)
         self.log(f"[{n}/{total}] {stage.record.FILE} ...")
@@ -220,6 +218,7 @@ class _Pipeline:
                     f"stage {stage.name} finished without writing {stage.record.FILE}.json; its notebook must call "
                     f"servebook.stages.{stage.name}.run(), which writes the record later stages read"
                 )
+            self.gate(stage)
         except Exception as exc:  # papermill has saved the notebook with the failing cell marked
             if isinstance(exc, pm.PapermillExecutionError) and exc.ename == "KeyboardInterrupt":
                 raise errors.Interrupted("Ctrl-C (SIGINT)", 130) from None  # the kernel was interrupted first
@@ -234,6 +233,17 @@ class _Pipeline:
         said = f": {first_line}" if entry.status == "failed" else (f": {entry.summary}" if entry.summary else "")
         self.log(f"[{n}/{total}] {stage.record.FILE} {entry.status} in {entry.seconds:.1f} s{said}")
         return entry, exit_code
+
+    def gate(self, stage: Stage) -> None:
+        """A plan whose launch vLLM would refuse stops the run before the download and the launch (the plan's
+        notebook itself only says so, so that a what-if there never raises)."""
+        if stage.name != "plan" or not any(s.name == "launch" for s in self.selected):
+            return
+        from servebook.stages import plan as plan_stage
+
+        record = results.read(self.run_dir, PlanRecord)
+        if record and (why := plan_stage.refusal(record, self.params)):
+            raise errors.LayoutRejected(why)
 
 
 def _manifest(
@@ -345,10 +355,21 @@ def _check_declaration(nb_name: str, name: str, spec: dict[str, Any]) -> list[st
             default = ast.literal_eval(spec["default"])
         except (ValueError, SyntaxError):
             return problems + [f"{nb_name}: parameter '{name}' default {spec['default']} is not a literal"]
-        expected = params_mod.Params.model_fields[name].get_default(call_default_factory=True)
+        expected = params_mod.notebook_default(name)  # the vocabulary's, or a person's notebook's own
         if default != expected:
             problems.append(f"{nb_name}: parameter '{name}' defaults to {default!r}, the vocabulary says {expected!r}")
     return problems
+
+
+def injected_values(params: params_mod.Params, declared: set[str], run_dir: str | Path | None) -> dict[str, Any]:
+    """What papermill puts in a notebook: every value it declares, its run folder, and no params file (the values
+    are all there already)."""
+    values = params_mod.notebook_values(params, declared)
+    if run_dir is not None and "run_dir" in declared:
+        values["run_dir"] = str(run_dir)
+    if "params_file" in declared:
+        values["params_file"] = ""
+    return values
 
 
 def prepare(
@@ -363,10 +384,7 @@ def prepare(
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for nb in stage_notebooks():
-        declared = declared_parameters(nb)
-        values = params_mod.notebook_values(params, set(declared))
-        if run_dir is not None and "run_dir" in declared:
-            values["run_dir"] = str(run_dir)
+        values = injected_values(params, set(declared_parameters(nb)), run_dir)
         target = out_dir / nb.name
         pm.execute_notebook(str(nb), str(target), parameters=values, prepare_only=True, kernel_name="python3")
         written.append(target)

@@ -1,10 +1,64 @@
-"""Progress that works in JupyterLab (a widget) and in batch runs (plain lines)."""
+"""The notebooks' interactive face: widgets in JupyterLab, plain lines in batch runs.
+
+Widgets only set values that plain cells then read (a params file, a chosen layout, the sweep's settings), so a
+papermill run and an interactive one leave the same records.
+"""
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
+from typing import Any
 
 from IPython.display import display
+
+from servebook import params as params_mod
+from servebook.errors import ParamsError
+
+
+def params_files() -> list[str]:
+    """The params files a notebook can pick, as its ``params_file`` names them (relative to notebooks/)."""
+    from servebook.results import repo_root
+
+    return sorted(f"../params/{f.name}" for f in (repo_root() / "params").glob("*.yaml"))
+
+
+def notebook_params(namespace: dict[str, Any], target: str = "p") -> params_mod.Params:
+    """A notebook's parameters (its cell, filled from ``params_file``); with ``interactive``, a picker over the
+    params files that sets ``params_file`` and ``target`` in the notebook for the cells below."""
+    found = params_mod.notebook_params(namespace)
+    if not found.params.interactive:
+        print(found.describe())
+        return found.params
+
+    import ipywidgets as widgets
+
+    current = str(namespace.get("params_file") or "")
+    names = params_files()
+    names += [current] if current and current not in names else []
+    picker = widgets.Dropdown(
+        options=[("(none: this notebook's cell)", ""), *((n, n) for n in names)],
+        value=current,
+        description="params_file",
+        style={"description_width": "initial"},
+        layout=widgets.Layout(width="28em"),
+    )
+    note = widgets.HTML(html.escape(found.describe()))
+
+    def picked(change: dict[str, Any]) -> None:
+        namespace["params_file"] = change["new"]
+        try:
+            again = params_mod.notebook_params(namespace)
+        except ParamsError as exc:
+            note.value = f"<b>{html.escape(str(exc))}</b>"
+            return
+        namespace[target] = again.params
+        note.value = html.escape(again.describe()) + " &mdash; <b>run the cells below to use it</b>"
+
+    picker.observe(picked, names="value")
+    display(widgets.VBox([picker, note]))
+    return found.params
+
 
 LOAD_STEPS = [
     "vLLM",
@@ -28,16 +82,32 @@ def load_progress(interactive: bool, title: str = "launch") -> Callable[[str, fl
         return show
 
     import ipywidgets as widgets
+    import plotly.graph_objects as go
 
     bar = widgets.IntProgress(min=0, max=len(LOAD_STEPS), description=title)
     label = widgets.Label("starting")
-    display(widgets.HBox([bar, label]))
+    timeline = go.FigureWidget()
+    timeline.add_bar(x=[], y=[], base=[], orientation="h", text=[], textposition="auto", name="phases")
+    timeline.update_layout(
+        title=f"{title}: phases so far", height=300, width=720, xaxis_title="seconds since the start",
+        yaxis={"autorange": "reversed"}, margin={"t": 40, "l": 130},
+    )  # fmt: skip
+    display(widgets.VBox([widgets.HBox([bar, label]), timeline]))
 
     def update(message: str, elapsed: float) -> None:
         for i, step in enumerate(LOAD_STEPS, 1):
             if message.startswith(step) or step in message:
                 bar.value = max(bar.value, i)
         label.value = f"{elapsed:.0f} s: {message}"
+        if message.startswith("phase ") and " took " in message:
+            name, seconds = message.removeprefix("phase ").split(" took ")
+            took = float(seconds.removesuffix(" s"))
+            with timeline.batch_update():
+                trace = timeline.data[0]
+                trace.y = (*trace.y, name)
+                trace.x = (*trace.x, took)
+                trace.base = (*trace.base, elapsed - took)
+                trace.text = (*trace.text, f"{took:.1f} s")
 
     return update
 

@@ -6,10 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from servebook import server
-from servebook.errors import PreflightError
+from servebook.errors import LayoutRejected, PreflightError
 
 from ..support import report_check
 from .conftest import vllm_titles
@@ -126,6 +127,22 @@ def test_a_failing_stage_stops_the_run_and_still_reports(tmp_path):
     html = (run_dir / "report.html").read_text()
     assert "Run failed at stage 03_launch" in html
     assert server.registered(8142) is None and set(vllm_titles()) <= before
+
+
+def test_a_plan_vllm_would_refuse_stops_the_run_before_the_download(tmp_path):
+    """01 itself only says so (a what-if there never raises); the run stops at it, before 02 and 03."""
+    proc = run(tmp_path, "--set", "tensor_parallel_size=3", "--stages", "plan,download,launch")
+    assert proc.returncode == LayoutRejected.exit_code
+    run_dir = Path(proc.stdout.strip().splitlines()[-1])
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    statuses = {s["name"]: s["status"] for s in manifest["stages"]}
+    assert statuses == {"01_plan": "failed", "02_download": "skipped", "03_launch": "skipped"}
+    failed = manifest["stages"][0]["error"]
+    assert "uses 3 GPUs (TP × PP × DP)" in failed and "plan_gpu_count: 3" in failed
+    executed = nbformat.read(run_dir / "01_plan.ipynb", as_version=4)
+    errors = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert errors == []  # the notebook ran to its end and said it
+    assert (run_dir / "01_plan.json").is_file()
 
 
 def test_two_runs_never_share_a_folder(tmp_path):

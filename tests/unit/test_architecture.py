@@ -22,7 +22,7 @@ MODULES = sorted(
     for p in PACKAGE.rglob("*.py")
 )
 # the floor above the core: what may know stages, their records and the pipeline
-UPPER = {"servebook.stages", "servebook.records", "servebook.runner", "servebook.cli"}
+UPPER = {"servebook.stages", "servebook.records", "servebook.runner", "servebook.workbook", "servebook.cli"}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +42,9 @@ def admitted_sequences(launch: LaunchRecord, plan: PlanRecord | None) -> int:
     return per_engine * cfg.data_parallel_size
 
 
-def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
-    """Sweep the server the launch stage recorded; always write the record, the gate raises on a fault."""
+def run(p: Params, run_dir: str | Path, on_level: Callable[[bench.SweepResult], None] | None = None) -> BenchmarkRecord:
+    """Sweep the server the launch stage recorded; always write the record, the gate raises on a fault.
+    ``on_level`` sees the sweep so far after every level (the notebook's live chart)."""
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, BenchmarkRecord)
     launch = results.require(run_dir, LaunchRecord, "benchmark")
@@ -59,6 +61,8 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
 
     def keep(so_far: bench.SweepResult) -> None:  # every level on disk as soon as it is measured
         results.write(run_dir, BenchmarkRecord(**dict(so_far), dataset=dataset_summary))
+        if on_level:
+            on_level(so_far)
 
     swept = bench.sweep(target, launch.model_path, cfg, run_dir, table_prefix=BenchmarkRecord.FILE, on_level=keep)
     record = BenchmarkRecord(**dict(swept), dataset=dataset.summary() if dataset else "")
@@ -74,6 +78,12 @@ def run(p: Params, run_dir: str | Path) -> BenchmarkRecord:
         )
         results.write(run_dir, record)
     return record
+
+
+def gpus_of(run_dir: str | Path) -> list[int]:
+    """The GPUs the launched server uses (the live panel's); none for a CPU server or without a launch."""
+    launch = results.read(results.run_folder(run_dir), LaunchRecord)
+    return list(launch.gpu_ids) if launch and launch.config.device == "cuda" else []
 
 
 def load_dataset(p: Params, launch: LaunchRecord) -> datasets.Dataset | None:
@@ -331,6 +341,9 @@ def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:
     try:
         record = results.read(path, BenchmarkRecord) if path.is_dir() else None
     except (ValueError, UnicodeDecodeError) as exc:  # pydantic's ValidationError is a ValueError
+        table = path / f"{BenchmarkRecord.FILE}_levels.csv"
+        if table.is_file():  # a record of an older servebook: its levels table holds what a comparison reads
+            return f"{_layout_of(path)}{path.name}, levels table", pd.read_csv(table)
         raise ServebookError(
             f"{path / (BenchmarkRecord.FILE + '.json')}: not a benchmark record servebook can read "
             f"({str(exc).splitlines()[0]}); it is cut or from another tool: pass run folders `servebook run` wrote"
@@ -346,6 +359,14 @@ def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:
     launch = results.read(path, LaunchRecord)
     label = f"{launch.layout.name} ({path.name})" if launch else path.name
     return label, levels(record)
+
+
+def _layout_of(path: Path) -> str:
+    try:
+        launch = results.read(path, LaunchRecord)
+    except (ValueError, UnicodeDecodeError):
+        return ""
+    return f"{launch.layout.name}: " if launch else ""
 
 
 def replica_table(levels: list[bench.Level]) -> pd.DataFrame:

@@ -136,9 +136,10 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     """Launch (or reuse) the server the parameters describe; write and return the record."""
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, LaunchRecord)  # a rerun never leaves the last attempt's record looking current
+    plan = results.read(run_dir, PlanRecord)
+    p = plan.params_for_launch(p) if plan else p
     cfg = config_for(p, run_dir)
     check_load_options(cfg)
-    plan = results.read(run_dir, PlanRecord)
     predicted = plan.find(cfg.parallelism) if plan else None
     dry = dry_start(cfg, run_dir, p, predicted) if p.launch_dry_run else None
     if dry and not dry.ok:
@@ -164,7 +165,9 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         dry.real_adds = real_adds(dry, launch)
     record = LaunchRecord.of(
         launch,
-        layout_source="plan" if plan and plan.layout_for_launch else "params",
+        layout_source=("explorer" if plan.launch_layout == "chosen" else "plan")
+        if plan and plan.layout_for_launch
+        else "params",
         memory_after_load=memory_after_load(launch),
         plan_check=PlanCheck.of(predicted, launch.values) if predicted else None,
         nodes=probes,

@@ -102,22 +102,45 @@ def node_commands_text(record: PlanRecord) -> str:
     return "\n".join(lines)
 
 
-def check(record: PlanRecord, p: Params) -> None:
-    """Stop before a launch vLLM would refuse: the params' layout, when launch will use it."""
-    if record.launch_layout == "recommended":
-        return
+def refusal(record: PlanRecord, p: Params) -> str | None:
+    """Why stage 03 cannot launch what this plan hands it, with the fix that applies; None when it can."""
+    if record.launch_layout != "params":
+        return None
     own = record.requested
+    rec = f"the plan recommends {record.recommended.name}" if record.recommended else "no layout fits"
     if own is None:
-        raise LayoutRejected(
-            "the params' layout does not use the GPUs planned for; set plan_gpu_count or gpu_ids to match"
+        world, count = p.world_size, record.device.count
+        return (
+            f"the params' layout {planner.Parallelism.of(p).name} uses {world} GPUs (TP × PP × DP), the plan is for "
+            f"{count}; set plan_gpu_count: {world} to plan for {world} GPUs"
+            + (f" (or gpu_ids to pick {world} of them)" if world < count else "")
+            + f", change the layout to use {count}, or set layout_from_plan: true ({rec})"
         )
     if not own.usable:
-        alt = record.recommended.name if record.recommended else "none"
-        raise LayoutRejected(
+        return (
             f"vLLM would refuse {own.name}:\n  - "
             + "\n  - ".join(own.reasons)
-            + f"\nthe plan recommends {alt}; set layout_from_plan: true or change the layout"
+            + f"\n{rec}; set layout_from_plan: true or change the layout"
         )
+    return None
+
+
+def verdict(record: PlanRecord, p: Params) -> str:
+    """The plan's last word for the launch, in markdown: what stage 03 will start, or why it will not."""
+    why = refusal(record, p)
+    if why:
+        head, *rest = why.split("\n")
+        return "\n".join([f"**Stage 03 would not start this:** {head}", *rest, "", "(`servebook run` stops here.)"])
+    layout = record.layout_for_launch or planner.Parallelism.of(p)
+    source = {"chosen": "the explorer's choice", "recommended": "the plan's recommendation", "params": "the params"}
+    return f"**Stage 03 launches {layout.name}** ({source[record.launch_layout]})."
+
+
+def check(record: PlanRecord, p: Params) -> None:
+    """Stop before a launch vLLM would refuse: the params' layout, when launch will use it."""
+    why = refusal(record, p)
+    if why:
+        raise LayoutRejected(why)
 
 
 def summary(record: PlanRecord) -> str:
