@@ -97,12 +97,13 @@ run_dir: str = ""  # run folder for results (set by `servebook run`); empty mean
 # %%
 from IPython.display import Markdown, display
 
-from servebook import multinode, ui
+from servebook import live, multinode, ui
 from servebook.stages import launch as stage
 from servebook.units import GiB
 
 p = ui.notebook_params(globals())
-launched = stage.run(p, run_dir)
+with live.resource_panel(p.interactive, stage.gpus_for(p, run_dir), "GPUs while it starts"):
+    launched = stage.run(p, run_dir)
 
 # %% [markdown]
 # ## The server

@@ -339,7 +339,8 @@ def level_figure(levels: Any, metric: str, concurrency: int | None) -> go.Figure
             marker={"size": 16, "symbol": "circle-open", "line": {"width": 3}},
         )  # fmt: skip
     fig.update_layout(
-        height=380, width=640, xaxis={"title": "concurrent streams", "type": "log"}, yaxis_title=LEVEL_METRICS[metric],
+        height=380, width=640, yaxis_title=LEVEL_METRICS[metric],
+        xaxis={"title": "concurrent streams", "type": "log", "tickvals": list(levels["concurrency"])},
         title=f"{LEVEL_METRICS[metric]} by level", showlegend=False, margin={"t": 50},
     )  # fmt: skip
     return fig

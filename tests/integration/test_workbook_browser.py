@@ -14,7 +14,6 @@ import pytest
 
 from servebook import params, results, server
 from servebook.records import PlanRecord
-from servebook.stages import launch as launch_stage
 from tests.support import lab as lab_mod
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(bool(lab_mod.available()), reason=lab_mod.available())]
@@ -79,58 +78,104 @@ def test_the_plan_explorer_changes_the_layout_and_stage_03_reads_the_choice(lab)
     chosen = record.params_for_launch(params.load(lab_mod.REPO / "params" / "default.yaml"))
     assert chosen.kv_cache_dtype == "fp8"  # what stage 03 launches with
 
+    # the params picker under the parameters cell: another file, and the notebook's `p` follows it
+    picker = next(s for s in lab.find(".widget-dropdown select") if "../params/ci.yaml" in s.text)
+    Select(picker).select_by_visible_text("../params/ci.yaml")
+    lab.wait_for(lambda: "from ../params/ci.yaml" in lab.text_of(".widget-vbox .widget-html"), 30, "the picker's note")
+    lab.js("document.querySelector('.widget-dropdown select').scrollIntoView({block: 'center'});")
+    lab.shot("params-picker")
+
+
+SMALL = {
+    "model": "builtin:tiny-qwen3-moe", "port": LIVE_PORT, "max_model_len": 1024, "enforce_eager": True,
+    "cpu_kv_cache_gib": 1, "device": "cpu", "stop_leftovers": True,
+    "bench_max_concurrency": 4, "bench_prompts_per_level": 8, "bench_min_level_s": 2.0, "bench_repeats": 1,
+    "bench_max_repeats": 1, "bench_input_len": 32, "bench_output_len": 16, "bench_plateau_gain": 0.01,
+}  # fmt: skip
+
+
+def use_params_file(lab, notebook: str, name: str) -> None:
+    """Point a notebook's params_file at another file, in both twins, as a person editing the cell does."""
+    for twin in (f"{notebook}.ipynb", f"{notebook}.py"):
+        path = lab.root / "notebooks" / twin
+        path.write_text(path.read_text().replace("../params/default.yaml", f"../params/{name}"))
+
 
 @pytest.fixture
-def launched(lab):
-    """Stage 03 on the CPU into the lab's interactive run folder, stopped afterwards."""
-    run = lab.outputs / results.INTERACTIVE_RUN
-    run.mkdir(parents=True)
-    served = dict(
-        model="builtin:tiny-qwen3-moe", port=LIVE_PORT, max_model_len=1024, enforce_eager=True,
-        cpu_kv_cache_gib=1, device="cpu", stop_leftovers=True,
-    )  # fmt: skip
-    launch_stage.run(params.Params(**served), run)
-    yield served
-    server.stop(port=LIVE_PORT)
+def small_server_params(lab):
+    (lab.root / "params" / "browser-small.yaml").write_text(json.dumps(SMALL))
+    for notebook in ("03_launch", "05_benchmark"):
+        use_params_file(lab, notebook, "browser-small.yaml")
+    yield SMALL
+    server.stop(port=LIVE_PORT)  # whatever the notebooks started
 
 
-def test_the_live_sweep_gains_a_point_per_level(lab, launched):
-    """05 against a running CPU server: the chart grows level by level while the sweep runs."""
-    served = launched
-    small = {**served, "bench_max_concurrency": 4, "bench_prompts_per_level": 8, "bench_min_level_s": 2.0,
-             "bench_repeats": 1, "bench_max_repeats": 1, "bench_input_len": 32, "bench_output_len": 16,
-             "bench_plateau_gain": 0.01}  # fmt: skip
-    (lab.root / "params" / "browser-small.yaml").write_text(json.dumps(small))
-    for twin in ("05_benchmark.ipynb", "05_benchmark.py"):  # as a person edits the cell: jupytext keeps the pair
-        nb = lab.root / "notebooks" / twin
-        nb.write_text(nb.read_text().replace("../params/default.yaml", "../params/browser-small.yaml"))
-    lab.open("05_benchmark.ipynb")
+def plot_points(lab, title: str, layer: str) -> int:
+    """Points (markers or bars) of the first trace of the plot whose title starts with ``title``, read in the page."""
+    return int(
+        lab.js(
+            "const plots = [...document.querySelectorAll('.js-plotly-plot')].filter(p =>"
+            " (p.querySelector('.gtitle') || {}).textContent?.startsWith(arguments[0]));"
+            "if (!plots.length) return 0;"
+            "const t = plots[plots.length - 1].querySelector(arguments[1] + ' .trace');"
+            "return t ? t.querySelectorAll('.point').length : 0;",
+            title,
+            layer,
+        )
+    )
+
+
+def watch_growing(lab, count, timeout: float, shot_as) -> list[int]:
+    """Run every cell and note each new value of ``count()`` (read in the page) until the cells finish: what a
+    person watching sees arrive, with a screenshot where ``shot_as(n, seen)`` names one."""
     lab.command("notebook:run-all-cells")
     seen: list[int] = []
+    started = time.monotonic()
+    deadline = started + timeout
+    while time.monotonic() < deadline:
+        n = count()
+        if n and (not seen or n > seen[-1]):
+            seen.append(n)
+            if name := shot_as(n, seen):
+                lab.shot(name)
+        if (seen or time.monotonic() - started > 15) and lab.js(lab_mod.BUSY_JS) == "idle":
+            break  # done, or a cell failed before anything grew (the assertions below say which)
+        time.sleep(0.3)
+    lab.wait_idle(120)
+    return seen
+
+
+def test_the_launch_draws_its_phases_and_the_sweep_gains_a_point_per_level(lab, small_server_params):
+    """03 then 05 in JupyterLab on the CPU: the start-up phases drawn as they end, then the sweep's chart growing
+    level by level while it runs, beside the host panel."""
+    lab.open("03_launch.ipynb")
+    phases_seen = watch_growing(
+        lab, lambda: plot_points(lab, "launch: phases so far", ".barlayer"), 400,
+        lambda n, seen: f"launch-{n}-phases" if len(seen) in (1, 3) else "",
+    )  # fmt: skip
+    assert lab.errors() == []
+    assert len(phases_seen) >= 2 and phases_seen[-1] >= 5, phases_seen  # drawn as they ended, not all at once
+    lab.shot("launch-ready")
 
     def levels_now() -> int:  # read in the page: the status line is re-rendered at every level
         return int(lab.js("const e = document.querySelector('.sb-live-levels'); return e ? +e.dataset.levels : 0;"))
 
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        n = levels_now()
-        if n and (not seen or n > seen[-1]):
-            seen.append(n)
-            lab.scroll_to(".sb-live-levels")
-            lab.shot(f"live-{n}-levels")
-        if seen and lab.js(lab_mod.BUSY_JS) == "idle":
-            break
-        time.sleep(0.3)
-    lab.wait_idle(120)
+    def level_shot(n: int, seen: list[int]) -> str:
+        lab.scroll_to(".sb-live-levels")
+        return f"live-{n}-levels"
+
+    lab.open("05_benchmark.ipynb")
+    seen = watch_growing(lab, levels_now, 300, level_shot)
     assert lab.errors() == []
     assert seen[:3] == [1, 2, 3], seen  # 1, 2, 4 streams: one point per level, each seen as it arrived
-    chart_points = lab.js(
-        "const s = document.querySelector('.sb-live-levels').closest('.widget-vbox').querySelector('.scatterlayer .trace');"
-        "return s ? s.querySelectorAll('.point').length : 0;"
-    )
-    assert chart_points == seen[-1]
+    assert plot_points(lab, "Sweep so far", ".scatterlayer") == seen[-1]
     assert lab.find("table.sb-gpu-panel")  # the host panel on the CPU, refreshed while it ran
+    lab.scroll_to(".sb-live-levels")
     lab.shot("sweep-done")
+    explorer = lab.find(".widget-dropdown select")
+    assert explorer, "the level explorer"
+    lab.js("arguments[0].scrollIntoView({block: 'center'});", explorer[-1])
+    lab.shot("level-explorer")
 
 
 def test_compare_overlays_two_picked_runs(lab):

@@ -109,7 +109,21 @@ class Lab:
 
     def open(self, notebook: str, timeout: float = 120) -> None:
         """Open a notebook and wait until its kernel is idle."""
-        self.driver.get(f"{self.url}/lab/tree/notebooks/{notebook}?token={self.token}")
+        path = f"notebooks/{notebook}"
+        self.driver.get(f"{self.url}/lab/tree/{path}?token={self.token}")
+        self.wait_for(
+            lambda: self.js("return !!(window.jupyterapp && window.jupyterapp.shell);"), timeout, "JupyterLab"
+        )
+        # the workspace reopens earlier tabs too, and may activate one of them: make this one the current tab
+        current = "const w = window.jupyterapp.shell.currentWidget; return w && w.context ? w.context.path : '';"
+
+        def this_one() -> bool:
+            if self.js(current) == path:
+                return True
+            self.js("window.jupyterapp.commands.execute('docmanager:open', {path: arguments[0]});", path)
+            return False
+
+        self.wait_for(this_one, timeout, f"{notebook} to be the current tab")
         self.wait_for(lambda: self.js(BUSY_JS) == "idle", timeout, f"{notebook}'s kernel to be idle")
         time.sleep(1)  # JupyterLab settles the document after the kernel's first reply
 

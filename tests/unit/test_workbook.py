@@ -175,3 +175,15 @@ def test_the_contents_manager_adds_the_kernels_language_info_and_saves_without_i
         )
     )
     assert "language_info" not in json.loads((tmp_path / "nb.ipynb").read_text())["metadata"]
+
+
+def test_an_interrupted_cell_leaves_no_panel_thread(monkeypatch):
+    """The panel's sampling thread belongs to the ``with`` block: Ctrl-C inside it stops the thread too."""
+    import threading
+
+    monkeypatch.setattr(live, "PANEL_PERIOD_S", 0.05)
+    with pytest.raises(KeyboardInterrupt):
+        with live.resource_panel(True, []):
+            assert any(t.name == "servebook-panel" for t in threading.enumerate())
+            raise KeyboardInterrupt
+    assert not any(t.name == "servebook-panel" for t in threading.enumerate())

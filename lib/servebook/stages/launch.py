@@ -53,6 +53,11 @@ def config_for(p: Params, run_dir: Path) -> server.ServerConfig:
     return startplan.with_load_choice(cfg, load_choice_for(p, cfg, plan))
 
 
+def gpus_for(p: Params, run_dir: str | Path) -> list[int]:
+    """The GPUs this launch will use (the live panel's); none on the CPU."""
+    return config_for(p, results.run_folder(run_dir)).target_gpus
+
+
 def load_choice_for(p: Params, cfg: server.ServerConfig, plan: PlanRecord | None) -> loadpath.LoadChoice:
     """The plan's load choice where it saw the checkpoint on disk; else the rule table on what is there now."""
     if plan and plan.load_choice and plan.load_evidence and not plan.load_evidence.error:
