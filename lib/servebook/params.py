@@ -610,6 +610,13 @@ def notebook_default(name: str) -> Any:
     return Params.model_fields[name].get_default(call_default_factory=True)
 
 
+def params_files() -> list[str]:
+    """The checkout's params files, as a notebook's ``params_file`` names them (relative to notebooks/)."""
+    from servebook.results import repo_root
+
+    return sorted(f"../params/{f.name}" for f in (repo_root() / "params").glob("*.yaml"))
+
+
 def resolve_params_file(name: str) -> Path:
     """A notebook's ``params_file``: relative to the notebook's folder (JupyterLab's working directory), else to the
     checkout; a missing file is named with the ones there are."""
@@ -619,7 +626,7 @@ def resolve_params_file(name: str) -> Path:
     for candidate in (path, repo_root() / "notebooks" / path, repo_root() / path):
         if candidate.is_file():
             return candidate
-    there = sorted(f"../params/{p.name}" for p in (repo_root() / "params").glob("*.yaml"))
+    there = params_files()
     raise ParamsError(
         "params_file",
         [f"no such file: {name!r}; set params_file to one of {', '.join(there) or 'params/*.yaml'}, or '' for none"],

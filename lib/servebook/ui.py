@@ -16,13 +16,6 @@ from servebook import params as params_mod
 from servebook.errors import ParamsError
 
 
-def params_files() -> list[str]:
-    """The params files a notebook can pick, as its ``params_file`` names them (relative to notebooks/)."""
-    from servebook.results import repo_root
-
-    return sorted(f"../params/{f.name}" for f in (repo_root() / "params").glob("*.yaml"))
-
-
 def notebook_params(namespace: dict[str, Any], target: str = "p") -> params_mod.Params:
     """A notebook's parameters (its cell, filled from ``params_file``); with ``interactive``, a picker over the
     params files that sets ``params_file`` and ``target`` in the notebook for the cells below."""
@@ -34,7 +27,7 @@ def notebook_params(namespace: dict[str, Any], target: str = "p") -> params_mod.
     import ipywidgets as widgets
 
     current = str(namespace.get("params_file") or "")
-    names = params_files()
+    names = params_mod.params_files()
     names += [current] if current and current not in names else []
     picker = widgets.Dropdown(
         options=[("(none: this notebook's cell)", ""), *((n, n) for n in names)],

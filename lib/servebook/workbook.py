@@ -170,6 +170,14 @@ def _lengths(p: Params, record: PlanRecord) -> list[int]:
     return sorted(options)
 
 
+def _redraw(widget: go.FigureWidget, fresh: go.Figure) -> None:
+    """Show another figure in a FigureWidget already on the page (its traces may differ in number and kind)."""
+    with widget.batch_update():
+        widget.data = ()
+        widget.add_traces(list(fresh.data))
+        widget.layout = fresh.layout
+
+
 def plan_explorer(record: PlanRecord, p: Params, run_dir: str | Path) -> Any:
     """The layout explorer (ipywidgets): layout, max_model_len, gpu_memory_utilization and KV-cache dtype in; the
     memory bars, KV tokens, concurrency at full context, decode ceilings and the exact command out."""
@@ -208,11 +216,7 @@ def plan_explorer(record: PlanRecord, p: Params, run_dir: str | Path) -> Any:
             record, p, by_name[layout_box.value], length_box.value, round(memory_box.value, 2), dtype_box.value
         )
         shown["now"] = found
-        fresh = found.figure()
-        with figure.batch_update():
-            figure.data = ()
-            figure.add_traces(list(fresh.data))
-            figure.layout = fresh.layout
+        _redraw(figure, found.figure())
         rows = "".join(
             f"<tr><td>{html.escape(k)}</td><td class='sb-fact' data-fact='{html.escape(k)}'>"
             f"<b>{html.escape(v)}</b></td></tr>"
@@ -361,11 +365,7 @@ def level_explorer(levels: Any, limits: Any) -> Any:
     row = widgets.HTML()
 
     def refresh(_: object = None) -> None:
-        fresh = level_figure(levels, metric_box.value, level_box.value)
-        with chart.batch_update():
-            chart.data = ()
-            chart.add_traces(list(fresh.data))
-            chart.layout = fresh.layout
+        _redraw(chart, level_figure(levels, metric_box.value, level_box.value))
         if limits is not None and not limits.empty:
             picked = limits.iloc[streams.index(level_box.value)] if len(limits) == len(streams) else None
             row.value = (
