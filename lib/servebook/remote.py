@@ -31,6 +31,8 @@ class WorkerRecord(BaseModel):
     pid: int
     log_path: str
     command: list[str]
+    role: str = "vllm"  # "ray": the node's `ray start` (raycluster.py), whose Ray processes must be gone after a stop
+    stop_command: list[str] = []  # run on the node before its session is signalled (`ray stop`)
 
 
 def ssh_prefix(ssh: str, ssh_config: str = "") -> list[str]:
@@ -120,6 +122,7 @@ def log_text(worker: WorkerRecord, lines: int = 400) -> str:
 _LEFT = r"""
 import json, os, subprocess, sys
 sid = int(sys.argv[1])
+ray = len(sys.argv) > 2 and sys.argv[2] == "ray"
 left = []
 for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
@@ -131,6 +134,15 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         continue
     if session == sid or (comm.startswith("VLLM::") and ppid == 1):
         left.append(f"pid {pid} {comm}")
+    elif ray and (comm in ("raylet", "gcs_server") or comm.startswith("ray::")):
+        left.append(f"pid {pid} {comm} (Ray)")
+    elif ray:  # Ray's Python processes: its scripts (dashboard, log monitor, autoscaler) or its CLI
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "ray.scripts.scripts" in args[:3] or any(a.endswith(".py") and "/ray/" in a for a in args[:3]):
+            left.append(f"pid {pid} {comm} (Ray: {' '.join(args)[:80]})")
 try:
     out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name", "--format=csv,noheader"],
                          capture_output=True, text=True, timeout=20).stdout
@@ -143,7 +155,8 @@ print(json.dumps(left))
 
 def leftovers(worker: WorkerRecord, python: str = "python3") -> list[str]:
     """What of this worker (and any orphaned vLLM process) is still running on its node."""
-    proc = run(worker.ssh, f"{shlex.quote(python)} -c {shlex.quote(_LEFT)} {worker.pid}", worker.ssh_config)
+    script = f"{shlex.quote(python)} -c {shlex.quote(_LEFT)} {worker.pid} {worker.role}"
+    proc = run(worker.ssh, script, worker.ssh_config)
     try:
         return [f"{worker.node}: {item}" for item in json.loads(proc.stdout.strip().splitlines()[-1])]
     except (ValueError, IndexError):
@@ -151,8 +164,14 @@ def leftovers(worker: WorkerRecord, python: str = "python3") -> list[str]:
 
 
 def stop(worker: WorkerRecord, grace_s: float = 15.0) -> list[str]:
-    """TERM the worker's session, KILL what outlives ``grace_s``, then list what is left on its node."""
+    """Run its ``stop_command`` (``ray stop``), TERM the worker's session, KILL what outlives ``grace_s``, then list
+    what is left on its node."""
     pid = worker.pid
+    if worker.stop_command:
+        try:
+            run(worker.ssh, shlex.join(worker.stop_command), worker.ssh_config, timeout_s=grace_s + SSH_TIMEOUT_S)
+        except RemoteError:
+            pass  # the session's signals below still stop it; what is left is listed
     rounds = max(1, int(grace_s / 0.5))
     script = (
         f"kill -TERM -- -{pid} 2>/dev/null; "

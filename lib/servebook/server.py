@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from servebook import client, files, hardware, models, multinode, remote, startup, vllm_compat
+from servebook import client, files, hardware, models, multinode, raycluster, remote, startup, vllm_compat
 from servebook.client import health
 from servebook.errors import CleanupError, LaunchError, PreflightError
 from servebook.processes import (
@@ -311,14 +311,28 @@ def launch(
     on_progress: Callable[[str, float], None] | None = None,
     log: Callable[[str], None] = print,
     workers: Sequence[remote.WorkerRecord] = (),
+    cluster: raycluster.RayCluster | None = None,
 ) -> Launch:
     """Preflight, start, and wait for ``/health``; raise :class:`LaunchError` with the root cause on failure.
 
     ``workers`` are the other nodes of a multi-node server (``multinode.workers``): started once the head is,
-    watched while it loads (one that exits fails the launch with its own log's root cause), stopped with it."""
+    watched while it loads (one that exits fails the launch with its own log's root cause), stopped with it.
+    A Ray ``cluster`` is started before the head's vLLM (which needs every node alive), its nodes then
+    registered, watched and stopped as the server's workers."""
     with launch_lock(cfg):
         pre = preflight(cfg, stop_leftovers=stop_leftovers, log=log)
-        return _start(cfg, Path(log_dir), pre, on_progress, log, workers)
+        if pre.reuse or cluster is None:
+            return _start(cfg, Path(log_dir), pre, on_progress, log, workers)
+        ray_nodes: list[remote.WorkerRecord] = []
+        try:
+            cluster.start(cfg.environment(base={}, with_secrets=False), Path(log_dir), ray_nodes.append, log)
+            return _start(cfg, Path(log_dir), pre, on_progress, log, workers, ray_nodes)
+        except BaseException:
+            if not registered(cfg.port):  # _start stops what it registered; before that, the cluster is ours alone
+                left = multinode.Workers(ray_nodes).stop(STOP_GRACE_S)
+                if left:
+                    log(f"the Ray cluster's stop left: {'; '.join(left)}")
+            raise
 
 
 def _start(
@@ -328,6 +342,7 @@ def _start(
     on_progress: Callable[[str, float], None] | None,
     log: Callable[[str], None],
     workers: Sequence[remote.WorkerRecord],
+    ray_nodes: Sequence[remote.WorkerRecord] = (),
 ) -> Launch:
     env = cfg.environment()
     if pre.reuse:
@@ -348,6 +363,7 @@ def _start(
         )  # fmt: skip
     record = _registration(cfg, proc.pid, command, log_path)
     record.run_dir = str(log_dir.resolve())
+    record.workers = list(ray_nodes)
     try:
         register(record)
     except BaseException:  # a server nobody could find must not outlive this call
@@ -631,9 +647,8 @@ def status() -> list[ServerStatus]:
                 gone = multinode.Workers(rec.workers).gone()
             except remote.RemoteError as exc:
                 gone = [str(exc)]
-            nodes = f"{len(rec.workers) + 1} nodes" + (
-                f"; gone: {'; '.join(gone)}" if gone else ", every worker running"
-            )
+            count = len(rec.workers) + (0 if any(w.role == "ray" for w in rec.workers) else 1)  # Ray's: head's too
+            nodes = f"{count} nodes" + (f"; gone: {'; '.join(gone)}" if gone else ", every worker running")
             detail = f"{detail}; {nodes}" if detail else nodes
         rows.append(
             ServerStatus(

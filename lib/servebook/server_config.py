@@ -46,6 +46,8 @@ OWNED_FLAGS = {
     "--load-format": "load_format",
     "--enable-ep-weight-filter": "ep_weight_filter",
     "--no-enable-ep-weight-filter": "ep_weight_filter",
+    "--distributed-executor-backend": "distributed_backend",
+    "--data-parallel-backend": "distributed_backend",
 }
 
 
@@ -96,6 +98,7 @@ class ServerConfig:
     load_strategy: str = _default("load_strategy")  # "auto" is resolved by the launch stage from the plan
     load_format: str = _default("load_format")
     ep_weight_filter: str = _default("ep_weight_filter")
+    distributed_backend: str = _default("distributed_backend")
     node_flags: list[str] = field(default_factory=list)  # the head's part of a multi-node server (multinode.py)
     nodes: int = 1  # machines the server spans; this one holds world_size / nodes of its GPUs
 
@@ -151,7 +154,15 @@ class ServerConfig:
         if self.max_num_batched_tokens:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         args += self.load_flags()
-        return args + list(self.node_flags) + list(self.extra_args)
+        return args + self.backend_flags() + list(self.node_flags) + list(self.extra_args)
+
+    def backend_flags(self) -> list[str]:
+        """Ray across nodes: vLLM's executor places the workers on the cluster (raycluster.py) and launches every
+        data-parallel rank from this one command; mp needs no flag (it is vLLM's default)."""
+        if self.distributed_backend != "ray" or self.nodes <= 1:
+            return []
+        args = ["--distributed-executor-backend", "ray"]
+        return args + (["--data-parallel-backend", "ray"] if self.data_parallel_size > 1 else [])
 
     def conflicts(self) -> list[str]:
         """Flags in ``extra_args`` that a parameter owns: vLLM takes the last one, so the plan, the launch lock

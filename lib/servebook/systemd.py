@@ -64,6 +64,9 @@ class UnitSpec:
     role: str = "server"  # "server" (serves the API), or "worker" (a headless node of a multi-node server)
     worker_units: list[NodeUnit] = field(default_factory=list)  # the head's: the other nodes' units
     ssh_config: str = ""
+    ray_address: str = ""  # distributed_backend ray: the head's vLLM waits until Ray counts ray_nodes alive here
+    ray_nodes: int = 0
+    ray: bool = False  # a Ray node's unit, or the server on Ray: both meet in /tmp/ray (sockets, session)
     requires: list[str] = field(default_factory=list)  # a router's: its replicas' units, up before it starts
     part_of: str = ""  # a replica's: the router's unit, whose stop and restart reach it
 
@@ -132,6 +135,12 @@ def _start_lines(u: UnitSpec) -> tuple[str, str]:
             f"\nExecStartPre={exec_line(_on_node(w, u.ssh_config, 'start', '--no-block', w.unit_name))}"
             for w in u.worker_units
         )
+    if u.ray_address:
+        ray_wait = [*u.servebook, "ray-wait", "--address", u.ray_address, "--nodes", str(u.ray_nodes)]
+        pre += (
+            "\n# vLLM places its workers on the Ray cluster as it finds it: wait until every node has joined (a node's\n"
+            f"# `ray start` that found no head yet fails and is restarted by its unit)\nExecStartPre={exec_line(ray_wait)}"
+        )
     post = (
         "# systemctl start returns only when /health answers 200"
         + (", which vLLM allows once every node's ranks have joined" if u.worker_units else "")
@@ -162,6 +171,11 @@ def render_unit(u: UnitSpec) -> str:
     pre, post = _start_lines(u)
     state = u.state_dir or f"/var/lib/servebook/{u.name}"
     env_lines = "\n".join(f"Environment={_quote(f'{k}={v}')}" for k, v in sorted(u.environment.items()))
+    private_tmp = (
+        "# Ray's node and the vLLM that joins it meet in /tmp/ray (the raylet's sockets): no private /tmp\nPrivateTmp=no"
+        if u.ray
+        else "PrivateTmp=yes"
+    )
     return f"""# Rendered by servebook from the configuration its launch stage validated.
 # Load time {u.load_seconds:.0f} s ({u.load_source}); TimeoutStartSec = {START_MARGIN} x load + {START_ALLOWANCE_S} s.
 [Unit]
@@ -204,7 +218,7 @@ StandardError=journal
 SyslogIdentifier=servebook-{u.name}
 # hardening that still lets vLLM read the model, use the GPUs and write its caches
 NoNewPrivileges=yes
-PrivateTmp=yes
+{private_tmp}
 ProtectSystem=full
 ProtectHome=read-only
 ReadWritePaths={state}

@@ -17,9 +17,10 @@ def available() -> bool:
 
 
 def start(
-    folder: Path, address: str = "127.0.0.3", port: int = 2222, alias: str = "node-b"
+    folder: Path, address: str = "127.0.0.3", port: int = 2222, alias: str = "node-b", netns: str = ""
 ) -> tuple[subprocess.Popen[bytes], Path]:
-    """sshd on ``address:port``; returns it and an SSH client config in which ``alias`` reaches it."""
+    """sshd on ``address:port`` (inside network namespace ``netns`` where given); returns it and an SSH client
+    config in which ``alias`` reaches it."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("host_key", "user_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / name)], check=True)
@@ -33,7 +34,10 @@ def start(
         f"PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
         f"PidFile {folder / 'sshd.pid'}\nAcceptEnv none\n"
     )
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(server_config)], stderr=open(folder / "sshd.log", "wb"))
+    inside = ["ip", "netns", "exec", netns] if netns else []
+    proc = subprocess.Popen(
+        [*inside, SSHD, "-D", "-e", "-f", str(server_config)], stderr=open(folder / "sshd.log", "wb")
+    )
     client_config = folder / "ssh_config"
     client_config.write_text(
         f"Host {alias}\n  HostName {address}\n  Port {port}\n  User root\n  IdentityFile {folder / 'user_key'}\n"

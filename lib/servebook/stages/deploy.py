@@ -196,13 +196,19 @@ def _node_units(unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> 
     """A multi-node server's worker units, one per other node, written and verified beside the head's; the head's
     unit learns to start and stop them."""
     records = []
-    for rank, worker in enumerate(launch.workers, start=1):
+    ray = any(w.role == "ray" for w in launch.workers)  # every node's `ray start`, the head's too, before its vLLM
+    if ray:
+        unit.ray_address, unit.ray_nodes = launch.config.extra_env.get("RAY_ADDRESS", ""), len(launch.workers)
+        unit.ray = True
+    count = len(launch.workers) + (0 if ray else 1)
+    for rank, worker in enumerate(launch.workers, start=0 if ray else 1):
+        own = {"VLLM_HOST_IP": worker.address} | ({"RAY_NODE_IP_ADDRESS": worker.address} if ray else {})
         spec = dataclasses.replace(
             unit,
-            name=f"{unit.name}-node{rank}",
-            description=f"{unit.description}, node {rank} of {len(launch.workers) + 1}",
+            name=f"{unit.name}-{'ray' if ray else 'node'}{rank}",
+            description=f"{unit.description}, {'Ray on ' if ray else ''}node {rank} of {count}",
             command=list(worker.command),
-            environment={**unit.environment, "VLLM_HOST_IP": worker.address} if worker.address else unit.environment,
+            environment={**unit.environment, **own} if worker.address else unit.environment,
             secret_sources={},
             role="worker",
             worker_units=[],

@@ -16,6 +16,7 @@ from servebook import (
     models,
     multinode,
     planner,
+    raycluster,
     remote,
     results,
     router,
@@ -151,7 +152,12 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         raise LaunchError("the dry start (--load-format dummy) failed; nothing was read", cause=dry.error)
     probes: list[multinode.NodeProbe] = []
     workers: list[remote.WorkerRecord] = []
-    if p.nodes > 1:
+    cluster = None
+    if p.nodes > 1 and p.distributed_backend == "ray":
+        cluster = raycluster.RayCluster.from_params(p)
+        probes = multinode.preflight(multinode.NodeSet.from_params(p), cfg.model_path, [p.ray_port], backend="ray")
+        cfg = raycluster.head_config(cfg, cluster, p.per_node)
+    elif p.nodes > 1:
         nodes = multinode.NodeSet.from_params(p)
         probes = multinode.preflight(nodes, cfg.model_path, [nodes.master_port])  # server.launch checks the API port
         cfg, workers = multinode.prepare(cfg, nodes, run_dir)
@@ -163,8 +169,9 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         cfg = launch.config
     else:
         launch = server.launch(
-            cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive), workers=workers
-        )
+            cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive),
+            workers=workers, cluster=cluster,
+        )  # fmt: skip
     registered = server.registered(cfg.port)
     if dry and launch.values.kv_cache_tokens and launch.timeline:
         dry.real_adds = real_adds(dry, launch)

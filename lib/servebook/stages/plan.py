@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from servebook import gpus, hardware, loadpath, multinode, planner, results, server_config, startplan
+from servebook import gpus, hardware, loadpath, multinode, planner, raycluster, results, server_config, startplan
 from servebook.errors import LayoutRejected, ServebookError
 from servebook.params import Params
 from servebook.records import PlanRecord, ReconRecord
@@ -64,6 +64,8 @@ def make_plan(p: Params, device: planner.Device, evidence: loadpath.CheckpointEv
         record.load_evidence = evidence if evidence is not None else startplan.load_evidence(p, probe=False)
         record.load_choice, record.start_prediction = startplan.load_plan(p, planned, chosen, record.load_evidence)
         record.node_commands = launch_commands(p, planned.device, chosen.parallelism, record.load_choice)
+        if planned.device.nodes > 1 and p.distributed_backend == "ray":
+            record.ray_commands = ray_commands(p)
     return record
 
 
@@ -82,6 +84,15 @@ def launch_commands(
     return multinode.commands(cfg, device.nodes, device.per_node, head, p.node_master_port, python)
 
 
+def ray_commands(p: Params) -> list[list[str]]:
+    """Each node's ``ray start``, head first, as the launch runs them before the head's ``vllm serve``."""
+    addresses = list(p.node_addresses) or [multinode.HEAD_ADDRESS] + [f"NODE{i}_ADDRESS" for i in range(1, p.nodes)]
+    hosts = list(p.node_hosts) or ["local"] + [f"node{i}" for i in range(1, p.nodes)]
+    return raycluster.RayCluster.from_params(
+        p.model_copy(update={"node_addresses": addresses, "node_hosts": hosts})
+    ).commands()
+
+
 def run(p: Params, run_dir: str | Path) -> PlanRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, PlanRecord)  # a rerun never leaves the last attempt's record looking current
@@ -95,6 +106,11 @@ def node_commands_text(record: PlanRecord) -> str:
     """Each node's command line, head first, as the launch stage will run it."""
     chosen = record.recommended if record.launch_layout == "recommended" else record.requested
     lines = [f"# {chosen.name}: {planner.MULTINODE_STRATEGIES[chosen.strategy]}"] if chosen and chosen.strategy else []
+    for rank, argv in enumerate(record.ray_commands):
+        lines.append(f"# node {rank}: {'start the Ray head' if rank == 0 else 'join the Ray cluster'}")
+        lines.append(shlex.join(argv))
+    if record.ray_commands:
+        lines.append("# once Ray counts every node alive, on the head (serves the API; Ray places the workers)")
     for rank, argv in enumerate(record.node_commands):
         if len(record.node_commands) > 1:
             lines.append(f"# node {rank}{' (head: serves the API)' if rank == 0 else ''}")

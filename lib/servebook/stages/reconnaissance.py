@@ -127,6 +127,8 @@ def assess_nodes(record: ReconRecord, p: Params) -> None:
     found = multinode.problems(
         record.nodes, nodes, checkpoint=False, gpus_per_node=p.per_node if record.device == "cuda" else 0
     )
+    if p.distributed_backend == "ray":
+        found += multinode.ray_version_problems(record.nodes)
     record.verdict.reasons += found
     record.verdict.ready = not record.verdict.reasons
     record.verdict.notes.append(

@@ -1,0 +1,121 @@
+"""A Ray cluster of two nodes, each in a network namespace of its own with one routable address and an OpenSSH
+server (netns.py), started, joined, watched and stopped the way ``distributed_backend: ray`` does it. vLLM's CPU
+build refuses Ray ("current platform cpu does not support ray"), so vLLM's side of that launch is checked against
+vLLM's own parser (tests/unit/test_ray.py); here the embedded model is served by real vLLM beside a real cluster to
+show the cluster is registered, reported and stopped with the server."""
+
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from servebook import models, multinode, params, raycluster, remote, server
+from servebook.errors import LaunchError, PreflightError
+
+from . import netns
+from .conftest import config, ours_left
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not netns.available(), reason="needs root, iproute2 and Debian's openssh-server"),
+]
+
+PORT = 8171
+START_ARGS = ["--num-cpus=1", "--object-store-memory=100000000"]  # two Ray nodes on a 2-core, 23 GB machine
+
+
+@pytest.fixture(scope="module")
+def namespaces(tmp_path_factory):
+    found = netns.create(tmp_path_factory.mktemp("netns"))
+    yield found
+    found.close()
+
+
+def cluster_of(ns: netns.Namespaces, **kw) -> raycluster.RayCluster:
+    nodes = [raycluster.RayNode(f"node{i}", f"ray-{i}", a, sys.executable) for i, a in enumerate(ns.addresses)]
+    values = dict(nodes=nodes, port=6390, start_args=START_ARGS, ssh_config=str(ns.ssh_config), join_timeout_s=120)
+    values.update(kw)
+    return raycluster.RayCluster(**values)
+
+
+def ray_processes() -> list[str]:
+    """Ray's own daemons anywhere on this host (the namespaces share its process table)."""
+    out = subprocess.run(["ps", "-eo", "pid=,comm="], capture_output=True, text=True).stdout
+    return [line.strip() for line in out.splitlines() if line.split()[-1] in ("raylet", "gcs_server")]
+
+
+def test_two_nodes_join_under_their_own_addresses_and_stop_leaving_nothing(namespaces, tmp_path):
+    cluster = cluster_of(namespaces)
+    started: list[remote.WorkerRecord] = []
+    try:
+        cluster.start({}, tmp_path, started.append, log=print)
+        # each node registered its own veth address: neither the host's nor a loopback one
+        assert sorted(cluster.alive()) == namespaces.addresses
+        assert [w.node for w in started] == ["node0", "node1"] and all(w.role == "ray" for w in started)
+        # what a deployed head's unit runs before its vLLM, on the head
+        wait = [sys.executable, "-m", "servebook.cli", "ray-wait", "--address", cluster.address, "--nodes"]
+        done = remote.run("ray-0", shlex.join([*wait, "2", "--timeout", "60"]), str(namespaces.ssh_config), 120)
+        assert done.returncode == 0 and "counts 2 nodes alive" in done.stdout, done.stderr[-500:]
+        done = remote.run("ray-0", shlex.join([*wait, "3", "--timeout", "5"]), str(namespaces.ssh_config), 120)
+        assert done.returncode == 1 and "counts 2 of 3 nodes alive" in done.stderr, done.stderr[-500:]
+        # the check that follows the stop sees a running node's Ray (it could fail)
+        running = remote.leftovers(started[0])
+        assert any("raylet" in item for item in running) and any("gcs_server" in item for item in running), running
+    finally:
+        left = multinode.Workers(started).stop(grace_s=20)
+    assert left == []
+    assert cluster.alive() == []
+    assert ray_processes() == []
+    assert all(not remote.alive(w) for w in started)
+
+
+def test_a_node_that_cannot_join_fails_the_launch_by_name_and_nothing_is_left(namespaces, tmp_path):
+    cfg = config(PORT)
+    cluster = cluster_of(namespaces, join_timeout_s=30)
+    # node1 asks for the head on a port nothing listens on: its `ray start --address` gives up
+    broken = cluster.start_command(cluster.nodes[1])
+    broken[broken.index("--address") + 1] = f"{namespaces.addresses[0]}:6391"
+    cluster.start_command = lambda node: broken if node is cluster.nodes[1] else type(cluster).start_command(
+        cluster, node
+    )  # fmt: skip
+    with pytest.raises(LaunchError) as caught:
+        server.launch(cfg, tmp_path, log=print, cluster=cluster)
+    message = str(caught.value)
+    assert "node1" in message and ("exited before it joined" in message or "did not join" in message), message
+    assert server.registered(PORT) is None  # no vLLM was started: the cluster comes first
+    assert ray_processes() == []
+
+
+def test_a_server_beside_the_cluster_is_registered_with_its_nodes_and_stopped_with_them(namespaces, tmp_path):
+    cfg = config(PORT)
+    cluster = cluster_of(namespaces)
+    launched = server.launch(cfg, tmp_path, log=print, cluster=cluster)
+    try:
+        registered = server.registered(PORT)
+        assert registered is not None
+        assert [w.address for w in registered.workers] == namespaces.addresses
+        (row,) = [s for s in server.status() if s.port == PORT]
+        assert "2 nodes, every worker running" in row.detail, row.detail
+    finally:
+        outcome = server.stop(port=PORT)
+    assert outcome.remaining == []
+    assert ours_left(launched.pgid) == []
+    assert ray_processes() == []
+    assert server.registered(PORT) is None
+
+
+def test_a_node_without_the_heads_ray_is_refused_before_anything_starts(namespaces):
+    """node1's Python (the system's, no Ray, no vLLM) probed over SSH in its namespace: the preflight names it and
+    the fix; nothing is started on either node."""
+    p = params.Params(
+        model="builtin:tiny-qwen3-moe", device="cuda", tensor_parallel_size=2, nodes=2, gpus_per_node=1,
+        node_hosts=["local", "ray-1"], node_addresses=[namespaces.gateway, namespaces.addresses[1]],
+        node_ssh_config=str(namespaces.ssh_config), node_python="/usr/bin/python3", distributed_backend="ray",
+    )  # fmt: skip
+    with pytest.raises(PreflightError) as refused:
+        multinode.preflight(multinode.NodeSet.from_params(p), models.resolve(p.model), [p.ray_port], backend="ray")
+    text = str(refused.value)
+    assert "node1 (ray-1): Ray is not installed for /usr/bin/python3; pip install ray==" in text, text
+    assert "node1 (ray-1): vllm missing, but node0 (this machine) has" in text, text
+    assert ray_processes() == []
