@@ -60,6 +60,7 @@ node_interconnect: str = ""  # the network between nodes, e.g. '8x400Gb/s Infini
 node_addresses: list[str] = []  # each node's IP on the network the nodes share; empty means node_hosts
 node_master_port: int = 29500  # the head's port for torch.distributed (or the DP RPC port)
 distributed_backend: str = "mp"  # how vLLM reaches the other nodes' GPUs: mp (its own --nnodes/--headless launch) or ray (servebook starts a Ray cluster over SSH, vLLM runs --distributed-executor-backend ray on the head)
+data_parallel_lb: str = "internal"  # data-parallel replicas across nodes: behind the head's one API server (internal), or an API server on every node (bound to its node_addresses entry) behind vllm-router on the head (hybrid)
 ray_port: int = 6379  # the Ray head's GCS port (distributed_backend: ray)
 ray_start_args: list[str] = []  # more flags for every node's `ray start`, such as '--num-cpus 32' (distributed_backend: ray)
 ray_join_timeout_s: float = 300.0  # how long every node may take to join the Ray cluster (distributed_backend: ray)

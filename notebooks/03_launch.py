@@ -72,6 +72,7 @@ node_python: str = ""  # Python with vLLM on the other nodes; empty means this o
 node_ssh_config: str = ""  # an SSH config file to use instead of ~/.ssh/config (no keys here)
 node_master_port: int = 29500  # the head's port for torch.distributed (or the DP RPC port)
 distributed_backend: str = "mp"  # how vLLM reaches the other nodes' GPUs: mp (its own --nnodes/--headless launch) or ray (servebook starts a Ray cluster over SSH, vLLM runs --distributed-executor-backend ray on the head)
+data_parallel_lb: str = "internal"  # data-parallel replicas across nodes: behind the head's one API server (internal), or an API server on every node (bound to its node_addresses entry) behind vllm-router on the head (hybrid)
 ray_port: int = 6379  # the Ray head's GCS port (distributed_backend: ray)
 ray_start_args: list[str] = []  # more flags for every node's `ray start`, such as '--num-cpus 32' (distributed_backend: ray)
 ray_join_timeout_s: float = 300.0  # how long every node may take to join the Ray cluster (distributed_backend: ray)

@@ -60,6 +60,7 @@ node_addresses: list[str] = []  # each node's IP on the network the nodes share;
 node_python: str = ""  # Python with vLLM on the other nodes; empty means this one's path
 node_ssh_config: str = ""  # an SSH config file to use instead of ~/.ssh/config (no keys here)
 node_master_port: int = 29500  # the head's port for torch.distributed (or the DP RPC port)
+data_parallel_lb: str = "internal"  # data-parallel replicas across nodes: behind the head's one API server (internal), or an API server on every node (bound to its node_addresses entry) behind vllm-router on the head (hybrid)
 ab_concurrency: int = 32  # the high concurrency of the A/B (one stream is always measured)
 ab_requests: int = 32  # measured requests per A/B point (each window lasts bench_min_level_s too)
 ab_repeats: int = 2  # measurements per variant and concurrency

@@ -84,16 +84,25 @@ class NodeSet(BaseModel):
 
 
 def node_flags(
-    layout: Parallelism, nodes: int, gpus_per_node: int, rank: int, head_address: str, port: int
+    layout: Parallelism, nodes: int, gpus_per_node: int, rank: int, head_address: str, port: int, hybrid: bool = False
 ) -> list[str]:
-    """The flags that make a node's ``vllm serve`` one part of the server (after the layout's own flags)."""
+    """The flags that make a node's ``vllm serve`` one part of the server (after the layout's own flags);
+    ``hybrid``: every node serves its own ranks' API (``--data-parallel-hybrid-lb``, which refuses --headless)."""
     if message := nodes_rule(layout.world_size, nodes):
         raise ValueError(message)
     if layout.strategy(gpus_per_node) == "dp":
         local = gpus_per_node // (layout.tp * layout.pp)
         flags = ["--data-parallel-size-local", str(local), "--data-parallel-address", head_address]
         flags += ["--data-parallel-rpc-port", str(port)]
+        if hybrid:
+            return ["--data-parallel-hybrid-lb", *flags, "--data-parallel-start-rank", str(rank * local)]
         return flags + (["--headless", "--data-parallel-start-rank", str(rank * local)] if rank else [])
+    if hybrid:
+        raise ValueError(
+            f"data_parallel_lb: hybrid needs every data-parallel replica inside one node; {layout.name} on "
+            f"{gpus_per_node} GPUs per node spans nodes: set data_parallel_lb: internal, or a layout whose TP x PP "
+            "fits a node"
+        )
     flags = [
         "--nnodes",
         str(nodes),
@@ -113,12 +122,14 @@ def node_configs(cfg: ServerConfig, count: int, gpus_per_node: int, head_address
     the head runs ``vllm serve``; the other nodes run ``ray start`` (raycluster.py)."""
     if cfg.distributed_backend == "ray":
         return [dataclasses.replace(cfg, nodes=count)]
+    hybrid = cfg.data_parallel_lb == "hybrid"
     return [
         dataclasses.replace(
-            cfg, node_flags=node_flags(cfg.parallelism, count, gpus_per_node, rank, head_address, port), nodes=count
+            cfg, node_flags=node_flags(cfg.parallelism, count, gpus_per_node, rank, head_address, port, hybrid),
+            nodes=count,
         )
         for rank in range(count)
-    ]
+    ]  # fmt: skip
 
 
 def commands(
@@ -329,6 +340,10 @@ def problems(probes: list[NodeProbe], nodes: NodeSet, checkpoint: bool = True, g
                 for busy in found.ports_in_use
             ]
             continue
+        out += [
+            f"{found.node}: port {busy} is in use there; stop what holds it or choose another replica_base_port"
+            for busy in found.ports_in_use
+        ]
         for package in ("vllm", "torch", "nccl"):
             theirs, ours = found.versions.get(package), head.versions.get(package)
             if theirs != ours:
@@ -389,29 +404,42 @@ def network_problems(found: NodeProbe, node: Node) -> list[str]:
     return out
 
 
-def probe_all(nodes: NodeSet, model_path: str, head_ports: list[int] | None = None) -> list[NodeProbe]:
-    """Every node's probe, all at once (each imports torch: seconds), head first (the head's with its ports)."""
+def probe_all(
+    nodes: NodeSet, model_path: str, head_ports: list[int] | None = None, node_ports: list[int] | None = None
+) -> list[NodeProbe]:
+    """Every node's probe, all at once (each imports torch: seconds), head first (the head's with its ports, the
+    others with theirs)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(nodes.nodes), 16)) as pool:
         futures = [
-            pool.submit(probe, node, nodes, model_path, (head_ports or []) if i == 0 else [])
+            pool.submit(probe, node, nodes, model_path, (head_ports or []) if i == 0 else (node_ports or []))
             for i, node in enumerate(nodes.nodes)
         ]
         return [future.result() for future in futures]
 
 
-def preflight(nodes: NodeSet, model_path: str, head_ports: list[int], backend: str = "mp") -> list[NodeProbe]:
+def preflight(
+    nodes: NodeSet, model_path: str, head_ports: list[int], backend: str = "mp", node_ports: list[int] | None = None
+) -> list[NodeProbe]:
     """Probe every node; PreflightError with every problem, naming node and fix, before anything starts."""
-    probes = probe_all(nodes, model_path, head_ports)
+    probes = probe_all(nodes, model_path, head_ports, node_ports)
     found = problems(probes, nodes) + (ray_version_problems(probes) if backend == "ray" else [])
     if found:
         raise PreflightError("the nodes are not ready for one server:\n  - " + "\n  - ".join(found))
     return probes
 
 
-def prepare(cfg: ServerConfig, nodes: NodeSet, log_dir: str | Path) -> tuple[ServerConfig, list[remote.WorkerRecord]]:
-    """The head's configuration (its node flags, its address for vLLM) and each other node's worker command."""
+def prepare(
+    cfg: ServerConfig, nodes: NodeSet, log_dir: str | Path, api_port: int = 0
+) -> tuple[ServerConfig, list[remote.WorkerRecord]]:
+    """The head's configuration (its node flags, its address for vLLM) and each other node's worker command;
+    ``api_port``: every node serves its own API there (hybrid load balancing), the others on their own address."""
     head = nodes.head
     configs = node_configs(cfg, len(nodes.nodes), nodes.gpus_per_node, head.address, nodes.master_port)
+    if api_port:
+        configs = [dataclasses.replace(configs[0], port=api_port)] + [
+            dataclasses.replace(c, port=api_port, host=n.address)
+            for c, n in zip(configs[1:], nodes.nodes[1:], strict=True)
+        ]
     head_cfg = dataclasses.replace(configs[0], extra_env={**cfg.extra_env, "VLLM_HOST_IP": head.address})
     workers = []
     for rank, (node, node_cfg) in enumerate(zip(nodes.nodes[1:], configs[1:], strict=True), start=1):

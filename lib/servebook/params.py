@@ -143,6 +143,11 @@ class Params(BaseModel):
         description="how vLLM reaches the other nodes' GPUs: mp (its own --nnodes/--headless launch) or ray "
         "(servebook starts a Ray cluster over SSH, vLLM runs --distributed-executor-backend ray on the head)",
     )
+    data_parallel_lb: Literal["internal", "hybrid"] = Field(
+        "internal",
+        description="data-parallel replicas across nodes: behind the head's one API server (internal), or an API "
+        "server on every node (bound to its node_addresses entry) behind vllm-router on the head (hybrid)",
+    )
     ray_port: int = Field(6379, ge=1024, le=65535, description="the Ray head's GCS port (distributed_backend: ray)")
     ray_start_args: list[str] = Field(
         default_factory=list,
@@ -399,6 +404,32 @@ class Params(BaseModel):
             )
         return problems
 
+    def _hybrid_problems(self) -> list[str]:
+        """vLLM's --data-parallel-hybrid-lb: an API server per node for its local ranks, a router in front."""
+        problems = []
+        if self.data_parallel_size < self.nodes:
+            problems.append(
+                f"data_parallel_lb: hybrid with data_parallel_size {self.data_parallel_size} on {self.nodes} nodes: "
+                "every node serves its own data-parallel ranks; give each node at least one (data_parallel_size >= "
+                "nodes), or data_parallel_lb: internal"
+            )
+        if self.distributed_backend == "ray":
+            problems.append(
+                "data_parallel_lb: hybrid with distributed_backend: ray: vLLM's hybrid mode runs an API server per "
+                "node from each node's own `vllm serve`; set distributed_backend: mp"
+            )
+        if self.replicas > 1:
+            problems.append(
+                "data_parallel_lb: hybrid with replicas > 1: each node's API server is a replica behind the router "
+                "already; set replicas: 1"
+            )
+        if self.ab_variants:
+            problems.append("ab_variants relaunch one server; with data_parallel_lb: hybrid set ab_variants: []")
+        api = self.replica_base_port or self.port + 1
+        if api == self.port:
+            problems.append(f"replica_base_port {api} is the router's port; choose another")
+        return problems
+
     def _bench_problems(self) -> list[str]:
         """The benchmark's parameters against each other and against max_model_len."""
         problems: list[str] = []
@@ -475,6 +506,8 @@ class Params(BaseModel):
                 "distributed_backend: ray with replicas > 1: servebook's replicas each run on one node with vLLM's own "
                 "launch; set distributed_backend: mp, or replicas: 1 for one server on the Ray cluster"
             )
+        if self.data_parallel_lb == "hybrid":
+            problems += self._hybrid_problems()
         if self.distributed_backend == "ray" and self.ab_variants:
             problems.append(
                 "ab_variants with distributed_backend: ray: a variant's NCCL settings must reach every node's `ray "

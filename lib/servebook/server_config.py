@@ -48,6 +48,7 @@ OWNED_FLAGS = {
     "--no-enable-ep-weight-filter": "ep_weight_filter",
     "--distributed-executor-backend": "distributed_backend",
     "--data-parallel-backend": "distributed_backend",
+    "--data-parallel-hybrid-lb": "data_parallel_lb",
 }
 
 
@@ -99,6 +100,7 @@ class ServerConfig:
     load_format: str = _default("load_format")
     ep_weight_filter: str = _default("ep_weight_filter")
     distributed_backend: str = _default("distributed_backend")
+    data_parallel_lb: str = _default("data_parallel_lb")
     node_flags: list[str] = field(default_factory=list)  # the head's part of a multi-node server (multinode.py)
     nodes: int = 1  # machines the server spans; this one holds world_size / nodes of its GPUs
 

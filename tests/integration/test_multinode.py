@@ -5,10 +5,11 @@ two nodes through vLLM's multiprocessing multi-node launch (--nnodes 2, the work
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from servebook import params, remote, results, server
+from servebook import models, params, remote, results, server
 from servebook.errors import PreflightError
 from servebook.records import BenchmarkRecord
 from servebook.stages import benchmark, deploy, launch, smoke_test
@@ -132,3 +133,66 @@ def test_a_node_that_cannot_be_reached_is_refused_before_anything_starts(node_b,
         with pytest.raises(PreflightError, match=r"node0 \(this machine\): port 29611 .*in use"):
             launch.run(two_nodes(node_b), tmp_path)
     assert server.registered(PORT) is None
+
+
+@pytest.fixture(scope="module")
+def dense_model(tmp_path_factory):
+    """The embedded model's tokenizer and sizes without the experts (Qwen3, dense): vLLM's CPU build runs a MoE
+    layer's data-parallel dispatch through all_gatherv, which its CPU communicator does not implement
+    (NotImplementedError on the first request), so data parallelism across processes is served dense here."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tiny = Path(models.build_tiny_model())
+    out = tmp_path_factory.mktemp("tiny-qwen3-dense")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(tiny / name, out / name)
+    sizes = {
+        k: v
+        for k, v in models.TINY_CONFIG.items()
+        if k
+        not in ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "decoder_sparse_step", "norm_topk_prob")
+    }
+    torch.manual_seed(0)
+    config = Qwen3Config(**sizes, torch_dtype="bfloat16", eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def test_hybrid_data_parallel_serves_an_api_on_each_node_behind_the_router(node_b, dense_model, tmp_path):
+    """vLLM's --data-parallel-hybrid-lb over two nodes: DP=4, two ranks per node (with one, vLLM switches to its
+    external mode, an API per rank), each node's own API server (the worker's on its own address), vllm-router in
+    front on the head; smoke-tested and benchmarked through the router, each node's share of the requests
+    recorded, and nothing left on either node."""
+    api = PORT + 1
+    p = two_nodes(node_b, model=str(dense_model), tensor_parallel_size=1, data_parallel_size=4,
+                  data_parallel_lb="hybrid", replica_base_port=api, router_policy="round_robin",
+                  bench_max_concurrency=4)  # fmt: skip
+    record = None
+    try:
+        record = launch.run(p, tmp_path)
+        worker = record.workers[0]
+        assert "--data-parallel-hybrid-lb" in record.command and "--data-parallel-hybrid-lb" in worker.command
+        assert "--headless" not in worker.command
+        assert worker.command[worker.command.index("--data-parallel-start-rank") + 1] == "2"
+        assert worker.command[worker.command.index("--host") + 1] == "127.0.0.3"
+        assert record.router and record.router.url.endswith(f":{PORT}")
+        assert [r.url for r in record.replicas] == [f"http://127.0.0.1:{api}", f"http://127.0.0.3:{api}"]
+        assert all(w.healthy for w in record.router.workers), record.router.workers
+
+        assert smoke_test.run(p, tmp_path).passed
+        swept = benchmark.run(p, tmp_path)
+        assert not swept.fault and all(level.failed == 0 for level in swept.levels)
+        top = swept.levels[-1]
+        assert set(top.replica_shares) == {r.url for r in record.replicas}
+        assert all(share > 0 for share in top.replica_shares.values()), top.replica_shares
+        print(f"hybrid DP=4 over two nodes: best {swept.best.output_throughput:.1f} tok/s; shares {top.replica_shares}")
+    finally:
+        outcome = server.stop(port=PORT)  # the router
+        outcome.remaining += server.stop(port=api).remaining  # the head's vLLM and, over SSH, the worker node's
+    assert outcome.remaining == []
+    if record:
+        assert ours_left(record.pgid) == [] and remote.leftovers(record.workers[0]) == []
+    assert server.registered(PORT) is None and server.registered(api) is None

@@ -202,7 +202,7 @@ def test_an_unreachable_node_is_refused_before_anything_starts(tmp_path):
     """A real SSH client against an address where nothing listens: refused, named, with the fix."""
     config = tmp_path / "ssh_config"
     config.write_text("Host gone\n  HostName 127.0.0.1\n  Port 1\n  ConnectTimeout 3\n")
-    nodes = NODES.model_copy(update={"ssh_config": str(config)})
+    nodes = NODES.model_copy(update={"ssh_config": str(config)}, deep=True)  # NODES is shared by other tests
     nodes.nodes[1] = multinode.Node(name="node1 (gone)", ssh="gone", address="127.0.0.1")
     found = multinode.probe(nodes.nodes[1], nodes, "/nonexistent", [])
     assert not found.reachable and "cannot reach gone over SSH" in found.error
@@ -294,3 +294,42 @@ def test_an_engine_wait_shorter_than_the_load_is_refused_before_the_launch():
         p.model_copy(update={"extra_env": {"VLLM_ENGINE_READY_TIMEOUT_S": "1200"}}), "cpu", model_path="/nonexistent"
     )
     launch_stage.check_load_options(longer)
+
+
+def test_hybrid_load_balancing_gives_every_node_its_own_api_and_vllms_parser_takes_it(tmp_path):
+    """--data-parallel-hybrid-lb: no --headless anywhere, each node's start rank, the worker's API on its own
+    address; a layout whose replicas span nodes, or hybrid params vLLM's mode cannot serve, refused by name."""
+    model = str(tmp_path)
+    cfg = server_config.ServerConfig(model=model, model_path=model, served_model_name="m", device="cuda",
+                                     data_parallel_lb="hybrid", tensor_parallel_size=8, data_parallel_size=2,
+                                     enable_expert_parallel=True)  # fmt: skip
+    head, (worker,) = multinode.prepare(cfg, NODES, tmp_path, api_port=8001)
+    worker_args = worker.command[len(vllm_compat.serve_prefix(model, sys.executable)) :]
+    for args in (head.serve_args(), worker_args):
+        assert "--data-parallel-hybrid-lb" in args and "--headless" not in args
+        parsed = vllm_compat.parse_serve_args(model, args)
+        assert parsed.ok, parsed.message
+    assert worker_args[worker_args.index("--data-parallel-start-rank") + 1] == "1"
+    assert worker_args[worker_args.index("--host") + 1] == "10.0.0.2" and head.host == "127.0.0.1"
+    assert head.port == 8001 and worker_args[worker_args.index("--port") + 1] == "8001"
+    with pytest.raises(ValueError, match="data_parallel_lb: hybrid needs every data-parallel replica inside one node"):
+        multinode.node_configs(dataclasses.replace(cfg, tensor_parallel_size=16, data_parallel_size=1), 2, 8,
+                               "10.0.0.1", 29500)  # fmt: skip
+    with pytest.raises(ValueError) as refused:
+        params.Params(model="builtin:tiny-qwen3-moe", nodes=2, data_parallel_lb="hybrid", tensor_parallel_size=2,
+                      replicas=2)  # fmt: skip
+    text = str(refused.value)
+    assert "data_parallel_lb: hybrid with data_parallel_size 1 on 2 nodes" in text and "set replicas: 1" in text
+
+
+def test_a_hybrid_server_with_the_deploy_stage_is_refused_before_the_run_starts(tmp_path):
+    from servebook import runner
+
+    path = tmp_path / "hybrid.yaml"
+    path.write_text(
+        "model: builtin:tiny-qwen3-moe\nnodes: 2\ndata_parallel_size: 4\ndata_parallel_lb: hybrid\n"
+        "node_hosts: [local, node-b]\nnode_addresses: [127.0.0.2, 127.0.0.3]\n"
+    )
+    with pytest.raises(ParamsError) as refused:
+        runner.run(path, wanted="launch,deploy")
+    assert "data_parallel_lb: hybrid with the deploy stage" in str(refused.value)

@@ -159,14 +159,19 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         cfg = raycluster.head_config(cfg, cluster, p.per_node)
     elif p.nodes > 1:
         nodes = multinode.NodeSet.from_params(p)
-        probes = multinode.preflight(nodes, cfg.model_path, [nodes.master_port])  # server.launch checks the API port
-        cfg, workers = multinode.prepare(cfg, nodes, run_dir)
+        api_port = (p.replica_base_port or p.port + 1) if p.data_parallel_lb == "hybrid" else 0
+        probes = multinode.preflight(  # server.launch checks the head's API port, router.start the router's
+            nodes, cfg.model_path, [nodes.master_port], node_ports=[api_port] if api_port else []
+        )
+        cfg, workers = multinode.prepare(cfg, nodes, run_dir, api_port)
     cached_share, kernels_cached = startup.state_before_start(cfg.model_path)
     replicas: list[ReplicaRecord] = []
     routed = None
     if p.replicas > 1:
         launch, replicas, routed = launch_replicas(p, cfg, run_dir)
         cfg = launch.config
+    elif p.nodes > 1 and p.data_parallel_lb == "hybrid":
+        launch, replicas, routed = launch_hybrid(p, cfg, workers, run_dir)
     else:
         launch = server.launch(
             cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive),
@@ -263,6 +268,51 @@ def launch_replicas(
         for i, x in enumerate(launches)
     ]  # fmt: skip
     return launches[0], records, routed
+
+
+def launch_hybrid(
+    p: Params, cfg: server.ServerConfig, workers: list[remote.WorkerRecord], run_dir: Path
+) -> tuple[server.Launch, list[ReplicaRecord], router.RouterRecord]:
+    """vLLM's hybrid data-parallel load balancing: every node's ``vllm serve`` serves its own ranks' API (the head's
+    here, the others' on their node address), vllm-router in front of all of them on the head; on any failure
+    everything started is stopped."""
+    router.binary()  # refused before any node starts when vllm-router is missing
+    launch = server.launch(
+        cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive), workers=workers
+    )
+    started = server.registered(cfg.port)
+    nodes = started.workers if started else []
+    urls = [launch.url] + [f"http://{w.address}:{cfg.port}" for w in nodes]
+    ready_s = [launch.seconds_to_ready]
+    try:
+        for worker, url in zip(nodes, urls[1:], strict=True):
+            ok, message, seconds = server.wait_ready(url, cfg.load_budget_s())
+            if not ok:
+                raise LaunchError(
+                    f"{worker.node}'s API server at {url} did not answer /health: {message}; its log is "
+                    f"{worker.log_path} there"
+                )
+            ready_s.append(launch.seconds_to_ready + seconds)
+        routed = router.start(
+            router.RouterConfig(port=p.port, worker_urls=urls, policy=p.router_policy, host=p.host),
+            launch.config.target(timeout_s=120),
+            run_dir / "router",
+            run_dir=str(run_dir),
+        )
+    except BaseException:
+        server.stop(port=cfg.port)
+        raise
+    print(f"router {routed.policy} on {routed.url} in front of {len(urls)} nodes' API servers (hybrid data parallel)")
+    replicas = [
+        ReplicaRecord(index=0, url=launch.url, port=cfg.port, pid=launch.pid, pgid=launch.pgid,
+                      gpu_ids=cfg.target_gpus, log_path=launch.log_path, seconds_to_ready=launch.seconds_to_ready,
+                      reused=launch.reused, command=launch.command, environment=launch.environment)
+    ] + [
+        ReplicaRecord(index=i, url=url, port=cfg.port, pid=w.pid, pgid=0, gpu_ids=cfg.target_gpus,
+                      log_path=f"{w.node}:{w.log_path}", seconds_to_ready=round(s, 2), command=w.command)
+        for i, (w, url, s) in enumerate(zip(nodes, urls[1:], ready_s[1:], strict=True), start=1)
+    ]  # fmt: skip
+    return launch, replicas, routed
 
 
 def real_adds(dry: DryStart, launch: server.Launch) -> str:
