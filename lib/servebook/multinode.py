@@ -458,6 +458,21 @@ def prepare(
     return head_cfg, workers
 
 
+def start_on_node(worker: remote.WorkerRecord, env: dict[str, str], what: str) -> remote.WorkerRecord:
+    """Start a worker's command on its node; the record with its pid. A start whose answer was lost is stopped by
+    its pid file, and LaunchError says what was done and what to check."""
+    try:
+        pid = remote.start(worker.ssh, worker.command, env, worker.log_path, worker.ssh_config)
+    except RemoteError as exc:
+        done = remote.stop_unanswered(worker.ssh, worker.log_path, worker.ssh_config)
+        raise LaunchError(
+            f"could not start {what} on {worker.node}: {exc}; {done}. Check that the node answers over SSH "
+            "(`servebook reconnaissance` probes every node), then launch again",
+            cause=str(exc),
+        ) from None
+    return worker.model_copy(update={"pid": pid})
+
+
 @dataclass
 class Workers:
     """The other nodes' vLLM processes of one server: started once the head is, watched while it loads (one that
@@ -470,17 +485,9 @@ class Workers:
     ) -> None:
         for worker in self.records:
             own = {"VLLM_HOST_IP": worker.address} if worker.address else {}
-            try:
-                pid = remote.start(worker.ssh, worker.command, env | own, worker.log_path, worker.ssh_config)
-            except RemoteError as exc:
-                done = remote.stop_unanswered(worker.ssh, worker.log_path, worker.ssh_config)
-                raise LaunchError(
-                    f"could not start vLLM on {worker.node}: {exc}; {done}. Check that the node answers over SSH "
-                    "(`servebook reconnaissance` probes every node), then launch again",
-                    cause=str(exc),
-                ) from None
-            on_started(worker.model_copy(update={"pid": pid}))
-            log(f"started vLLM on {worker.node} (pid {pid} there), log {worker.log_path} there")
+            started = start_on_node(worker, env | own, "vLLM")
+            on_started(started)
+            log(f"started vLLM on {worker.node} (pid {started.pid} there), log {worker.log_path} there")
 
     def check(self, elapsed: float) -> None:
         """A worker node whose vLLM has exited fails the launch with that node's log."""

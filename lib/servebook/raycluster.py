@@ -26,7 +26,7 @@ from pathlib import Path
 
 from servebook import remote
 from servebook.errors import LaunchError, RemoteError
-from servebook.multinode import NodeSet
+from servebook.multinode import NodeSet, start_on_node
 from servebook.params import Params
 from servebook.secrets import mask
 from servebook.server_config import ServerConfig
@@ -129,19 +129,10 @@ class RayCluster:
         for record, node in zip(self.records(log_dir), self.nodes, strict=True):
             own = {"VLLM_HOST_IP": node.address, "RAY_NODE_IP_ADDRESS": node.address}
             shared = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}  # the head's vLLM's, not `ray start`'s
-            try:
-                pid = remote.start(node.ssh, record.command, shared | own, record.log_path, self.ssh_config)
-            except RemoteError as exc:
-                done = remote.stop_unanswered(node.ssh, record.log_path, self.ssh_config)
-                raise LaunchError(
-                    f"could not start Ray on {node.name}: {exc}; {done}. Check that the node answers over SSH "
-                    "(`servebook reconnaissance` probes every node), then launch again",
-                    cause=str(exc),
-                ) from None
-            record = record.model_copy(update={"pid": pid})
+            record = start_on_node(record, shared | own, "Ray")
             started.append(record)
             on_started(record)
-            log(f"started Ray on {node.name} (pid {pid} there, {'head' if node is self.head else 'joining'} "
+            log(f"started Ray on {node.name} (pid {record.pid} there, {'head' if node is self.head else 'joining'} "
                 f"{self.address}), log {record.log_path} there")  # fmt: skip
             self._wait_joined(record, node, len(started), began)
         log(f"Ray counts {len(started)} nodes alive after {time.monotonic() - began:.1f} s")
