@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+import time
 from collections.abc import Sequence
 
 from pydantic import BaseModel
@@ -179,4 +180,9 @@ def stop(worker: WorkerRecord, grace_s: float = 15.0) -> list[str]:
         f"pkill -KILL -s {pid} 2>/dev/null; sleep 0.5; true"
     )
     run(worker.ssh, script, worker.ssh_config, timeout_s=grace_s + SSH_TIMEOUT_S)
-    return leftovers(worker)
+    left = leftovers(worker)
+    deadline = time.monotonic() + grace_s
+    while left and worker.role == "ray" and time.monotonic() < deadline:  # Ray's agents exit seconds after raylet
+        time.sleep(1.0)
+        left = leftovers(worker)
+    return left

@@ -57,8 +57,9 @@ def create(folder: Path, count: int = 2, subnet: int = 231, tag: str = "ray") ->
     names = [f"sb-{tag}-{i}" for i in range(count)]
     addresses = [f"10.{subnet}.0.{i + 1}" for i in range(count)]
     bridge, gateway = f"sb{tag}br", f"10.{subnet}.0.254"
-    for name in names:  # a namespace an interrupted run left behind
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    for i, name in enumerate(names):  # left behind by an interrupted run, or by a namespace whose teardown lags
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)  # (its TIME_WAIT sockets keep it a while)
+        subprocess.run(["ip", "link", "del", f"sb{tag}{i}h"], capture_output=True)
     subprocess.run(["ip", "link", "del", bridge], capture_output=True)
     _ip("link", "add", bridge, "type", "bridge")
     _ip("addr", "add", f"{gateway}/24", "dev", bridge)
