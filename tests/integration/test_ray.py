@@ -5,13 +5,14 @@ vLLM's own parser (tests/unit/test_ray.py); here the embedded model is served by
 show the cluster is registered, reported and stopped with the server."""
 
 import shlex
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from servebook import models, multinode, params, raycluster, remote, server
-from servebook.errors import LaunchError, PreflightError
+from servebook.errors import Interrupted, LaunchError, PreflightError
 
 from . import netns
 from .conftest import config, ours_left
@@ -118,4 +119,23 @@ def test_a_node_without_the_heads_ray_is_refused_before_anything_starts(namespac
     text = str(refused.value)
     assert "node1 (ray-1): Ray is not installed for /usr/bin/python3; pip install ray==" in text, text
     assert "node1 (ray-1): vllm missing, but node0 (this machine) has" in text, text
+    assert ray_processes() == []
+
+
+def test_a_sigterm_while_the_nodes_join_stops_the_cluster_it_started(namespaces, tmp_path):
+    """servebook's SIGTERM handler raises Interrupted in the launching thread (runner.py); raised here by an alarm
+    while the head is starting or node1 is joining, before any vLLM started: every Ray process is stopped."""
+
+    def interrupt(*_):
+        raise Interrupted("SIGTERM", 143)
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(12)
+    try:
+        with pytest.raises(Interrupted):
+            server.launch(config(PORT), tmp_path, log=print, cluster=cluster_of(namespaces))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert server.registered(PORT) is None
     assert ray_processes() == []
