@@ -2,9 +2,10 @@
 
     python benchmarks/start_times.py PARAMS.yaml [--strategies default,prefetch,eager] [--out DIR] [--dry]
 
-For each strategy: a cold start (the checkpoint's pages evicted with posix_fadvise, an empty compile cache
-in a fresh VLLM_CACHE_ROOT), then a warm relaunch (page cache and compile cache as the cold start left
-them).  Before each start the plan's prediction is computed from what servebook knows at that moment (the
+For each strategy: a cold start (the checkpoint's pages evicted with posix_fadvise, every compile cache empty:
+a fresh VLLM_CACHE_ROOT for torch.compile's graphs and a fresh TRITON_CACHE_DIR for the kernels JIT-compiled
+outside them, as on a machine that never ran vLLM; ``--keep-kernels`` keeps Triton's cache as this machine has
+it), then a warm relaunch (page cache and compile caches as the cold start left them).  Before each start the plan's prediction is computed from what servebook knows at that moment (the
 read probe, the page cache, its start history), so the prediction error is honest.  Prints one line per
 start and writes ``start-times.json`` and every server log under ``--out``.  ``--dry`` adds a dry start
 (``--load-format dummy``) with a warm compile cache.  On the CPU default it runs as is:
@@ -78,6 +79,9 @@ def main() -> None:
     ap.add_argument("--out", default="outputs/start-times")
     ap.add_argument("--dry", action="store_true", help="also a dry start (--load-format dummy)")
     ap.add_argument("--probe-gb", type=float, default=4.0)
+    ap.add_argument(
+        "--keep-kernels", action="store_true", help="cold starts keep Triton's kernel cache (only vLLM's is emptied)"
+    )
     args = ap.parse_args()
     p = params.load(Path(args.params_file), args.set_)
     device = hardware.resolve_device(p.device, hardware.inventory())
@@ -102,6 +106,8 @@ def main() -> None:
         for strategy in args.strategies.split(","):
             cache = Path(tempfile.mkdtemp(prefix=f"vllm-cache-{strategy}-"))
             os.environ["VLLM_CACHE_ROOT"] = str(cache)  # empty: the cold start compiles
+            if not args.keep_kernels:  # and JIT-compiles the kernels torch.compile does not own (custom MoE, MLA)
+                os.environ["TRITON_CACHE_DIR"] = str(cache / "triton-kernels")
             cfg = dataclasses.replace(base, load_strategy=strategy)
             for temperature in ("cold", "warm"):
                 if temperature == "cold":

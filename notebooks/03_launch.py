@@ -50,6 +50,12 @@
 # when the router lists every replica healthy and a completion through it answers; the later stages send their
 # requests to the router, and read vLLM's metrics from each replica.
 #
+# With `replica_hosts` the replicas spread over several machines, the same number on each (this one first, as
+# `local`). The other machines' replicas start first, over your own SSH, each bound to its `replica_addresses`
+# entry so the router here reaches it, the API key sent over SSH's stdin (in no command line); this machine's
+# start while they load. Every machine is probed before anything starts (software, checkpoint, ports, GPUs), and
+# every replica is registered here, so `servebook stop` and an interrupted run stop them there too.
+#
 # When the plan stage ran in this run with `layout_from_plan: true`, its recommended layout replaces the layout
 # parameters below; when the download stage ran, its verified local folder replaces `model`.
 
@@ -94,9 +100,11 @@ load_strategy: str = "auto"  # --safetensors-load-strategy; auto takes the plan'
 load_format: str = "auto"  # --load-format: auto, safetensors, fastsafetensors, instanttensor, runai_streamer
 ep_weight_filter: str = "auto"  # --enable-ep-weight-filter under expert parallelism; auto: where it skips this checkpoint
 launch_dry_run: bool = False  # stage 03 starts the exact command with --load-format dummy: flags, shapes, KV, graphs
-replicas: int = 1  # independent servers of this layout on this node, each on its own GPUs, behind vllm-router
+replicas: int = 1  # independent servers of this layout, each on its own GPUs (spread over replica_hosts), behind vllm-router
 router_policy: str = "cache_aware"  # vllm-router's policy; consistent_hash keys on the X-Session-ID header
 replica_base_port: int = 0  # the first replica's port (the rest follow); 0: port + 1, the router on port
+replica_hosts: list[str] = []  # SSH destination of each machine the replicas are spread over, this one first ('local'); empty: every replica on this machine
+replica_addresses: list[str] = []  # each replica machine's IP where the router reaches its replicas; empty means replica_hosts
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%

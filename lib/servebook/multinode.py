@@ -67,20 +67,33 @@ class NodeSet(BaseModel):
 
     @classmethod
     def from_params(cls, p: Params) -> NodeSet:
-        hosts = list(p.node_hosts)
-        addresses = list(p.node_addresses) or [h if h not in ("", "local") else "" for h in hosts]
-        nodes = [
-            Node(name=f"node{i}" + (f" ({h})" if h not in ("", "local") else " (this machine)"),
-                 ssh="" if h in ("", "local") else h, address=a)
-            for i, (h, a) in enumerate(zip(hosts, addresses, strict=True))
-        ]  # fmt: skip
         return cls(
-            nodes=nodes,
+            nodes=_nodes(p.node_hosts, p.node_addresses, "node"),
             gpus_per_node=p.per_node,
             python=p.node_python,
             ssh_config=p.node_ssh_config,
             master_port=p.node_master_port,
         )
+
+    @classmethod
+    def for_replicas(cls, p: Params) -> NodeSet:
+        """The machines ``replica_hosts`` spreads the replicas over, this one first; each gives its replicas' GPUs."""
+        return cls(
+            nodes=_nodes(p.replica_hosts, p.replica_addresses, "machine"),
+            gpus_per_node=p.world_size * p.replicas_per_host,
+            python=p.node_python,
+            ssh_config=p.node_ssh_config,
+        )
+
+
+def _nodes(hosts: list[str], addresses: list[str], word: str) -> list[Node]:
+    """Each listed machine as a node: its SSH destination (none for this one) and the address others reach it on."""
+    addresses = list(addresses) or [h if h not in ("", "local") else "" for h in hosts]
+    return [
+        Node(name=f"{word}{i}" + (f" ({h})" if h not in ("", "local") else " (this machine)"),
+             ssh="" if h in ("", "local") else h, address=a)
+        for i, (h, a) in enumerate(zip(hosts, addresses, strict=True))
+    ]  # fmt: skip
 
 
 def node_flags(
@@ -428,6 +441,17 @@ def preflight(
     return probes
 
 
+def replica_preflight(nodes: NodeSet, model_path: str, ports: list[list[int]], gpus: bool) -> list[NodeProbe]:
+    """Probe every machine the replicas go on (``ports``: each one's replica ports, this machine's first): the same
+    software and checkpoint, its address its own, its replicas' ports free there, and on GPUs enough free ones."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(nodes.nodes), 16)) as pool:
+        probes = list(pool.map(lambda n, own: probe(n, nodes, model_path, own), nodes.nodes, ports))
+    found = problems(probes, nodes, gpus_per_node=nodes.gpus_per_node if gpus else 0)
+    if found:
+        raise PreflightError("the machines are not ready for the replicas:\n  - " + "\n  - ".join(found))
+    return probes
+
+
 def prepare(
     cfg: ServerConfig, nodes: NodeSet, log_dir: str | Path, api_port: int = 0
 ) -> tuple[ServerConfig, list[remote.WorkerRecord]]:
@@ -458,11 +482,14 @@ def prepare(
     return head_cfg, workers
 
 
-def start_on_node(worker: remote.WorkerRecord, env: dict[str, str], what: str) -> remote.WorkerRecord:
-    """Start a worker's command on its node; the record with its pid. A start whose answer was lost is stopped by
-    its pid file, and LaunchError says what was done and what to check."""
+def start_on_node(
+    worker: remote.WorkerRecord, env: dict[str, str], what: str, secrets: dict[str, str] | None = None
+) -> remote.WorkerRecord:
+    """Start a worker's command on its node (``secrets`` over SSH's stdin: an API server's key); the record with
+    its pid. A start whose answer was lost is stopped by its pid file, and LaunchError says what was done and what
+    to check."""
     try:
-        pid = remote.start(worker.ssh, worker.command, env, worker.log_path, worker.ssh_config)
+        pid = remote.start(worker.ssh, worker.command, env, worker.log_path, worker.ssh_config, secrets)
     except RemoteError as exc:
         done = remote.stop_unanswered(worker.ssh, worker.log_path, worker.ssh_config)
         raise LaunchError(
@@ -481,11 +508,17 @@ class Workers:
     records: list[remote.WorkerRecord]
 
     def start(
-        self, env: dict[str, str], on_started: Callable[[remote.WorkerRecord], None], log: Callable[[str], None]
+        self,
+        env: dict[str, str],
+        on_started: Callable[[remote.WorkerRecord], None],
+        log: Callable[[str], None],
+        secrets: dict[str, str] | None = None,
     ) -> None:
+        """Each worker, in order; ``secrets`` go to the ones that serve an API (a hybrid node's, not --headless)."""
         for worker in self.records:
             own = {"VLLM_HOST_IP": worker.address} if worker.address else {}
-            started = start_on_node(worker, env | own, "vLLM")
+            serves = "--headless" not in worker.command and worker.role == "vllm"
+            started = start_on_node(worker, env | own, "vLLM", secrets if serves else None)
             on_started(started)
             log(f"started vLLM on {worker.node} (pid {started.pid} there), log {worker.log_path} there")
 

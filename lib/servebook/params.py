@@ -212,8 +212,18 @@ class Params(BaseModel):
     read_probe_s: float = Field(10.0, gt=0, description="the disk-rate probe's time limit, seconds")
     replicas: int = Field(
         1, ge=1, le=64,
-        description="independent servers of this layout on this node, each on its own GPUs, behind vllm-router",
+        description="independent servers of this layout, each on its own GPUs (spread over replica_hosts), "
+        "behind vllm-router",
     )  # fmt: skip
+    replica_hosts: list[str] = Field(
+        default_factory=list,
+        description="SSH destination of each machine the replicas are spread over, this one first ('local'); "
+        "empty: every replica on this machine",
+    )
+    replica_addresses: list[str] = Field(
+        default_factory=list,
+        description="each replica machine's IP where the router reaches its replicas; empty means replica_hosts",
+    )
     router_policy: Literal["cache_aware", "consistent_hash", "round_robin", "power_of_two"] = Field(
         "cache_aware", description="vllm-router's policy; consistent_hash keys on the X-Session-ID header"
     )
@@ -350,9 +360,11 @@ class Params(BaseModel):
     def _check_combinations(self) -> Params:
         problems: list[str] = []  # every one of them, each on its own line of the message
         world = self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
-        wanted = world * self.replicas
+        wanted = world * self.replicas_per_host
         if self.gpu_ids and len(self.gpu_ids) != wanted:
             of = f" x replicas {self.replicas}" if self.replicas > 1 else ""
+            if self.replica_hosts:
+                of = f" x {self.replicas_per_host} replica(s) per replica_hosts machine (the same GPUs on each)"
             problems.append(
                 f"gpu_ids lists {len(self.gpu_ids)} GPUs but tensor_parallel_size*pipeline_parallel_size*"
                 f"data_parallel_size{of} = {wanted}; list exactly {wanted} or leave gpu_ids empty"
@@ -389,7 +401,10 @@ class Params(BaseModel):
     def _replica_problems(self, world: int) -> list[str]:
         """Several replicas: GPUs listed for all of them, a stage 06 that compares one server, ports apart."""
         if self.replicas == 1:
-            return []
+            named = [k for k in ("replica_hosts", "replica_addresses") if getattr(self, k)]
+            return [
+                f"{', '.join(named)} set but replicas is 1; set replicas to a multiple of the machines listed"
+            ] * bool(named)
         problems = []
         if self.ab_variants:
             problems.append(
@@ -402,7 +417,44 @@ class Params(BaseModel):
                 f"replica_base_port {first} puts a replica on port {self.port}, the router's; choose a base above "
                 f"{self.port} or below {self.port - self.replicas + 1}"
             )
+        return problems + self._replica_host_problems()
+
+    def _replica_host_problems(self) -> list[str]:
+        """Replicas spread over machines: the same number on each, this machine first, each replica within one."""
+        hosts = self.replica_hosts
+        if not hosts:
+            return ["replica_addresses set without replica_hosts; list the machines in replica_hosts"] * bool(
+                self.replica_addresses
+            )
+        problems = []
+        if self.replicas % len(hosts):
+            problems.append(
+                f"replicas {self.replicas} over {len(hosts)} replica_hosts: every machine runs the same number; set "
+                f"replicas to a multiple of {len(hosts)}"
+            )
+        if hosts[0] not in ("", "local"):
+            problems.append(
+                f"replica_hosts[0] is {hosts[0]!r}, but the router runs on the machine servebook runs on; list that "
+                "machine first as 'local'"
+            )
+        if len(set(hosts)) != len(hosts):
+            problems.append("replica_hosts lists a machine twice; list each once (replicas says how many run on each)")
+        if self.replica_addresses and len(self.replica_addresses) != len(hosts):
+            problems.append(
+                f"replica_addresses lists {len(self.replica_addresses)} addresses for {len(hosts)} replica_hosts; "
+                "list one per machine, this one first"
+            )
+        if self.nodes > 1:
+            problems.append(
+                f"replica_hosts with nodes {self.nodes}: a replica spread over replica_hosts runs on one machine; "
+                "set nodes: 1 (replicas that each span nodes are rendered by `servebook export k8s`)"
+            )
         return problems
+
+    @property
+    def replicas_per_host(self) -> int:
+        """Replicas on each machine: all of them on this one without replica_hosts."""
+        return self.replicas // max(1, len(self.replica_hosts))
 
     def _hybrid_problems(self) -> list[str]:
         """vLLM's --data-parallel-hybrid-lb: an API server per node for its local ranks, a router in front."""

@@ -234,6 +234,9 @@ class ReplicaRecord(BaseModel):
     reused: bool = False
     command: list[str] = []  # exactly what it runs (its own port and cores), secrets masked
     environment: dict[str, str] = {}  # what differs from the launching shell, secrets masked
+    node: str = ""  # the machine it runs on when that is another one (replica_hosts), reached over SSH
+    ssh: str = ""
+    ssh_config: str = ""
 
 
 class DryStart(BaseModel):

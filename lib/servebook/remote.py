@@ -74,17 +74,30 @@ def pid_file(log_path: str) -> str:
     return f"{log_path}.pid"
 
 
-def start(ssh: str, argv: Sequence[str], env: dict[str, str], log_path: str, ssh_config: str = "") -> int:
+def start(
+    ssh: str,
+    argv: Sequence[str],
+    env: dict[str, str],
+    log_path: str,
+    ssh_config: str = "",
+    secrets: dict[str, str] | None = None,
+) -> int:
     """Start ``argv`` detached on a node, in a session of its own, writing ``log_path`` there; its pid (also
-    written to :func:`pid_file` there, before it is printed)."""
+    written to :func:`pid_file` there, before it is printed). ``secrets`` (an API server's key) travel on SSH's
+    stdin and are exported there, so they are in no command line on either machine."""
     assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
     folder = shlex.quote(log_path.rsplit("/", 1)[0] or "/")
+    secrets = secrets or {}
+    if any("\n" in value for value in secrets.values()):
+        raise RemoteError("a secret holds a newline; it cannot be passed on one line of stdin")
+    reads = "".join(f"IFS= read -r {name} && export {name}; " for name in sorted(secrets))
     script = (
-        f"mkdir -p {folder} || exit 1; cd /; "  # statements, not an && list: that would background a subshell
+        f"{reads}mkdir -p {folder} || exit 1; cd /; "  # statements, not an && list: that would background a subshell
         f"setsid env {assignments} {shlex.join(argv)} > {shlex.quote(log_path)} 2>&1 < /dev/null & "
         f"echo $! > {shlex.quote(pid_file(log_path))}; echo $!"
     )
-    proc = run(ssh, script, ssh_config)
+    given = "".join(f"{secrets[name]}\n" for name in sorted(secrets)) if secrets else None
+    proc = run(ssh, script, ssh_config, input_text=given)
     try:
         return int(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

@@ -283,9 +283,10 @@ def run(
         raise errors.ParamsError(
             str(params_path),
             [
-                f"replicas {params.replicas} with nodes {params.nodes}: servebook's own launch runs replicas on one "
-                "node; set nodes: 1, or replicas: 1 for one server across nodes (`servebook export k8s` renders "
-                "replicas of a multi-node server as LeaderWorkerSet groups)"
+                f"replicas {params.replicas} with nodes {params.nodes}: servebook's own launch runs each replica on "
+                "one machine; set nodes: 1 and list the machines in replica_hosts to spread the replicas over them, "
+                "or replicas: 1 for one server across nodes (`servebook export k8s` renders replicas of a multi-node "
+                "server as LeaderWorkerSet groups)"
             ],
         )
     if params.data_parallel_lb == "hybrid" and params.nodes > 1 and any(s.record.FILE == "07_deploy" for s in selected):

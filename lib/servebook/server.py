@@ -72,6 +72,8 @@ class Registration(BaseModel):
     values: LogValues = LogValues()
     workers: list[remote.WorkerRecord] = []  # the other nodes' processes of a multi-node server
     run_dir: str = ""  # the folder it was launched for: a run stops what it started, whatever interrupted it
+    # a replica on another machine (replica_hosts): its vLLM is workers[0] there, nothing of it runs here
+    node: str = ""
 
 
 def _read(path: Path) -> Registration | None:
@@ -375,8 +377,10 @@ def _start(
             record.workers.append(worker)
             register(record)
 
-        # the API key stays on the head, which serves
-        multinode.Workers(list(workers)).start(cfg.environment(base={}, with_secrets=False), started, log)
+        # the API key goes (over SSH's stdin) only to the nodes that serve an API: the head, and hybrid's others
+        multinode.Workers(list(workers)).start(
+            cfg.environment(base={}, with_secrets=False), started, log, cfg.secret_env()
+        )
         phases, values, seconds = _wait_ready(proc, cfg, log_path, budget, on_progress, record.workers)
     except BaseException:
         stop(port=cfg.port)
@@ -543,6 +547,7 @@ def stop(
         result = terminate(rec.pgid, grace_s=grace_s)
         result.port = rec.port
         result.remaining += multinode.Workers(rec.workers).stop(grace_s)  # after the head, which would wait on them
+        result.signalled += [f"{w.node}: its {w.role} session {w.pid}" for w in rec.workers]
         outcome.servers.append(result)
         outcome.remaining += result.remaining
         if not result.remaining:
@@ -581,13 +586,16 @@ def _still_there(port: int | None, host: str) -> str:
 
 
 def _gpu_leftovers(records: list[Registration]) -> list[str]:
-    """vLLM processes still on the GPUs our servers used (none on CPU hosts)."""
-    if not any(r.device == "cuda" for r in records):
+    """vLLM processes still on the GPUs the stopped servers used here (none on CPU hosts): a replica's stop looks
+    at its own GPUs, not at its neighbours' that still serve; another machine's replica is asked there."""
+    here = [r for r in records if r.device == "cuda" and not r.node]
+    if not here:
         return []
     inv = hardware.inventory()
     if not inv.available:
         return []
-    return [b.describe() for b in hardware.blockers(inv) if b.is_vllm]
+    gpus = None if any(not r.gpu_ids for r in here) else sorted({g for r in here for g in r.gpu_ids})
+    return [b.describe() for b in hardware.blockers(inv, gpus) if b.is_vllm]
 
 
 class ServerStatus(BaseModel):
@@ -640,9 +648,16 @@ def status() -> list[ServerStatus]:
         for entry in corrupt_entries()
     ]  # fmt: skip
     for rec in all_registered():
-        members = group_members(rec.pgid)
-        state, detail = _server_state(rec, members)
-        if rec.workers:  # a multi-node server: each other node's vLLM, asked over SSH
+        members = group_members(rec.pgid) if rec.pgid else []
+        state, detail = _server_state(rec, members) if not rec.node else (health(rec.url), f"a replica on {rec.node}")
+        if rec.node:
+            try:
+                gone = multinode.Workers(rec.workers).gone()
+            except remote.RemoteError as exc:
+                gone = [str(exc)]
+            state = "dead" if gone else state
+            detail += f"; gone: {'; '.join(gone)}" if gone else ", running there"
+        elif rec.workers:  # a multi-node server: each other node's vLLM, asked over SSH
             try:
                 gone = multinode.Workers(rec.workers).gone()
             except remote.RemoteError as exc:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from servebook import remote
 from servebook.errors import DeployFailed
 
 START_MARGIN = 1.5  # TimeoutStartSec = 1.5 x the load time, plus a fixed allowance
@@ -68,6 +69,9 @@ class UnitSpec:
     ray_nodes: int = 0
     ray: bool = False  # a Ray node's unit, or the server on Ray: both meet in /tmp/ray (sockets, session)
     requires: list[str] = field(default_factory=list)  # a router's: its replicas' units, up before it starts
+    # a router's replicas on other machines: each started over SSH (returning once it answers) before the router,
+    # stopped after it
+    remote_units: list[NodeUnit] = field(default_factory=list)
     part_of: str = ""  # a replica's: the router's unit, whose stop and restart reach it
 
     @property
@@ -141,11 +145,24 @@ def _start_lines(u: UnitSpec) -> tuple[str, str]:
             "\n# vLLM places its workers on the Ray cluster as it finds it: wait until every node has joined (a node's\n"
             f"# `ray start` that found no head yet fails and is restarted by its unit)\nExecStartPre={exec_line(ray_wait)}"
         )
+    if u.remote_units:
+        pre += (
+            "\n# its replicas on other machines, one after another: each start returns once that replica's /health\n"
+            "# answers (its own ExecStartPost); the service user reaches each over SSH as a user allowed to start it"
+        )
+        pre += "".join(
+            f"\nExecStartPre={exec_line(_on_node(w, u.ssh_config, 'start', w.unit_name))}" for w in u.remote_units
+        )
     post = (
         "# systemctl start returns only when /health answers 200"
         + (", which vLLM allows once every node's ranks have joined" if u.worker_units else "")
         + f"\nExecStartPost={exec_line(wait)}"
     )
+    if u.remote_units:
+        post += "\n# a stop (or a failure) of the router stops its replicas on the other machines"
+        post += "".join(
+            f"\nExecStopPost=-{exec_line(_on_node(w, u.ssh_config, 'stop', w.unit_name))}" for w in u.remote_units
+        )
     if u.worker_units:
         post += "\n# a stop (or a failure) of this unit reaches every node"
         post += "".join(
@@ -414,6 +431,27 @@ def install(u: UnitSpec, unit_text: str) -> Installed:
         ["systemctl", "enable", "--now", u.unit_name], capture_output=True, text=True, timeout=u.timeout_start_s + 60
     )
     return Installed(enabled=proc.returncode == 0, output=(proc.stdout + proc.stderr)[-2000:])
+
+
+def install_remote(u: UnitSpec, unit_text: str, ssh: str, ssh_config: str = "") -> Installed:
+    """A unit on another machine, over SSH: its user, its root-only environment file (the key over SSH's stdin,
+    in no command line), the unit, enabled; started by the unit that needs it (a router's ExecStartPre)."""
+    values = secret_values(u)
+    steps = [
+        (f"id -u {u.user} >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin "
+         f"--groups video {u.user}", None),
+        (f"umask 077 && mkdir -p {shlex.quote(str(Path(u.env_file).parent))} && cat > {shlex.quote(u.env_file)}",
+         render_env_file(u, values)),
+        (f"cat > /etc/systemd/system/{u.unit_name} && systemctl daemon-reload && systemctl enable {u.unit_name}",
+         unit_text),
+    ]  # fmt: skip
+    said = []
+    for script, given in steps:
+        done = remote.run(ssh, script, ssh_config, timeout_s=60, input_text=given)
+        said.append((done.stdout + done.stderr).strip())
+        if done.returncode:
+            return Installed(enabled=False, output=f"on {ssh}: {script.split(' &&')[0]} failed: {said[-1][-500:]}")
+    return Installed(enabled=True, output="; ".join(x for x in said if x)[-2000:])
 
 
 def shell_line(args: list[str]) -> str:

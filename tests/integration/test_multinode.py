@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from servebook import models, params, remote, results, server
+from servebook import client, models, params, remote, results, router, server
 from servebook.errors import PreflightError
 from servebook.records import BenchmarkRecord
+from servebook.runner import stop_started_servers
 from servebook.stages import benchmark, deploy, launch, smoke_test
 
 from . import sshnode
@@ -23,6 +24,7 @@ pytestmark = [
 ]
 
 PORT = 8161
+KEY_ENV, KEY = "SERVEBOOK_NODES_KEY", "sk-nodes-0123456789"
 
 
 @pytest.fixture(scope="module")
@@ -161,15 +163,16 @@ def dense_model(tmp_path_factory):
     return out
 
 
-def test_hybrid_data_parallel_serves_an_api_on_each_node_behind_the_router(node_b, dense_model, tmp_path):
+def test_hybrid_data_parallel_serves_an_api_on_each_node_behind_the_router(node_b, dense_model, tmp_path, monkeypatch):
     """vLLM's --data-parallel-hybrid-lb over two nodes: DP=4, two ranks per node (with one, vLLM switches to its
     external mode, an API per rank), each node's own API server (the worker's on its own address), vllm-router in
-    front on the head; smoke-tested and benchmarked through the router, each node's share of the requests
-    recorded, and nothing left on either node."""
+    front on the head; keyed (the worker node's API server gets the key over SSH's stdin); smoke-tested and
+    benchmarked through the router, each node's share of the requests recorded, and nothing left on either node."""
     api = PORT + 1
+    monkeypatch.setenv(KEY_ENV, KEY)
     p = two_nodes(node_b, model=str(dense_model), tensor_parallel_size=1, data_parallel_size=4,
                   data_parallel_lb="hybrid", replica_base_port=api, router_policy="round_robin",
-                  bench_max_concurrency=4)  # fmt: skip
+                  bench_max_concurrency=4, api_key_env=KEY_ENV)  # fmt: skip
     record = None
     try:
         record = launch.run(p, tmp_path)
@@ -181,6 +184,9 @@ def test_hybrid_data_parallel_serves_an_api_on_each_node_behind_the_router(node_
         assert record.router and record.router.url.endswith(f":{PORT}")
         assert [r.url for r in record.replicas] == [f"http://127.0.0.1:{api}", f"http://127.0.0.3:{api}"]
         assert all(w.healthy for w in record.router.workers), record.router.workers
+        # every API server refuses a request without the key: the worker node's too, which serves on its address
+        assert [client.keyless_status(r.url) for r in record.replicas] == [401, 401]
+        assert KEY not in " ".join(worker.command)
 
         assert smoke_test.run(p, tmp_path).passed
         swept = benchmark.run(p, tmp_path)
@@ -196,3 +202,82 @@ def test_hybrid_data_parallel_serves_an_api_on_each_node_behind_the_router(node_
     if record:
         assert ours_left(record.pgid) == [] and remote.leftovers(record.workers[0]) == []
     assert server.registered(PORT) is None and server.registered(api) is None
+
+
+def test_replicas_on_two_machines_serve_behind_the_router_and_stop_on_both(node_b, tmp_path, monkeypatch):
+    """Two independent replicas, one on each machine (replica_hosts): node-b's started over SSH on its own address
+    with the key over SSH's stdin, this machine's as usual, vllm-router in front here; smoke-tested and benchmarked
+    through the router with each replica's share, then stopped the way an interrupted run stops what it started,
+    nothing left on either machine."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    router_port = PORT + 10
+    p = two_nodes(node_b, nodes=1, node_hosts=[], node_addresses=[], tensor_parallel_size=1, replicas=2,
+                  replica_hosts=["local", "node-b"], replica_addresses=["127.0.0.2", "127.0.0.3"], port=router_port,
+                  router_policy="round_robin", api_key_env=KEY_ENV, bench_max_concurrency=4, ab_variants=[])  # fmt: skip
+    record = None
+    try:
+        record = launch.run(p, tmp_path)
+        here, there = record.replicas
+        assert (here.url, here.node) == (f"http://127.0.0.1:{router_port + 1}", "")
+        assert (there.url, there.ssh) == (f"http://127.0.0.3:{router_port + 2}", "node-b")
+        assert there.command[there.command.index("--host") + 1] == "127.0.0.3"
+        assert [n.node for n in record.nodes] == ["machine0 (this machine)", "machine1 (node-b)"]
+        assert all(w.healthy for w in router.workers(record.router.url)) and len(record.router.worker_urls) == 2
+        # the key reached node-b's vLLM on stdin: it refuses a keyless request, and no command line holds the key
+        assert [client.keyless_status(r.url) for r in record.replicas] == [401, 401]
+        assert KEY not in open(f"/proc/{there.pid}/cmdline", "rb").read().decode()
+        assert KEY not in " ".join(there.command) and KEY not in (tmp_path / "03_launch.json").read_text()
+        mine = next(s for s in server.status() if s.port == router_port + 2)
+        assert mine.health == "ready" and "a replica on machine1 (node-b), running there" in mine.detail
+        table = launch.replica_table(record)
+        assert list(table["machine"]) == ["this one", "machine1 (node-b)"] and all(table["healthy at the router"])
+
+        assert smoke_test.run(p, tmp_path).passed
+        swept = benchmark.run(p, tmp_path)
+        assert not swept.fault and all(level.failed == 0 for level in swept.levels)
+        top = swept.levels[-1]
+        assert set(top.replica_shares) == {here.url, there.url}
+        assert all(0.3 <= share <= 0.7 for share in top.replica_shares.values()), top.replica_shares
+        print(f"two replicas on two machines: best {swept.best.output_throughput:.1f} tok/s; shares "
+              f"{top.replica_shares}; ready in {record.seconds_to_ready:.0f} s, node-b's in {there.seconds_to_ready:.0f} s")  # fmt: skip
+    finally:
+        said = stop_started_servers(tmp_path, print)  # what an interrupted run does: every server it started
+    assert record is not None
+    assert "nothing left" in said and said.count("port ") == 3, said
+    there_worker = remote.WorkerRecord(node="node-b", ssh="node-b", ssh_config=str(node_b), pid=there.pid,
+                                       log_path="", command=[])  # fmt: skip
+    assert ours_left(here.pgid) == [] and remote.leftovers(there_worker) == []
+    assert [server.registered(router_port + i) for i in range(3)] == [None, None, None]
+
+    # the service: the router's unit requires this machine's replica and starts node-b's over SSH before it
+    deployed = deploy.run(p, tmp_path)
+    name = "tiny-qwen3-moe"
+    front = (tmp_path / deployed.unit_name).read_text()
+    assert f"Requires=servebook-{name}-replica0.service\n" in front
+    assert f"node-b systemctl start servebook-{name}-replica1.service" in front
+    assert "ExecStopPost=-/usr/bin/ssh" in front and f"node-b systemctl stop servebook-{name}-replica1.service" in front
+    remote_unit = (tmp_path / f"servebook-{name}-replica1.service").read_text()
+    assert "--host 127.0.0.3" in remote_unit and "PartOf=" not in remote_unit
+    assert "Environment=VLLM_HOST_IP=127.0.0.3" in remote_unit and KEY not in remote_unit
+    assert [u.node for u in deployed.replica_units] == [f"replica 0 on port {router_port + 1}",
+                                                        f"replica 1 on port {router_port + 2} on machine1 (node-b)"]  # fmt: skip
+    assert all(u.verify.ok for u in deployed.replica_units if u.verify.ran), deployed.replica_units
+    # node-b's load runs inside the router's start (its ExecStartPre): the router's timeout makes room for it
+    assert deployed.timeout_start_s >= 1.5 * there.seconds_to_ready + 300
+
+
+def test_a_replica_machine_with_its_port_taken_is_refused_before_anything_starts(node_b, tmp_path):
+    """node-b's replica port is held there: named with the machine and the fix, and nothing started here either."""
+    p = two_nodes(node_b, nodes=1, node_hosts=[], node_addresses=[], tensor_parallel_size=1, replicas=2,
+                  replica_hosts=["local", "node-b"], replica_addresses=["127.0.0.2", "127.0.0.3"], port=PORT + 20,
+                  ab_variants=[])  # fmt: skip
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.3", PORT + 22))
+        held.listen()
+        with pytest.raises(PreflightError) as refused:
+            launch.run(p, tmp_path)
+    message = str(refused.value)
+    assert f"machine1 (node-b): port {PORT + 22} (Address already in use) is in use there" in message, message
+    assert "choose another replica_base_port" in message
+    assert all(server.registered(PORT + 20 + i) is None for i in range(3))

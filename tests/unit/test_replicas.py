@@ -79,6 +79,36 @@ def test_a_level_carries_the_shares_into_its_table_row():
         ({"replicas": 2, "tensor_parallel_size": 2, "gpu_ids": [0, 1]}, "x replicas 2 = 4; list exactly 4"),
         ({"replicas": 0}, "replicas"),
         ({"replicas": 2, "router_policy": "fastest"}, "router_policy"),
+        (
+            {"replicas": 3, "replica_hosts": ["local", "b"]},
+            "replicas 3 over 2 replica_hosts: every machine runs the same number; set replicas to a multiple of 2",
+        ),
+        (
+            {"replicas": 2, "replica_hosts": ["b", "local"]},
+            "replica_hosts[0] is 'b', but the router runs on the "
+            "machine servebook runs on; list that machine first as 'local'",
+        ),
+        ({"replicas": 4, "replica_hosts": ["local", "b", "b", "c"]}, "replica_hosts lists a machine twice"),
+        (
+            {"replicas": 2, "replica_hosts": ["local", "b"], "replica_addresses": ["10.0.0.1"]},
+            "replica_addresses lists 1 addresses for 2 replica_hosts",
+        ),
+        ({"replica_hosts": ["local", "b"]}, "replica_hosts set but replicas is 1; set replicas to a multiple"),
+        ({"replicas": 2, "replica_addresses": ["10.0.0.1"]}, "replica_addresses set without replica_hosts"),
+        (
+            {"replicas": 4, "replica_hosts": ["local", "b"], "tensor_parallel_size": 2, "gpu_ids": [0, 1, 2, 3, 4, 5]},
+            "x 2 replica(s) per replica_hosts machine (the same GPUs on each) = 4; list exactly 4",
+        ),
+        (
+            {
+                "replicas": 2,
+                "replica_hosts": ["local", "b"],
+                "nodes": 2,
+                "node_hosts": ["local", "b"],
+                "tensor_parallel_size": 2,
+            },
+            "replica_hosts with nodes 2: a replica spread over replica_hosts runs on one",
+        ),
     ],
 )
 def test_replica_settings_that_cannot_work_are_refused_by_name(values, says):
@@ -94,7 +124,9 @@ def test_replicas_across_nodes_are_refused_before_a_launch_starts(tmp_path):
     file.write_text(
         "replicas: 2\nab_variants: []\nnodes: 2\ntensor_parallel_size: 2\nnode_hosts: [local, b]\nnode_interconnect: 100GbE\n"
     )
-    with pytest.raises(ParamsError, match="servebook's own launch runs replicas on one node"):
+    with pytest.raises(
+        ParamsError, match="runs each replica on one machine; set nodes: 1 and list the machines in replica_hosts"
+    ):
         runner.run(file, wanted="reconnaissance,plan,launch")
     assert not (tmp_path / "outputs").exists()
 
@@ -116,3 +148,49 @@ def test_a_level_names_the_replica_that_died_and_what_the_router_did_about_it():
     assert level.flat()["dead_replicas"] == "http://b"
     calm = level.model_copy(update={"dead_replicas": [], "router_retries": 0.0, "failed": 0})
     assert bench.failover_text(calm) == ""
+
+
+def test_replicas_spread_over_machines_get_their_machine_its_address_and_the_same_gpu_slices_there():
+    from servebook import replicas
+
+    p = params.validate({"replicas": 4, "replica_hosts": ["local", "gpu-b"], "replica_addresses": ["10.0.0.1",
+                         "10.0.0.2"], "tensor_parallel_size": 4, "port": 9000, "device": "cuda", "ab_variants": []})  # fmt: skip
+    cfg = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", tensor_parallel_size=4)
+    placed = replicas.placements(p, cfg)
+    assert [(pl.node.ssh, pl.config.port, pl.config.gpu_ids) for pl in placed] == [
+        ("", 9001, [0, 1, 2, 3]), ("", 9002, [4, 5, 6, 7]), ("gpu-b", 9003, [0, 1, 2, 3]), ("gpu-b", 9004, [4, 5, 6, 7])
+    ]  # fmt: skip
+    # this machine's replicas bind where the params say; the others on their own address, where the router finds them
+    assert [pl.config.url for pl in placed] == [
+        "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://10.0.0.2:9003", "http://10.0.0.2:9004"
+    ]  # fmt: skip
+    assert [pl.elsewhere for pl in placed] == [False, False, True, True]
+    assert p.replicas_per_host == 2
+
+
+def test_a_secret_reaches_the_started_process_on_stdin_and_no_command_line(tmp_path):
+    """remote.start on this machine (no SSH: the same script): the key is in the process's environment, in neither
+    its argv nor the shell's that started it."""
+    import os
+    import time
+
+    from servebook import remote
+
+    log = tmp_path / "out.log"
+    program = "import os, sys, time; print(os.environ['VLLM_API_KEY'], sys.argv[1:], flush=True); time.sleep(30)"
+    pid = remote.start("", ["python3", "-c", program, "visible"], {"A": "b"}, str(log),
+                       secrets={"VLLM_API_KEY": "sk-never-in-argv-42"})  # fmt: skip
+    worker = remote.WorkerRecord(node="here", pid=pid, log_path=str(log), command=[])
+    try:
+        deadline = time.monotonic() + 20
+        while "sk-" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert log.read_text().startswith("sk-never-in-argv-42 ['visible']")
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().decode()
+        assert "sk-never" not in argv and "visible" in argv
+        assert "sk-never" in open(f"/proc/{pid}/environ", "rb").read().decode()
+        assert os.getsid(pid) == pid  # a session of its own, which the stop signals
+    finally:
+        assert remote.stop(worker, grace_s=5) == []
+    with pytest.raises(remote.RemoteError, match="newline"):
+        remote.start("", ["true"], {}, str(log), secrets={"K": "a\nb"})

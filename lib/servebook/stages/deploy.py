@@ -78,6 +78,7 @@ def router_units(
     assert launch.router is not None
     base = unit_spec(name, launch, nccl_env, user=user)
     replicas = []
+    elsewhere = []  # the router's unit starts and stops these over SSH (systemd's dependencies end at the machine)
     for rep in launch.replicas:
         spec = dataclasses.replace(
             base,
@@ -89,10 +90,12 @@ def router_units(
             port=rep.port,
             gpu_ids=list(rep.gpu_ids),
             load_seconds=rep.seconds_to_ready or base.load_seconds,
-            part_of=f"servebook-{name}.service",
+            part_of="" if rep.ssh else f"servebook-{name}.service",
         )
         spec.environment["VLLM_ENGINE_READY_TIMEOUT_S"] = str(spec.timeout_start_s)
         replicas.append(spec)
+        if rep.ssh:
+            elsewhere.append((systemd.NodeUnit(node=rep.node, ssh=rep.ssh, unit_name=spec.unit_name), rep))
     routed = launch.router
     front = systemd.UnitSpec(
         name=name,
@@ -104,11 +107,14 @@ def router_units(
         port=routed.port,
         gpu_ids=[],
         device="cpu",
-        load_seconds=routed.seconds_to_ready,
-        load_source="measured",
+        # its ExecStartPre starts the other machines' replicas one after another, inside its own start timeout
+        load_seconds=routed.seconds_to_ready + sum(r.load_seconds for r in replicas if not r.part_of),
+        load_source="measured" if all(r.load_source == "measured" for r in replicas if not r.part_of) else "predicted",
         servebook=base.servebook,
         user=user,
-        requires=[r.unit_name for r in replicas],
+        requires=[r.unit_name for r, rep in zip(replicas, launch.replicas, strict=True) if not rep.ssh],
+        remote_units=[unit for unit, _ in elsewhere],
+        ssh_config=next((rep.ssh_config for _, rep in elsewhere), ""),
     )
     return front, replicas
 
@@ -305,13 +311,15 @@ def _deploy_router(
     """A router and its replicas: a unit each, verified, the replicas' reach checked as the unit's user; installed
     (replicas first) only when asked. No dry run: it would start every replica as its unit; installing proves them."""
     front, replicas = router_units(name, launch, nccl_env, p.deploy_user)
-    replica_records = []
+    replica_records: list[NodeUnitRecord] = []
     for spec in replicas:
         path = run_dir / spec.unit_name
         path.write_text(systemd.render_unit(spec))
         (run_dir / f"{spec.name}.env").write_text(systemd.render_env_file(spec))
+        rep = launch.replicas[len(replica_records)]
+        where = f" on {rep.node}" if rep.node else ""
         replica_records.append(
-            NodeUnitRecord(node=f"replica {spec.name.rsplit('replica', 1)[1]} on port {spec.port}",
+            NodeUnitRecord(node=f"replica {rep.index} on port {spec.port}{where}",
                            unit_name=spec.unit_name, unit_file=str(path), verify=systemd.verify(path))
         )  # fmt: skip
     unit_text, unit_path, env_path, watchdog = write_unit_files(front, run_dir)
@@ -345,8 +353,15 @@ def _deploy_router(
         ]
         record.ad_hoc_server_stopped = "; ".join(stopped)  # the units replace the router and every replica
     if p.deploy_install and not record.access_problems:
-        for spec in replicas:
-            systemd.install(spec, systemd.render_unit(spec))
+        for spec, rep in zip(replicas, launch.replicas, strict=True):
+            if not rep.ssh:
+                systemd.install(spec, systemd.render_unit(spec))
+                continue
+            done = systemd.install_remote(spec, systemd.render_unit(spec), rep.ssh, rep.ssh_config)
+            if not done.enabled:
+                raise DeployFailed(
+                    f"replica {rep.index} on {rep.node}: could not install {spec.unit_name}: {done.output}"
+                )
         record.installed = systemd.install(front, unit_text)
         ok, message, _ = server.wait_ready(front.url, front.timeout_start_s)
         record.service_ready = message

