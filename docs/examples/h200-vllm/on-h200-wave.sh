@@ -7,6 +7,8 @@
 #   starts1  kernels in place; benchmarks/start_times.py on the Kimi mini: default strategy cold and warm, and
 #            a dry start (--load-format dummy)
 #   starts2  the same for prefetch and eager
+#            (STRATEGIES=a,b picks others, DRY=0 drops the dry start, KEEP_KERNELS=1 keeps Triton's kernel cache
+#            for the cold starts, which otherwise start from an empty one as well as an empty vLLM cache)
 #   reserve  the Kimi mini with other max_num_seqs / max_num_batched_tokens / max_model_len, and the MiniMax FP8
 #            checkpoint at TP=1: each launched until ready, its DEBUG log kept, stopped
 #   heldout  what the next device session owes issues 26 and 27: Kimi launches at settings no calibration used
@@ -37,7 +39,8 @@ kit2) ls $STAGE ;;
 starts1|starts2)
   begin
   if [ $STEP = starts1 ]; then S=default; D=--dry; else S=prefetch,eager; D=; fi
-  timeout ${RUN_S:-570} python3 benchmarks/start_times.py $P --strategies $S $D --out $R/$STEP 2>&1 | cut -c1-600
+  [ "${DRY:-1}" = 0 ] && D=; S=${STRATEGIES:-$S}
+  timeout ${RUN_S:-570} python3 benchmarks/start_times.py $P --strategies $S $D ${KEEP_KERNELS:+--keep-kernels} --out $R/$STEP 2>&1 | cut -c1-600
   gpu_mem; find $R/$STEP -name '*.log' | head; pack $STEP ;;
 reserve)
   begin
