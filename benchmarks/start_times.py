@@ -33,7 +33,7 @@ def one_start(cfg: server.ServerConfig, log_dir: Path, evidence: loadpath.Checkp
     now = loadpath.gather(cfg.model_path, probe=False)
     now.probe = evidence.probe  # the disk's rate, measured once; the page cache as it is now
     choice = loadpath.LoadChoice(load_strategy=cfg.load_strategy if cfg.load_strategy != "auto" else "default")
-    kernels = startup.kernel_cache_warm()  # Triton's kernels, which the cold starts here do not evict
+    kernels = startup.kernels_warm()  # the machine has run vLLM since it booted, or Triton holds kernels
     predicted = startup.predict(
         now, device=cfg.device, world_size=cfg.world_size, ep_ranks=1, choice=choice, vllm_version=version,
         key=key, model_path=cfg.model_path, enforce_eager=cfg.enforce_eager, kernels_cached=kernels,

@@ -19,6 +19,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+import psutil
 from pydantic import BaseModel
 
 from servebook import files, loadpath, models
@@ -225,7 +226,7 @@ class StartEntry(BaseModel):
     bytes_per_rank: float = 0.0
     cached_share: float | None = None  # of the checkpoint in the page cache before the start
     load_strategy: str = "default"
-    kernels_cached: bool | None = None  # Triton's kernel cache held kernels before the start
+    kernels_cached: bool | None = None  # the machine's kernels were warm before the start (kernels_warm)
 
 
 def remember(entry: StartEntry) -> None:
@@ -265,16 +266,36 @@ def entry_of(config: object, tl: Timeline, vllm_version: str | None, bytes_per_r
 
 
 def kernel_cache_warm() -> bool:
-    """Triton's kernel cache (``TRITON_CACHE_DIR``, else ``~/.triton/cache``) holds kernels: a compile miss then
-    profiles in seconds, not a minute (the H200: 13 s with it warm, 76 s on a fresh machine)."""
+    """Triton's kernel cache (``TRITON_CACHE_DIR``, else ``~/.triton/cache``) holds kernels."""
     root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     return root.is_dir() and any(root.iterdir())
 
 
+def started_since_boot(starts: list[StartEntry] | None = None) -> bool:
+    """servebook started a server on this machine since it last booted."""
+    booted = datetime.fromtimestamp(psutil.boot_time(), timezone.utc)
+    for start in history() if starts is None else starts:
+        try:
+            if datetime.fromisoformat(start.at) >= booted:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def kernels_warm(starts: list[StartEntry] | None = None) -> bool:
+    """Whether this machine has run vLLM since it booted (or Triton's cache holds kernels): only the first start
+    of a machine pays a minute more in its memory profile and 10-15 s more in its imports. On the H200 the first
+    start profiled 59-76 s and imported 37-39 s; a later one with vLLM's and Triton's caches both emptied (a fresh
+    TRITON_CACHE_DIR too) profiled 13 s and imported 28 s (docs/examples/h200-vllm/start-times): what the first
+    start fills is outside the caches servebook can empty (the libraries' pages, the driver's own caches)."""
+    return started_since_boot(starts) or kernel_cache_warm()
+
+
 def state_before_start(model_path: str) -> tuple[float | None, bool]:
-    """(share of the checkpoint in the page cache, Triton kernels cached), read just before a launch."""
+    """(share of the checkpoint in the page cache, the machine's kernels warm), read just before a launch."""
     evidence = loadpath.gather(model_path, probe=False)
-    return (None if evidence.error else evidence.cached_share), kernel_cache_warm()
+    return (None if evidence.error else evidence.cached_share), kernels_warm()
 
 
 def compile_cache_expected(key: str, starts: list[StartEntry] | None = None) -> bool:
@@ -292,10 +313,10 @@ def compile_cache_expected(key: str, starts: list[StartEntry] | None = None) -> 
 # loader_gb_per_s: what one rank's loader takes from the page cache (the H200 read 1.74 GB/s warm, against 5.7 GB/s
 # for a plain read of the same files): the read never runs faster than the loader, warm or cold
 DEFAULT_PHASES = {
-    "cuda": {"imports": 30.0, "distributed_init": 1.5, "compile_miss": 20.0, "compile_hit": 2.0,
+    "cuda": {"imports": 30.0, "imports_warm": 24.0, "imports_fresh": 37.0, "distributed_init": 1.5, "compile_miss": 20.0, "compile_hit": 2.0,
              "memory_profiling_miss": 13.0, "memory_profiling_miss_fresh": 70.0, "memory_profiling_hit": 5.0,
              "graph_capture": 6.0, "other": 6.0, "loader_gb_per_s": 1.8},
-    "cpu": {"imports": 25.0, "distributed_init": 10.0, "compile_miss": 57.0, "compile_hit": 15.0,
+    "cpu": {"imports": 25.0, "imports_warm": 25.0, "imports_fresh": 25.0, "distributed_init": 10.0, "compile_miss": 57.0, "compile_hit": 15.0,
             "memory_profiling_miss": 0.0, "memory_profiling_miss_fresh": 0.0, "memory_profiling_hit": 0.0,
             "graph_capture": 0.0, "other": 4.0, "loader_gb_per_s": 1.0},
 }  # fmt: skip
@@ -373,7 +394,7 @@ def predict(
     the last start of this model (compile from one that hit or missed as this one will), else the defaults."""
     starts = history() if starts is None else starts
     hit = (not enforce_eager) and compile_cache_expected(key, starts)
-    kernels = kernel_cache_warm() if kernels_cached is None else kernels_cached
+    kernels = kernels_warm(starts) if kernels_cached is None else kernels_cached
     d = DEFAULT_PHASES.get(device, DEFAULT_PHASES["cuda"])
     compile_state = "hit" if hit else "miss"
     # a miss on a machine whose Triton cache is empty also compiles every kernel during the memory profile
@@ -411,6 +432,9 @@ def predict(
             basis += f"; {' and '.join(COMPILE_PHASES)} from the {device} defaults for a compile {compile_state}" + (
                 "" if hit or kernels else " on a fresh kernel cache"
             )
+        if had_kernels is not None and had_kernels != kernels and "imports" in others:
+            others["imports"] = d["imports_warm"] if kernels else d["imports_fresh"]
+            basis += f"; imports from the {device} defaults for a machine's {'later' if kernels else 'first'} start"
     else:
         others = {
             "imports": d["imports"], "distributed_init": d["distributed_init"],
