@@ -2,12 +2,18 @@
 reaches through a real OpenSSH server. The embedded model served by real vLLM (CPU build) with TP=2 across the
 two nodes through vLLM's multiprocessing multi-node launch (--nnodes 2, the worker --headless)."""
 
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from servebook import client, models, params, remote, results, router, server
 from servebook.errors import PreflightError
@@ -16,7 +22,7 @@ from servebook.runner import stop_started_servers
 from servebook.stages import benchmark, deploy, launch, smoke_test
 
 from . import sshnode
-from .conftest import ours_left
+from .conftest import ours_left, vllm_titles
 
 pytestmark = [
     pytest.mark.integration,
@@ -281,3 +287,41 @@ def test_a_replica_machine_with_its_port_taken_is_refused_before_anything_starts
     assert f"machine1 (node-b): port {PORT + 22} (Address already in use) is in use there" in message, message
     assert "choose another replica_base_port" in message
     assert all(server.registered(PORT + 20 + i) is None for i in range(3))
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "Ctrl-C"])
+def test_an_interrupted_run_stops_the_replica_it_started_on_the_other_machine(node_b, tmp_path, sig, code):
+    """`servebook run --stages launch` with a replica on node-b, signalled while node-b's replica loads: the run
+    stops it there over SSH (and this machine's), and nothing of either is left."""
+    port = PORT + 30 if sig == signal.SIGTERM else PORT + 40
+    before = set(vllm_titles())
+    values = two_nodes(node_b, nodes=1, node_hosts=[], node_addresses=[], tensor_parallel_size=1, replicas=2,
+                       replica_hosts=["local", "node-b"], replica_addresses=["127.0.0.2", "127.0.0.3"], port=port,
+                       ab_variants=[], api_key_env=KEY_ENV).model_dump(exclude_defaults=True)  # fmt: skip
+    file = tmp_path / "two-machines.yaml"
+    file.write_text(yaml.safe_dump(values))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "servebook.cli", "run", str(file), "--stages", "launch"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "SERVEBOOK_OUTPUTS": str(tmp_path / "outputs"), KEY_ENV: KEY},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        if "started on machine1 (node-b)" in line:
+            break
+    started = next((line for line in lines if "started on machine1 (node-b)" in line), "")
+    assert started, "\n".join(lines[-30:])
+    pid = int(re.search(r"\(pid (\d+) there\)", started).group(1))
+    time.sleep(5)  # node-b's vLLM is importing and loading; this machine's replica is starting
+    proc.send_signal(sig)
+    lines += proc.stdout.read().splitlines()
+    assert proc.wait(timeout=180) == code, "\n".join(lines[-40:])
+    print("\n".join(lines[-15:]))
+    assert any(f"stopped the server this run started on port {port + 2}" in line for line in lines), lines[-20:]
+    there = remote.WorkerRecord(node="node-b", ssh="node-b", ssh_config=str(node_b), pid=pid, log_path="", command=[])
+    assert remote.leftovers(there) == [] and not remote.alive(there)
+    assert all(server.registered(port + i) is None for i in range(3))
+    assert server.port_holder("127.0.0.1", port + 1) is None and set(vllm_titles()) <= before

@@ -194,3 +194,22 @@ def test_a_secret_reaches_the_started_process_on_stdin_and_no_command_line(tmp_p
         assert remote.stop(worker, grace_s=5) == []
     with pytest.raises(remote.RemoteError, match="newline"):
         remote.start("", ["true"], {}, str(log), secrets={"K": "a\nb"})
+
+
+def test_a_replicas_stop_checks_its_own_gpus_for_vllm_leftovers_not_its_neighbours(fake_nvml):
+    """h200x8-leftovers: a vLLM worker holds GPU 3. A replica on GPUs 0-2 stopping while its neighbour on 3 still
+    serves finds nothing of its own left; one on 3 does; a replica on another machine is not asked here."""
+    from servebook import server
+
+    fake_nvml("h200x8-leftovers")
+
+    def registration(gpus, node=""):
+        return server.Registration(pid=1, pgid=1, port=9001, host="127.0.0.1", url="", fingerprint="", command=[],
+                                   log_path="", model="m", served_model_name="m", device="cuda", gpu_ids=gpus,
+                                   started_at="", node=node)  # fmt: skip
+
+    assert server._gpu_leftovers([registration([0, 1, 2])]) == []
+    [left] = server._gpu_leftovers([registration([3])])
+    assert "GPU 3" in left and "VLLM::Worker_TP3" in left
+    assert server._gpu_leftovers([registration([3], node="machine1 (b)")]) == []
+    assert len(server._gpu_leftovers([registration([])])) == 1  # no GPUs named: all of them are its own
