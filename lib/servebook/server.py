@@ -636,6 +636,13 @@ def _status_of(proc: psutil.Process) -> str:
         return ""
 
 
+def _workers_gone(rec: Registration) -> list[str]:
+    try:
+        return multinode.Workers(rec.workers).gone()
+    except remote.RemoteError as exc:
+        return [str(exc)]
+
+
 def status() -> list[ServerStatus]:
     """Every registered server with its liveness and health, plus orphaned vLLM processes.
 
@@ -650,18 +657,11 @@ def status() -> list[ServerStatus]:
     for rec in all_registered():
         members = group_members(rec.pgid) if rec.pgid else []
         state, detail = _server_state(rec, members) if not rec.node else (health(rec.url), f"a replica on {rec.node}")
+        gone = _workers_gone(rec) if rec.workers else []  # the other nodes' processes, asked over SSH
         if rec.node:
-            try:
-                gone = multinode.Workers(rec.workers).gone()
-            except remote.RemoteError as exc:
-                gone = [str(exc)]
             state = "dead" if gone else state
             detail += f"; gone: {'; '.join(gone)}" if gone else ", running there"
-        elif rec.workers:  # a multi-node server: each other node's vLLM, asked over SSH
-            try:
-                gone = multinode.Workers(rec.workers).gone()
-            except remote.RemoteError as exc:
-                gone = [str(exc)]
+        elif rec.workers:  # a multi-node server
             count = len(rec.workers) + (0 if any(w.role == "ray" for w in rec.workers) else 1)  # Ray's: head's too
             nodes = f"{count} nodes" + (f"; gone: {'; '.join(gone)}" if gone else ", every worker running")
             detail = f"{detail}; {nodes}" if detail else nodes

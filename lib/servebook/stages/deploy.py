@@ -312,11 +312,10 @@ def _deploy_router(
     (replicas first) only when asked. No dry run: it would start every replica as its unit; installing proves them."""
     front, replicas = router_units(name, launch, nccl_env, p.deploy_user)
     replica_records: list[NodeUnitRecord] = []
-    for spec in replicas:
+    for spec, rep in zip(replicas, launch.replicas, strict=True):
         path = run_dir / spec.unit_name
         path.write_text(systemd.render_unit(spec))
         (run_dir / f"{spec.name}.env").write_text(systemd.render_env_file(spec))
-        rep = launch.replicas[len(replica_records)]
         where = f" on {rep.node}" if rep.node else ""
         replica_records.append(
             NodeUnitRecord(node=f"replica {rep.index} on port {spec.port}{where}",
