@@ -96,10 +96,10 @@ def start_elsewhere(
     found = server.registered(cfg.port)
     if found:
         if found.node == node.name and found.fingerprint == cfg.fingerprint() and client.health(found.url) == "ready":
-            log(f"replica {placed.index}: reusing the server servebook runs on {node.name} at {found.url}")
+            log(f"replica {placed.index + 1}: reusing the server servebook runs on {node.name} at {found.url}")
             return found, True
         raise PreflightError(
-            f"replica {placed.index}: port {cfg.port} is registered to {found.model} at {found.url}; stop it "
+            f"replica {placed.index + 1}: port {cfg.port} is registered to {found.model} at {found.url}; stop it "
             f"(servebook stop --port {cfg.port}) or choose another replica_base_port"
         )
     stamp = datetime.now().strftime("%H%M%S")  # a relaunch in this run folder never overwrites the last log there
@@ -113,7 +113,7 @@ def start_elsewhere(
         command=[*vllm_compat.serve_prefix(cfg.model_path, nodes.node_python), *cfg.serve_args()],
     )
     env = cfg.environment(base={}, with_secrets=False) | {"VLLM_HOST_IP": node.address}
-    started = multinode.start_on_node(worker, env, f"replica {placed.index}", cfg.secret_env())
+    started = multinode.start_on_node(worker, env, f"replica {placed.index + 1}", cfg.secret_env())
     record = server.Registration(
         pid=0, pgid=0, port=cfg.port, host=cfg.host, url=cfg.url, fingerprint=cfg.fingerprint(),
         command=started.command, log_path=f"{node.name}:{started.log_path}", model=cfg.model,
@@ -126,7 +126,7 @@ def start_elsewhere(
     except BaseException:  # a replica nobody could find must not outlive this call
         remote.stop(started)
         raise
-    log(f"replica {placed.index} started on {node.name} (pid {started.pid} there), log {started.log_path} there")
+    log(f"replica {placed.index + 1} started on {node.name} (pid {started.pid} there), log {started.log_path} there")
     return record, False
 
 
