@@ -289,15 +289,6 @@ def run(
                 "server as LeaderWorkerSet groups)"
             ],
         )
-    if params.data_parallel_lb == "hybrid" and params.nodes > 1 and any(s.record.FILE == "07_deploy" for s in selected):
-        raise errors.ParamsError(
-            str(params_path),
-            [
-                "data_parallel_lb: hybrid with the deploy stage: deploy renders a router's replicas as units on this "
-                "machine, and a hybrid server's API servers run on every node; run the stages up to 06 "
-                "(--stages reconnaissance,...,nccl_tuning), or data_parallel_lb: internal to deploy"
-            ],
-        )
     declared = {stage.name: declared_parameters(notebook_of(stage)) for stage in selected}
     run_dir = new_run_dir(f"{params.run_name}-{suffix}" if suffix else params.run_name)
     pipeline = _Pipeline(params, run_dir, selected, declared, secret_values(), log, stream_output)

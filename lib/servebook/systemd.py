@@ -73,6 +73,9 @@ class UnitSpec:
     # stopped after it
     remote_units: list[NodeUnit] = field(default_factory=list)
     part_of: str = ""  # a replica's: the router's unit, whose stop and restart reach it
+    # a router's: API servers its required units start elsewhere without waiting (a hybrid server's other nodes),
+    # each waited for before the router starts
+    wait_urls: list[str] = field(default_factory=list)
 
     @property
     def unit_name(self) -> str:
@@ -153,6 +156,12 @@ def _start_lines(u: UnitSpec) -> tuple[str, str]:
         pre += "".join(
             f"\nExecStartPre={exec_line(_on_node(w, u.ssh_config, 'start', w.unit_name))}" for w in u.remote_units
         )
+    if u.wait_urls:
+        pre += "\n# every node's API server answers before the router sends it a request"
+        pre += "".join(
+            f"\nExecStartPre={exec_line([*u.servebook, 'wait-ready', '--url', url, '--timeout', str(u.timeout_start_s)])}"
+            for url in u.wait_urls
+        )
     post = (
         "# systemctl start returns only when /health answers 200"
         + (", which vLLM allows once every node's ranks have joined" if u.worker_units else "")
@@ -177,7 +186,7 @@ def _dependency_lines(u: UnitSpec) -> str:
     them."""
     lines = []
     if u.requires:
-        lines += ["# its replicas first: each one's start returns only once its /health answers",
+        lines += ["# what it routes to first: each unit's start returns only once its /health answers",
                   f"Requires={' '.join(u.requires)}"]  # fmt: skip
     if u.part_of:
         lines += ["# stopped and restarted with the router in front of it", f"PartOf={u.part_of}"]

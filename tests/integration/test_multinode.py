@@ -201,6 +201,20 @@ def test_hybrid_data_parallel_serves_an_api_on_each_node_behind_the_router(node_
         assert set(top.replica_shares) == {r.url for r in record.replicas}
         assert all(share > 0 for share in top.replica_shares.values()), top.replica_shares
         print(f"hybrid DP=4 over two nodes: best {swept.best.output_throughput:.1f} tok/s; shares {top.replica_shares}")
+
+        # the service: the router's unit requires the head's, which starts node-b's over SSH; the units replace
+        # the ad hoc servers, which deploy stops
+        deployed = deploy.run(p, tmp_path)
+        name = deployed.unit_name.removeprefix("servebook-").removesuffix(".service")
+        front = (tmp_path / deployed.unit_name).read_text()
+        assert (
+            f"Requires=servebook-{name}-dp.service\n" in front and f"wait-ready --url http://127.0.0.3:{api} " in front
+        )
+        assert [u.unit_name for u in deployed.node_units] == [f"servebook-{name}-dp-node1.service"]
+        head_unit = (tmp_path / f"servebook-{name}-dp.service").read_text()
+        assert f"node-b systemctl start --no-block servebook-{name}-dp-node1.service" in head_unit
+        assert KEY not in front + head_unit and all(u.verify.ok for u in deployed.replica_units if u.verify.ran)
+        assert f"port {PORT}: " in deployed.ad_hoc_server_stopped and server.registered(api) is None
     finally:
         outcome = server.stop(port=PORT)  # the router
         outcome.remaining += server.stop(port=api).remaining  # the head's vLLM and, over SSH, the worker node's

@@ -322,14 +322,49 @@ def test_hybrid_load_balancing_gives_every_node_its_own_api_and_vllms_parser_tak
     assert "data_parallel_lb: hybrid with data_parallel_size 1 on 2 nodes" in text and "set replicas: 1" in text
 
 
-def test_a_hybrid_server_with_the_deploy_stage_is_refused_before_the_run_starts(tmp_path):
-    from servebook import runner
+def test_a_hybrid_server_deploys_as_the_heads_unit_behind_the_routers(tmp_path):
+    """MiniMax-M2.5 in hybrid data parallelism on 2 x 8 H200 as a service: the router's unit requires the head
+    node's vllm serve unit, waits for the other node's API server, and the head's unit starts and stops the other
+    node's over SSH, exactly the commands the launch ran."""
+    import re
 
-    path = tmp_path / "hybrid.yaml"
-    path.write_text(
-        "model: builtin:tiny-qwen3-moe\nnodes: 2\ndata_parallel_size: 4\ndata_parallel_lb: hybrid\n"
-        "node_hosts: [local, node-b]\nnode_addresses: [127.0.0.2, 127.0.0.3]\n"
+    from servebook import router
+    from servebook.records import LaunchRecord, ReplicaRecord
+    from servebook.stages import deploy
+
+    p = params.load(Path(__file__).parents[2] / "params" / "minimax-m2.5-2x8-hybrid.yaml")
+    cfg = server_config.ServerConfig.from_params(p, "cuda")
+    head_cfg, workers = multinode.prepare(cfg, multinode.NodeSet.from_params(p), tmp_path, api_port=8001)
+    urls = ["http://127.0.0.1:8001", "http://10.0.0.2:8001"]
+    routed = router.RouterRecord(url="http://127.0.0.1:8000", port=8000, policy="cache_aware", worker_urls=urls,
+                                 command=["/bin/true", "--port", "8000", "--worker-urls", *urls],
+                                 pid=0, pgid=0, log_path="", seconds_to_ready=2.0)  # fmt: skip
+    replicas = [ReplicaRecord(index=i, url=u, port=8001, pid=0, pgid=0, gpu_ids=list(range(8)), log_path="",
+                              seconds_to_ready=0, command=[]) for i, u in enumerate(urls)]  # fmt: skip
+    launch = LaunchRecord.planned(head_cfg).model_copy(
+        update={"workers": workers, "router": routed, "replicas": replicas}
     )
-    with pytest.raises(ParamsError) as refused:
-        runner.run(path, wanted="launch,deploy")
-    assert "data_parallel_lb: hybrid with the deploy stage" in str(refused.value)
+    record = deploy._deploy_hybrid(p.model_copy(update={"deploy_install": False}), tmp_path, launch, "mm", None)
+    name = "servebook-mm.service"
+    assert record.unit_name == name and [u.unit_name for u in record.replica_units] == ["servebook-mm-dp.service"]
+    assert [u.unit_name for u in record.node_units] == ["servebook-mm-dp-node1.service"]
+    front = (tmp_path / name).read_text()
+    assert (
+        "Requires=servebook-mm-dp.service" in front and "After=network-online.target servebook-mm-dp.service" in front
+    )
+    assert re.search(r"^ExecStartPre=.* wait-ready --url http://10.0.0.2:8001 ", front, re.M)
+    assert "--worker-urls http://127.0.0.1:8001 http://10.0.0.2:8001" in front
+    head = (tmp_path / "servebook-mm-dp.service").read_text()
+    assert "PartOf=servebook-mm.service" in head and "--data-parallel-hybrid-lb" in head
+    assert re.search(
+        r"^ExecStartPre=.* gpu-node-2 systemctl start --no-block servebook-mm-dp-node1.service$", head, re.M
+    )
+    assert re.search(r"^ExecStopPost=-.* gpu-node-2 systemctl stop servebook-mm-dp-node1.service$", head, re.M)
+    other = (tmp_path / "servebook-mm-dp-node1.service").read_text()
+    other_start = re.search(r"^ExecStart=(.*)$", other, re.M).group(1)
+    assert "--data-parallel-start-rank 2" in other_start and "--host 10.0.0.2" in other_start
+    assert "--headless" not in other_start and "VLLM_HOST_IP=10.0.0.2" in other
+    for unit in [*record.replica_units, *record.node_units]:
+        assert not unit.verify.ran or unit.verify.ok, unit.verify.output
+    assert not record.verify.ran or record.verify.ok, record.verify.output
+    assert "with 1 worker node unit(s) it starts and stops over SSH" in deploy.summary(record)

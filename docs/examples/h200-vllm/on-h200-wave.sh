@@ -13,6 +13,8 @@
 #            checkpoint at TP=1: each launched until ready, its DEBUG log kept, stopped
 #   heldout  what the next device session owes issues 26 and 27: Kimi launches at settings no calibration used
 #            (max_num_seqs 512 with 16,384 batched tokens; 64k context with 64 sequences), then eager cold and warm
+#   loader   the default loader cold and warm, then vLLM's multi-thread loader (params-kimi-tp1-multithread.yaml)
+#            cold and warm, then where a warm start's Python imports go (python -X importtime)
 #   pipeline stages 00-07 on the Kimi mini
 # Results go to $OUT (tarred).
 set -uo pipefail
@@ -54,6 +56,13 @@ heldout)
   launch_once kimi-64k-seqs64 $P --set max_model_len=65536 --set max_num_seqs=64
   timeout ${RUN_S:-300} python3 benchmarks/start_times.py $P --strategies eager --out $R/heldout/starts 2>&1 | cut -c1-600
   gpu_mem; pack heldout ;;
+loader)
+  begin
+  timeout ${RUN_S:-300} python3 benchmarks/start_times.py $P --strategies default --out $R/$STEP/default 2>&1 | cut -c1-600
+  timeout 230 python3 benchmarks/start_times.py $EX/params-kimi-tp1-multithread.yaml --strategies default --out $R/$STEP/multithread 2>&1 | cut -c1-600
+  timeout 40 python3 -X importtime -c "import vllm.entrypoints.openai.api_server" 2>$R/$STEP/importtime.txt
+  sort -t'|' -k2 -n -r $R/$STEP/importtime.txt | head -25 | cut -c1-160
+  gpu_mem; pack $STEP ;;
 pipeline)
   begin
   SERVEBOOK_OUTPUTS=$R/pipeline timeout ${RUN_S:-565} servebook run $P ${STAGES:+--stages $STAGES} 2>&1 | tee $R/pipeline/console.log | cut -c1-300

@@ -235,14 +235,17 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     launch = results.require(run_dir, LaunchRecord, "deploy")
     tuned = results.read(run_dir, NcclTuningRecord)
     name = p.deploy_name or launch.served_model_name.replace("/", "-")
+    nccl_env = tuned.recommended_env if tuned else None
+    if launch.router and launch.workers:
+        record = _deploy_hybrid(p, run_dir, launch, name, nccl_env)
+        results.write(run_dir, record)
+        return record
     if launch.router:
-        record = _deploy_router(p, run_dir, launch, name, tuned.recommended_env if tuned else None)
+        record = _deploy_router(p, run_dir, launch, name, nccl_env)
         results.write(run_dir, record)
         return record
     size, _ = models.checkpoint_bytes(launch.model_path)
-    unit = unit_spec(
-        name, launch, tuned.recommended_env if tuned else None, server_config.load_budget_s(size), p.deploy_user
-    )
+    unit = unit_spec(name, launch, nccl_env, server_config.load_budget_s(size), p.deploy_user)
     node_units = _node_units(unit, launch, run_dir)
     unit_text, unit_path, env_path, watchdog = write_unit_files(unit, run_dir)
     dropped = [
@@ -268,14 +271,7 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
         record.ad_hoc_server_stopped = server.stop(port=unit.port).summary  # the service replaces it
     if p.deploy_install:
-        for worker, node_unit in zip(launch.workers, node_units, strict=True):  # the other nodes' units first
-            text = Path(node_unit.unit_file).read_text()
-            target = f"/etc/systemd/system/{node_unit.unit_name}"
-            done = remote.run(
-                worker.ssh, f"cat > {target} && systemctl daemon-reload", worker.ssh_config, input_text=text
-            )
-            if done.returncode:
-                raise DeployFailed(f"{worker.node}: could not install {target}: {done.stderr.strip()[-300:]}")
+        _install_node_units(launch, node_units)
         record.installed = systemd.install(unit, unit_text)
         ok, message, _ = server.wait_ready(unit.url, unit.timeout_start_s)
         record.service_ready = message
@@ -290,6 +286,16 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
         _dry_run(record, unit, launch, run_dir)
     results.write(run_dir, record)
     return record
+
+
+def _install_node_units(launch: LaunchRecord, node_units: list[NodeUnitRecord]) -> None:
+    """The other nodes' units, each put in place on its node over SSH (the head's unit starts them there)."""
+    for worker, node_unit in zip(launch.workers, node_units, strict=True):
+        text = Path(node_unit.unit_file).read_text()
+        target = f"/etc/systemd/system/{node_unit.unit_name}"
+        done = remote.run(worker.ssh, f"cat > {target} && systemctl daemon-reload", worker.ssh_config, input_text=text)
+        if done.returncode:
+            raise DeployFailed(f"{worker.node}: could not install {target}: {done.stderr.strip()[-300:]}")
 
 
 def write_unit_files(unit: systemd.UnitSpec, run_dir: Path) -> tuple[str, Path, Path, list[Path]]:
@@ -361,6 +367,86 @@ def _deploy_router(
                 raise DeployFailed(
                     f"replica {rep.index} on {rep.node}: could not install {spec.unit_name}: {done.output}"
                 )
+        record.installed = systemd.install(front, unit_text)
+        ok, message, _ = server.wait_ready(front.url, front.timeout_start_s)
+        record.service_ready = message
+        if ok:
+            record.smoke_test = client.smoke_test(launch.target(timeout_s=120), 8)
+    return record
+
+
+def _deploy_hybrid(
+    p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
+) -> DeployRecord:
+    """vLLM's hybrid data parallelism as a service: the head node's ``vllm serve`` (one unit, which starts and
+    stops every other node's over SSH, as a multi-node server's does), and vllm-router's unit in front, requiring
+    the head's, so the router starts once every node's API server answers. Installed (the other nodes' units
+    first) only when asked; no dry run across nodes."""
+    size, _ = models.checkpoint_bytes(launch.model_path)
+    head = unit_spec(f"{name}-dp", launch, nccl_env, server_config.load_budget_s(size), p.deploy_user)
+    head.description = f"vLLM serving {launch.served_model_name}, hybrid data parallel (servebook)"
+    head.part_of = f"servebook-{name}.service"
+    node_units = _node_units(head, launch, run_dir)
+    head_text, head_path, _, _ = write_unit_files(head, run_dir)
+    routed = launch.router
+    assert routed is not None
+    front = systemd.UnitSpec(
+        name=name,
+        description=f"vllm-router ({routed.policy}) in front of {len(launch.replicas)} nodes' API servers (servebook)",
+        command=list(routed.command),
+        environment={},
+        secret_sources={},  # it forwards each client's key to the API servers and holds none
+        url=routed.url,
+        port=routed.port,
+        gpu_ids=[],
+        device="cpu",
+        load_seconds=routed.seconds_to_ready,
+        load_source=head.load_source,
+        servebook=head.servebook,
+        user=p.deploy_user,
+        requires=[head.unit_name],
+        wait_urls=[rep.url for rep in launch.replicas[1:]],
+    )
+    unit_text, unit_path, env_path, watchdog = write_unit_files(front, run_dir)
+    as_unit_user, run_as_user = run_as(front.user)
+    reach = {"the router": front.command[0], **unit_paths(launch, head)}
+    record = DeployRecord(
+        unit_name=front.unit_name,
+        unit_file=str(unit_path),
+        env_file=str(env_path),
+        timeout_start_s=front.timeout_start_s,
+        load_seconds=head.load_seconds,
+        load_source="measured" if head.load_source == "measured" else "predicted",
+        start_limit_interval_s=front.start_limit_interval_s,
+        verify=systemd.verify(unit_path),
+        systemd_running=systemd.systemd_running(),
+        pre_start_with_ad_hoc_server=pre_start_check(front),
+        replica_units=[
+            NodeUnitRecord(
+                node=f"node 0's API server on port {head.port}",
+                unit_name=head.unit_name,
+                unit_file=str(head_path),
+                verify=systemd.verify(head_path),
+            )
+        ],  # fmt: skip
+        node_units=node_units,
+        watchdog_files=[str(w) for w in watchdog],
+        watchdog_verify=systemd.verify(watchdog[0]),
+        run_as=run_as_user,
+        access_problems=systemd.access_problems(front.user, reach) if as_unit_user else [],
+        dry_run_skipped=(
+            "a hybrid data-parallel server runs a unit per node behind the router's; they are rendered, verified "
+            "and checked for what their user must reach here, and proven by installing them (deploy_install: true)"
+        ),
+    )
+    if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
+        stopped = [f"port {port}: {server.stop(port=port).summary}" for port in (front.port, head.port)]
+        record.ad_hoc_server_stopped = "; ".join(stopped)  # the head's stop reaches every node's vLLM
+    if p.deploy_install and not record.access_problems:
+        _install_node_units(launch, node_units)
+        started = systemd.install(head, head_text)
+        if not started.enabled:
+            raise DeployFailed(f"{head.unit_name} did not start: {started.output[-300:]}")
         record.installed = systemd.install(front, unit_text)
         ok, message, _ = server.wait_ready(front.url, front.timeout_start_s)
         record.service_ready = message

@@ -380,6 +380,8 @@ def check(record: LaunchRecord, p: Params) -> None:
 
 def summary(record: LaunchRecord) -> str:
     how = "reused a running server" if record.reused else f"ready in {record.seconds_to_ready:.0f} s"
+    if record.replicas and not record.reused:  # the slowest replica is what the router waited for
+        how = f"every replica ready in {max(r.seconds_to_ready for r in record.replicas):.0f} s"
     kv = record.vllm_reported.kv_cache_tokens
     predicted = f" (plan: {record.plan_check.predicted_kv_tokens:,})" if record.plan_check else ""
     kv_text = f"; KV cache {kv:,} tokens{predicted}" if kv else ""
