@@ -24,7 +24,9 @@ import time
 from pathlib import Path
 
 from servebook import hardware, loadpath, models, params, server, startup, vllm_compat
+from servebook.errors import PreflightError
 from servebook.loadpath import GB
+from servebook.stages import launch as launch_stage
 
 
 def one_start(cfg: server.ServerConfig, log_dir: Path, evidence: loadpath.CheckpointEvidence, label: str) -> dict:
@@ -33,10 +35,11 @@ def one_start(cfg: server.ServerConfig, log_dir: Path, evidence: loadpath.Checkp
     now = loadpath.gather(cfg.model_path, probe=False)
     now.probe = evidence.probe  # the disk's rate, measured once; the page cache as it is now
     choice = loadpath.LoadChoice(load_strategy=cfg.load_strategy if cfg.load_strategy != "auto" else "default")
+    loader = startup.loader_of(choice.load_strategy, list(cfg.extra_args), cfg.load_format)  # or the format's
     kernels = startup.kernels_warm()  # the machine has run vLLM since it booted, or Triton holds kernels
     predicted = startup.predict(
         now, device=cfg.device, world_size=cfg.world_size, ep_ranks=1, choice=choice, vllm_version=version,
-        key=key, model_path=cfg.model_path, enforce_eager=cfg.enforce_eager, kernels_cached=kernels,
+        key=key, model_path=cfg.model_path, enforce_eager=cfg.enforce_eager, kernels_cached=kernels, loader=loader,
     )  # fmt: skip
     started = time.monotonic()
     launch = server.launch(cfg, log_dir, stop_leftovers=True, log=lambda _: None)
@@ -45,12 +48,12 @@ def one_start(cfg: server.ServerConfig, log_dir: Path, evidence: loadpath.Checkp
     tl = launch.timeline
     assert tl is not None
     if cfg.load_format != "dummy":
-        entry = startup.entry_of(cfg, tl, version, float(now.bytes), now.cached_share, choice.load_strategy)
+        entry = startup.entry_of(cfg, tl, version, float(now.bytes), now.cached_share, loader)
         startup.remember(entry.model_copy(update={"kernels_cached": kernels}))
     read_s = launch.values.weights_load_s
     row = {
         "start": label,
-        "strategy": choice.load_strategy,
+        "strategy": loader,
         "cached_before_pct": round(100 * now.cached_share, 1),
         "kernels_cached_before": kernels,
         "ready_s": tl.total_s,
@@ -86,6 +89,11 @@ def main() -> None:
     p = params.load(Path(args.params_file), args.set_)
     device = hardware.resolve_device(p.device, hardware.inventory())
     base = server.ServerConfig.from_params(p, device)
+    for strategy in args.strategies.split(","):  # what the launch stage refuses, refused before any start
+        try:
+            launch_stage.check_load_options(dataclasses.replace(base, load_strategy=strategy))
+        except PreflightError as refused:
+            raise SystemExit(f"start_times: {refused}") from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = loadpath.shard_files(base.model_path)
@@ -109,10 +117,11 @@ def main() -> None:
             if not args.keep_kernels:  # and JIT-compiles the kernels torch.compile does not own (custom MoE, MLA)
                 os.environ["TRITON_CACHE_DIR"] = str(cache / "triton-kernels")
             cfg = dataclasses.replace(base, load_strategy=strategy)
+            loader = startup.loader_of(strategy, list(cfg.extra_args), cfg.load_format)  # a format's, if set
             for temperature in ("cold", "warm"):
                 if temperature == "cold":
                     loadpath.evict(files)
-                label = f"{strategy} {temperature}"
+                label = f"{loader} {temperature}"
                 row = one_start(cfg, out / label.replace(" ", "-"), evidence, label)
                 rows.append(row)
                 save()

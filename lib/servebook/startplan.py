@@ -70,6 +70,7 @@ def load_plan(
         evidence, device=planned.device.kind, world_size=layout.parallelism.world_size, ep_ranks=layout.tp * layout.dp if layout.ep else 1,
         choice=choice, vllm_version=version, key=startup.compile_key(cfg, version), model_path=cfg.model_path,
         expert_share=share, enforce_eager=p.enforce_eager, fallback_gb_per_s=DATASHEET_DISK_GB_S,
+        loader=startup.loader_of(choice.load_strategy, list(p.extra_args), choice.load_format),
     )  # fmt: skip
     return choice, prediction
 

@@ -229,9 +229,16 @@ class StartEntry(BaseModel):
     kernels_cached: bool | None = None  # the machine's kernels were warm before the start (kernels_warm)
 
 
+def boot_marker_path() -> Path:
+    return models.cache_root() / "started-since-boot"
+
+
 def remember(entry: StartEntry) -> None:
-    """Append one start to the history (one JSON line each, written whole)."""
+    """Append one start to the history (one JSON line each, written whole), and mark this boot as one a server
+    started in (a benchmark that puts the history back leaves the mark: the machine did run vLLM)."""
     path = history_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.write_text(boot_marker_path(), f"{psutil.boot_time():.0f}\n")
     previous = path.read_text() if path.exists() else ""
     lines = previous.splitlines()[-199:]  # the last 200 starts are plenty to predict from
     files.write_text(path, "\n".join([*lines, entry.model_dump_json()]) + "\n")
@@ -272,7 +279,10 @@ def kernel_cache_warm() -> bool:
 
 
 def started_since_boot(starts: list[StartEntry] | None = None) -> bool:
-    """servebook started a server on this machine since it last booted."""
+    """servebook started a server on this machine since it last booted (its mark, or a start in the history)."""
+    marker = boot_marker_path()
+    if starts is None and marker.exists() and marker.read_text().strip() == f"{psutil.boot_time():.0f}":
+        return True
     booted = datetime.fromtimestamp(psutil.boot_time(), timezone.utc)
     for start in history() if starts is None else starts:
         try:
@@ -360,7 +370,31 @@ def _caches(start: StartEntry) -> tuple[bool, bool | None]:
 # what one rank's loader takes for a strategy with no start of its own in the history: eager reads every file whole
 # into memory before it copies a tensor, 0.56 GB/s cold and 0.58 warm on the H200 with the Kimi-shaped mini (the
 # default loader 1.3-2.2) (docs/examples/h200-vllm/start-times)
-STRATEGY_LOADER_GB_S = {"cuda": {"eager": 0.57}}
+# vLLM's multi-thread loader (model_loader_extra_config enable_multithread_load) reads each shard whole in its own
+# thread: 2.07 GB/s from the page cache, and 0.77 GB/s cold, 55 % of the disk's 1.39 GB/s sequential rate, its
+# threads' whole-shard reads competing for one disk (H200, Kimi-shaped mini, 4 shards; start-times/starts5.json)
+STRATEGY_LOADER_GB_S = {"cuda": {"eager": 0.57, "multithread": 2.07}}
+LOADER_COLD_SHARE = {"multithread": 0.55}  # of the disk's sequential rate, where a loader reads below it cold
+MULTITHREAD = "multithread"
+
+
+def loader_of(load_strategy: str, extra_args: list[str], load_format: str = "auto") -> str:
+    """The loader a start reads with, as the history keys it: a load format with a reader of its own
+    (fastsafetensors, instanttensor, runai_streamer), ``multithread`` where the extra arguments turn on vLLM's
+    multi-thread loader (which ignores the strategy), else its safetensors strategy."""
+    if load_format not in ("", "auto", "safetensors"):
+        return load_format
+    for i, arg in enumerate(extra_args):
+        value = arg.partition("=")[2] if arg.startswith("--model-loader-extra-config=") else None
+        if arg == "--model-loader-extra-config" and i + 1 < len(extra_args):
+            value = extra_args[i + 1]
+        if value is not None:
+            try:
+                if json.loads(value).get("enable_multithread_load") is True:
+                    return MULTITHREAD
+            except (ValueError, AttributeError):
+                pass  # vLLM's own parser refuses it before the start
+    return load_strategy if load_strategy not in ("", "auto") else "default"
 
 
 def _loader_rate(starts: list[StartEntry], strategy: str, device: str = "cuda") -> float | None:
@@ -389,10 +423,13 @@ def predict(
     starts: list[StartEntry] | None = None,
     fallback_gb_per_s: float | None = None,
     kernels_cached: bool | None = None,
+    loader: str | None = None,
 ) -> StartPrediction:
     """Read time (disk part over the measured rate, cached part over the page-cache rate) plus the other phases of
-    the last start of this model (compile from one that hit or missed as this one will), else the defaults."""
+    the last start of this model (compile from one that hit or missed as this one will), else the defaults.
+    ``loader``: what reads the weights where it is not ``choice``'s strategy (``loader_of``)."""
     starts = history() if starts is None else starts
+    strategy = loader or choice.load_strategy
     hit = (not enforce_eager) and compile_cache_expected(key, starts)
     kernels = kernels_warm(starts) if kernels_cached is None else kernels_cached
     d = DEFAULT_PHASES.get(device, DEFAULT_PHASES["cuda"])
@@ -408,16 +445,17 @@ def predict(
     same_model = [s for s in starts if s.model_path == model_path and s.device == device]
     same_caches = [s for s in same_model if _caches(s) == (hit, kernels)]
     like = (
-        [s for s in same_caches if s.load_strategy == choice.load_strategy]
+        [s for s in same_caches if s.load_strategy == strategy]
         or same_caches
         or [s for s in same_model if _caches(s)[0] == hit]
         or same_model
     )
-    loader = _loader_rate(same_model, choice.load_strategy, device) or d["loader_gb_per_s"]
+    loader_rate = _loader_rate(same_model, strategy, device) or d["loader_gb_per_s"]
     disk_rate = (probe.gb_per_s if probe and probe.gb_per_s else None) or fallback_gb_per_s
-    cache_rate = min(probe.warm_gb_per_s, loader) if probe and probe.warm_gb_per_s else loader
+    cache_rate = min(probe.warm_gb_per_s, loader_rate) if probe and probe.warm_gb_per_s else loader_rate
     disk_bytes = size * (1 - cached)  # the ranks share one page cache: the disk is read once in total
-    read_s = disk_bytes / (min(disk_rate, loader) * GB) if disk_rate else 0.0
+    cold_rate = min(disk_rate * LOADER_COLD_SHARE.get(strategy, 1.0), loader_rate) if disk_rate else 0.0
+    read_s = disk_bytes / (cold_rate * GB) if cold_rate else 0.0
     read_s += max(0.0, per_rank - disk_bytes) / (cache_rate * GB)
     if like:
         last = like[-1]
@@ -448,8 +486,8 @@ def predict(
     if read_s and read_s >= max(others.values(), default=0.0):
         what = (
             f"disk: {disk_rate:.2f} GB/s measured"
-            if disk_rate and disk_rate <= loader and cached < 0.9
-            else f"the loader: {loader:.2f} GB/s per rank from the page cache"
+            if disk_rate and disk_rate <= loader_rate and cached < 0.9
+            else f"the loader: {loader_rate:.2f} GB/s per rank from the page cache"
         )
         limit = f"{what}, {per_rank / GB:.1f} GB per rank ({cached:.0%} cached), about {read_s / 60:.1f} min"
     else:

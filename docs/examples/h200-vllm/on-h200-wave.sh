@@ -15,6 +15,8 @@
 #            (max_num_seqs 512 with 16,384 batched tokens; 64k context with 64 sequences), then eager cold and warm
 #   loader   the default loader cold and warm, then vLLM's multi-thread loader (params-kimi-tp1-multithread.yaml)
 #            cold and warm, then where a warm start's Python imports go (python -X importtime)
+#   formats  the loaders the kit leaves out, from their wheels (carried in .gpu/wheels with the third kit call):
+#            --load-format fastsafetensors cold and warm, then instanttensor cold and warm
 #   pipeline stages 00-07 on the Kimi mini
 # Results go to $OUT (tarred).
 set -uo pipefail
@@ -62,6 +64,13 @@ loader)
   timeout 230 python3 benchmarks/start_times.py $EX/params-kimi-tp1-multithread.yaml --strategies default --out $R/$STEP/multithread 2>&1 | cut -c1-600
   timeout 40 python3 -X importtime -c "import vllm.entrypoints.openai.api_server" 2>$R/$STEP/importtime.txt
   sort -t'|' -k2 -n -r $R/$STEP/importtime.txt | head -25 | cut -c1-160
+  gpu_mem; pack $STEP ;;
+formats)
+  begin
+  for w in .gpu/wheels/*.whl; do python3 -m zipfile -e $w /tmp/site; done
+  python3 -c "import importlib.metadata as m; print('fastsafetensors', m.version('fastsafetensors'), 'instanttensor', m.version('instanttensor'))"
+  timeout ${RUN_S:-290} python3 benchmarks/start_times.py $P --strategies default --set load_format=fastsafetensors --out $R/$STEP/fastsafetensors 2>&1 | cut -c1-600
+  timeout ${RUN2_S:-220} python3 benchmarks/start_times.py $P --strategies default --set load_format=instanttensor --out $R/$STEP/instanttensor 2>&1 | cut -c1-600
   gpu_mem; pack $STEP ;;
 pipeline)
   begin

@@ -357,7 +357,8 @@ def remember_start(
     assert launch.timeline is not None
     size, _ = models.checkpoint_bytes(cfg.model_path)
     version = launch.values.vllm_version or vllm_compat.vllm_version()
-    entry = startup.entry_of(cfg, launch.timeline, version, float(size or 0), cached_share, cfg.load_strategy)
+    loader = startup.loader_of(cfg.load_strategy, list(cfg.extra_args), cfg.load_format)
+    entry = startup.entry_of(cfg, launch.timeline, version, float(size or 0), cached_share, loader)
     startup.remember(entry.model_copy(update={"kernels_cached": kernels_cached}))
 
 
