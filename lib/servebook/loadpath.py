@@ -315,12 +315,14 @@ def recommend(
             f"{evidence.filesystem}: vLLM would prefetch only while the checkpoint fits 90 % of RAM; say so always"
         )
     if not evidence.fits_in_ram:
-        once = next((f for f in ("instanttensor", "fastsafetensors") if format_installed(f)), None)
+        # fastsafetensors first: it read the H200's disk at 1.1-1.9 x the probe's rate, instanttensor at 1.03 x
+        once = next((f for f in ("fastsafetensors", "instanttensor") if format_installed(f)), None)
         if once:
             choice.load_format = once
             choice.reasons.append(
                 f"RAM ({evidence.mem_available_bytes / GB:.0f} GB available) is below the checkpoint "
-                f"({evidence.bytes / GB:.0f} GB): every start reads the disk; {once} reads each byte once"
+                f"({evidence.bytes / GB:.0f} GB): every start reads the disk; {once} reads each byte once, with "
+                "many reads in flight, past the page cache"
             )
         else:
             choice.load_strategy = "prefetch"
@@ -345,7 +347,8 @@ def recommend(
     if not choice.reasons:
         choice.reasons.append(
             f"local {evidence.filesystem or 'disk'} with RAM above the checkpoint: vLLM's default mmap loader, and "
-            "a relaunch reads from the page cache"
+            "a relaunch reads from the page cache (fastsafetensors and instanttensor read past it, with O_DIRECT: "
+            "their relaunches read the disk again)"
         )
     return choice
 

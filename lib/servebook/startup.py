@@ -374,7 +374,13 @@ def _caches(start: StartEntry) -> tuple[bool, bool | None]:
 # thread: 2.07 GB/s from the page cache, and 0.77 GB/s cold, 55 % of the disk's 1.39 GB/s sequential rate, its
 # threads' whole-shard reads competing for one disk (H200, Kimi-shaped mini, 4 shards; start-times/starts5.json)
 STRATEGY_LOADER_GB_S = {"cuda": {"eager": 0.57, "multithread": 2.07}}
-LOADER_COLD_SHARE = {"multithread": 0.55}  # of the disk's sequential rate, where a loader reads below it cold
+# fastsafetensors and instanttensor read the files with O_DIRECT, past the page cache: a relaunch reads the disk
+# again (0 % of the checkpoint cached after either loader's starts), and their many reads in flight take more from
+# the disk than the probe's one stream: fastsafetensors 2.64 and 1.56 GB/s against a probe's 1.37, instanttensor
+# 1.74 and 1.73 against 1.69 (H200, Kimi-shaped mini; start-times/starts6.json)
+DIRECT_IO_LOADERS = {"fastsafetensors", "instanttensor"}
+# of the disk's sequential rate where a loader reads cold faster or slower than the probe's one stream
+LOADER_COLD_SHARE = {"multithread": 0.55, "fastsafetensors": 1.5, "instanttensor": 1.03}
 MULTITHREAD = "multithread"
 
 
@@ -440,7 +446,7 @@ def predict(
     per_rank = (
         bytes_per_rank(evidence, world_size, ep_ranks, choice, vllm_version, expert_share) if evidence and size else 0.0
     )
-    cached = evidence.cached_share if evidence else 0.0
+    cached = evidence.cached_share if evidence and strategy not in DIRECT_IO_LOADERS else 0.0
     probe = evidence.probe if evidence else None
     same_model = [s for s in starts if s.model_path == model_path and s.device == device]
     same_caches = [s for s in same_model if _caches(s) == (hit, kernels)]
@@ -454,7 +460,9 @@ def predict(
     disk_rate = (probe.gb_per_s if probe and probe.gb_per_s else None) or fallback_gb_per_s
     cache_rate = min(probe.warm_gb_per_s, loader_rate) if probe and probe.warm_gb_per_s else loader_rate
     disk_bytes = size * (1 - cached)  # the ranks share one page cache: the disk is read once in total
-    cold_rate = min(disk_rate * LOADER_COLD_SHARE.get(strategy, 1.0), loader_rate) if disk_rate else 0.0
+    cold_rate = disk_rate * LOADER_COLD_SHARE.get(strategy, 1.0) if disk_rate else 0.0
+    if strategy not in DIRECT_IO_LOADERS:  # mmap's page faults and copies cap what the default loader takes
+        cold_rate = min(cold_rate, loader_rate)
     read_s = disk_bytes / (cold_rate * GB) if cold_rate else 0.0
     read_s += max(0.0, per_rank - disk_bytes) / (cache_rate * GB)
     if like:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from servebook import download, loadpath, models, results, ui
+from servebook import download, loadpath, models, results, startup, ui
 from servebook.errors import VerificationFailed
 from servebook.params import Params
 from servebook.records import DownloadRecord, PageCacheWarmup
@@ -62,18 +62,22 @@ def run(p: Params, run_dir: str | Path) -> DownloadRecord:
             verification=download.verify(target, listing),
         )
     if record.verification.ok:
-        record.page_cache = warm_page_cache(Path(record.local_path), p.page_cache_warmup)
+        record.page_cache = warm_page_cache(Path(record.local_path), p.page_cache_warmup, p.load_format)
     results.write(run_dir, record)
     return record
 
 
-def warm_page_cache(path: Path, wanted: bool) -> PageCacheWarmup:
+def warm_page_cache(path: Path, wanted: bool, load_format: str = "auto") -> PageCacheWarmup:
     """Read what verification left out of the page cache, when RAM holds the checkpoint with room to spare, so
     the first start reads from memory."""
     shards = loadpath.shard_files(path)
     size = sum(f.stat().st_size for f in shards)
     if not wanted:
         return PageCacheWarmup(done=False, why_not="page_cache_warmup is false")
+    if load_format in startup.DIRECT_IO_LOADERS:
+        return PageCacheWarmup(
+            done=False, why_not=f"load_format {load_format} reads the disk with O_DIRECT, past the page cache"
+        )
     if not shards:
         return PageCacheWarmup(done=False, why_not="no .safetensors files")
     available = loadpath.mem_available()
