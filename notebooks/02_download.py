@@ -30,6 +30,9 @@
 #    line every few seconds in batch runs. An interrupted download resumes where it stopped.
 # 3. **Verify** every file: size, SHA-256 for LFS files or the git blob id otherwise, safetensors headers against
 #    their data and the index, `config.json` and a tokenizer present. A bad file is named with the fix.
+# 4. **Warm the page cache** (`page_cache_warmup`) when RAM holds the checkpoint with room to spare, so the first
+#    start reads memory, not the disk. Skipped for `load_format` fastsafetensors or instanttensor: they read with
+#    O_DIRECT, past the page cache.
 #
 # The token comes only from `HF_TOKEN` in the environment. For the embedded default the stage builds (or reuses)
 # the tiny checkpoint and verifies it against the checksums recorded when it was built.
@@ -45,6 +48,7 @@ download_ignore: list[str] = []  # skip files matching these globs
 download_workers: int = 8  # files fetched in parallel
 download_disk_margin: float = 0.05  # free space required beyond the download, as a share
 page_cache_warmup: bool = True  # read the checkpoint into the page cache after download, if RAM allows
+load_format: str = "auto"  # --load-format: auto, safetensors, fastsafetensors, instanttensor, runai_streamer
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%
