@@ -372,6 +372,28 @@ def test_the_limit_names_the_disk_when_the_read_is_the_longest_phase():
     assert p.phases["weights_read"] > 30 * 60  # the story's 36 minutes, from its 0.25 GB/s
 
 
+def replay_in_order(ev: CheckpointEvidence, starts: list[dict], tmp_path: Path):
+    """Each start of a session predicted from the ones before it, as servebook's history held them: a cold start
+    finds the compile cache empty, the page cache as the start recorded it, the machine warm once a start ran
+    (what kernels_warm says: servebook started a server here since boot). Returns the errors in %, the
+    predictions and the history."""
+    history: list[startup.StartEntry] = []
+    errors, guesses = {}, []
+    compile_dir = tmp_path / "torch_compile_cache"
+    for start in starts:
+        if start["start"].endswith("cold") and compile_dir.exists():
+            compile_dir.rmdir()
+        warm_machine = bool(history)
+        cached = start["cached_before_pct"] >= 50
+        guess = predicted(ev, cached=cached, history=history, kernels=warm_machine, strategy=start["strategy"])
+        guesses.append(guess)
+        errors[start["start"]] = round(100 * (guess.total_s / start["ready_s"] - 1), 1)
+        history.append(entry(start, ev.bytes, "k", hit=start["compile_cache"] == "hit", kernels=warm_machine))
+        compile_dir.mkdir(exist_ok=True)
+    print(errors)
+    return errors, guesses, history
+
+
 def test_the_third_h200_sessions_starts_with_every_cache_emptied_are_predicted_in_order(tmp_path, monkeypatch):
     """2026-12-03's session (start-times/starts4.json): a fresh machine, each cold start with both vLLM's and
     Triton's caches emptied. Only the machine's first start profiled a minute longer and imported 13 s longer: the
@@ -381,19 +403,7 @@ def test_the_third_h200_sessions_starts_with_every_cache_emptied_are_predicted_i
     ev, starts = recorded("starts4")
     assert [s["start"] for s in starts] == ["default cold", "default warm", "prefetch cold", "prefetch warm"]
     assert starts[2]["kernels_cached_before"] is False and starts[2]["phases"]["memory_profiling"] < 15
-    history: list[startup.StartEntry] = []
-    errors = {}
-    for start in starts:
-        cold = start["cached_before_pct"] < 50
-        compile_dir = tmp_path / "torch_compile_cache"
-        if cold and compile_dir.exists():
-            compile_dir.rmdir()
-        warm_machine = bool(history)  # what kernels_warm says: servebook started a server here since boot
-        guess = predicted(ev, cached=not cold, history=history, kernels=warm_machine, strategy=start["strategy"])
-        errors[start["start"]] = round(100 * (guess.total_s / start["ready_s"] - 1), 1)
-        history.append(entry(start, ev.bytes, "k", hit=start["compile_cache"] == "hit", kernels=warm_machine))
-        compile_dir.mkdir(exist_ok=True)
-    print(errors)
+    errors, _, _ = replay_in_order(ev, starts, tmp_path)
     assert all(abs(e) < 25 for e in errors.values()), errors
 
 
@@ -407,19 +417,7 @@ def test_the_fourth_h200_sessions_starts_with_the_multithread_loader_are_predict
     ev, starts = recorded("starts5")
     assert [s["start"] for s in starts] == ["default cold", "default warm", "multithread cold", "multithread warm"]
     assert starts[2]["read_gb_per_s"] < 0.8 * starts[0]["read_gb_per_s"]  # cold: slower than the default loader
-    history: list[startup.StartEntry] = []
-    errors = {}
-    for start in starts:
-        cold = start["cached_before_pct"] < 50
-        compile_dir = tmp_path / "torch_compile_cache"
-        if cold and compile_dir.exists():
-            compile_dir.rmdir()
-        warm_machine = bool(history)
-        guess = predicted(ev, cached=not cold, history=history, kernels=warm_machine, strategy=start["strategy"])
-        errors[start["start"]] = round(100 * (guess.total_s / start["ready_s"] - 1), 1)
-        history.append(entry(start, ev.bytes, "k", hit=start["compile_cache"] == "hit", kernels=warm_machine))
-        compile_dir.mkdir(exist_ok=True)
-    print(errors)
+    errors, _, _ = replay_in_order(ev, starts, tmp_path)
     assert all(abs(e) < 25 for e in errors.values()), errors
 
 
@@ -434,20 +432,10 @@ def test_the_fifth_h200_sessions_direct_io_loaders_are_predicted_in_order(tmp_pa
     assert [s["start"] for s in starts] == names
     assert all(s["cached_before_pct"] == 0 for s in starts)  # past the page cache, also after a start
     assert starts[0]["read_gb_per_s"] > 1.5 * starts[0]["disk_gb_per_s"]
-    history: list[startup.StartEntry] = []
-    errors = {}
-    compile_dir = tmp_path / "torch_compile_cache"
-    for start in starts:
-        if start["start"].endswith("cold") and compile_dir.exists():
-            compile_dir.rmdir()
-        warm_machine = bool(history)
-        guess = predicted(ev, cached=False, history=history, kernels=warm_machine, strategy=start["strategy"])
-        assert guess.phases["weights_read"] > 0.5 * start["weights_read_s"]  # the disk again, not the cache
-        errors[start["start"]] = round(100 * (guess.total_s / start["ready_s"] - 1), 1)
-        history.append(entry(start, ev.bytes, "k", hit=start["compile_cache"] == "hit", kernels=warm_machine))
-        compile_dir.mkdir(exist_ok=True)
-    print(errors)
+    errors, guesses, history = replay_in_order(ev, starts, tmp_path)
     assert all(abs(e) < 25 for e in errors.values()), errors
+    for guess, start in zip(guesses, starts, strict=True):  # the disk again, not the cache
+        assert guess.phases["weights_read"] > 0.5 * start["weights_read_s"]
     # a warm relaunch with such a loader is priced as a disk read even where the page cache holds the checkpoint
     cached = predicted(ev, cached=True, history=history, kernels=True, strategy="fastsafetensors")
     assert cached.phases["weights_read"] == pytest.approx(ev.bytes / (1.5 * ev.probe.gb_per_s * GB), rel=0.01)

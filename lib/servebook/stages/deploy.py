@@ -229,6 +229,25 @@ def _node_units(unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> 
     return records
 
 
+def _record_of(unit: systemd.UnitSpec, paths: tuple[Path, Path, list[Path]], **fields: object) -> DeployRecord:
+    """The deploy record's fields every kind of service fills the same way from its front unit's files."""
+    unit_path, env_path, watchdog = paths
+    return DeployRecord(
+        unit_name=unit.unit_name,
+        unit_file=str(unit_path),
+        env_file=str(env_path),
+        timeout_start_s=unit.timeout_start_s,
+        start_limit_interval_s=unit.start_limit_interval_s,
+        verify=systemd.verify(unit_path),
+        systemd_running=systemd.systemd_running(),
+        # the ad hoc server this run started holds the port: the check must say so
+        pre_start_with_ad_hoc_server=pre_start_check(unit),
+        watchdog_files=[str(w) for w in watchdog],
+        watchdog_verify=systemd.verify(watchdog[0]),
+        **fields,
+    )
+
+
 def run(p: Params, run_dir: str | Path) -> DeployRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, DeployRecord)  # a rerun never leaves the last attempt's record looking current
@@ -251,22 +270,13 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     dropped = [
         f"{k} left out of the unit: {why}" for k, why in systemd.DEVELOPMENT_ONLY.items() if k in launch.environment
     ]
-    record = DeployRecord(
+    record = _record_of(
+        unit,
+        (unit_path, env_path, watchdog),
         warnings=dropped,
-        unit_name=unit.unit_name,
-        unit_file=str(unit_path),
-        env_file=str(env_path),
-        timeout_start_s=unit.timeout_start_s,
         load_seconds=unit.load_seconds,
         load_source="measured" if unit.load_source == "measured" else "predicted",
-        start_limit_interval_s=unit.start_limit_interval_s,
-        verify=systemd.verify(unit_path),
-        systemd_running=systemd.systemd_running(),
-        # the ad hoc server this run started holds the port: the check must say so
-        pre_start_with_ad_hoc_server=pre_start_check(unit),
         node_units=node_units,
-        watchdog_files=[str(p) for p in watchdog],
-        watchdog_verify=systemd.verify(watchdog[0]),
     )
     if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
         record.ad_hoc_server_stopped = server.stop(port=unit.port).summary  # the service replaces it
@@ -330,20 +340,12 @@ def _deploy_router(
     unit_text, unit_path, env_path, watchdog = write_unit_files(front, run_dir)
     as_unit_user, run_as_user = run_as(front.user)
     reach = {"the router": front.command[0], **unit_paths(launch, replicas[0])}
-    record = DeployRecord(
-        unit_name=front.unit_name,
-        unit_file=str(unit_path),
-        env_file=str(env_path),
-        timeout_start_s=front.timeout_start_s,
+    record = _record_of(
+        front,
+        (unit_path, env_path, watchdog),
         load_seconds=max(r.load_seconds for r in replicas),
         load_source="measured" if all(r.load_source == "measured" for r in replicas) else "predicted",
-        start_limit_interval_s=front.start_limit_interval_s,
-        verify=systemd.verify(unit_path),
-        systemd_running=systemd.systemd_running(),
-        pre_start_with_ad_hoc_server=pre_start_check(front),
         replica_units=replica_records,
-        watchdog_files=[str(w) for w in watchdog],
-        watchdog_verify=systemd.verify(watchdog[0]),
         run_as=run_as_user,
         access_problems=systemd.access_problems(front.user, reach) if as_unit_user else [],
         dry_run_skipped=(
@@ -410,17 +412,11 @@ def _deploy_hybrid(
     unit_text, unit_path, env_path, watchdog = write_unit_files(front, run_dir)
     as_unit_user, run_as_user = run_as(front.user)
     reach = {"the router": front.command[0], **unit_paths(launch, head)}
-    record = DeployRecord(
-        unit_name=front.unit_name,
-        unit_file=str(unit_path),
-        env_file=str(env_path),
-        timeout_start_s=front.timeout_start_s,
+    record = _record_of(
+        front,
+        (unit_path, env_path, watchdog),
         load_seconds=head.load_seconds,
         load_source="measured" if head.load_source == "measured" else "predicted",
-        start_limit_interval_s=front.start_limit_interval_s,
-        verify=systemd.verify(unit_path),
-        systemd_running=systemd.systemd_running(),
-        pre_start_with_ad_hoc_server=pre_start_check(front),
         replica_units=[
             NodeUnitRecord(
                 node=f"node 0's API server on port {head.port}",
@@ -430,8 +426,6 @@ def _deploy_hybrid(
             )
         ],  # fmt: skip
         node_units=node_units,
-        watchdog_files=[str(w) for w in watchdog],
-        watchdog_verify=systemd.verify(watchdog[0]),
         run_as=run_as_user,
         access_problems=systemd.access_problems(front.user, reach) if as_unit_user else [],
         dry_run_skipped=(
