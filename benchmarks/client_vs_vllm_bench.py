@@ -65,7 +65,7 @@ def parse(out: str) -> dict:
     raise RuntimeError(out[-3000:])
 
 
-def run_servebook(url, model, path, n, c, inp, out, seed) -> dict:
+def run_servebook(url, model, path, n, c, *, inp, out, seed) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", SERVEBOOK_CLIENT, url, model, path, str(n), str(c), str(inp), str(out), str(seed)],
         capture_output=True,
@@ -86,7 +86,7 @@ def run_servebook(url, model, path, n, c, inp, out, seed) -> dict:
     }
 
 
-def run_vllm(url, model, path, n, c, inp, out, seed) -> dict:
+def run_vllm(url, model, path, n, c, *, inp, out, seed) -> dict:
     host, port = url.removeprefix("http://").split(":")
     args = [
         "--backend",
@@ -160,12 +160,12 @@ def main() -> None:
         # A fresh CPU server stalls for seconds the first times it meets a batch shape; one uncounted pass of each
         # client lets it meet them all before the rounds (the first round otherwise carries the stalls alone)
         for fn in (run_servebook, run_vllm)[: 2 if args.warmup_pass else 0]:
-            fn(url, model, path, args.prompts, args.concurrency, 128, 128, 999)
+            fn(url, model, path, args.prompts, args.concurrency, inp=128, out=128, seed=999)
         for rnd in range(args.rounds):
             pair = (("vllm bench serve", run_vllm), ("servebook", run_servebook))
             for name, fn in pair if rnd % 2 else pair[::-1]:  # the order alternates: neither always runs first
                 before = client.metrics(url)
-                r = fn(url, model, path, args.prompts, args.concurrency, 128, 128, 1000 + rnd)
+                r = fn(url, model, path, args.prompts, args.concurrency, inp=128, out=128, seed=1000 + rnd)
                 # the referee: vLLM's own mean TPOT over the measurement (warm-ups included)
                 r["vllm_tpot_mean_ms"] = metrics.histogram_mean_ms(
                     "vllm:request_time_per_output_token_seconds", before, client.metrics(url)
@@ -180,7 +180,7 @@ def main() -> None:
         stress_n = max(args.prompts, 2 * args.stress_concurrency)
         t0 = time.monotonic()
         stress = (
-            run_servebook(url, model, path, stress_n, args.stress_concurrency, 128, 128, 99)
+            run_servebook(url, model, path, stress_n, args.stress_concurrency, inp=128, out=128, seed=99)
             if args.stress_concurrency
             else None
         )

@@ -38,8 +38,11 @@ def one_start(cfg: server.ServerConfig, log_dir: Path, evidence: loadpath.Checkp
     loader = startup.loader_of(choice.load_strategy, list(cfg.extra_args), cfg.load_format)  # or the format's
     kernels = startup.kernels_warm()  # the machine has run vLLM since it booted, or Triton holds kernels
     predicted = startup.predict(
-        now, device=cfg.device, world_size=cfg.world_size, ep_ranks=1, choice=choice, vllm_version=version,
-        key=key, model_path=cfg.model_path, enforce_eager=cfg.enforce_eager, kernels_cached=kernels, loader=loader,
+        now,
+        startup.StartQuery(
+            device=cfg.device, world_size=cfg.world_size, ep_ranks=1, choice=choice, vllm_version=version, key=key,
+            model_path=cfg.model_path, enforce_eager=cfg.enforce_eager, kernels_cached=kernels, loader=loader,
+        ),
     )  # fmt: skip
     started = time.monotonic()
     launch = server.launch(cfg, log_dir, stop_leftovers=True, log=lambda _: None)

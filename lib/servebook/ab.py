@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from servebook import bench, loadgen, metrics, remote, server, startup
+from servebook import bench, client, loadgen, metrics, remote, server, startup
 from servebook.client import Target
 from servebook.errors import AbFailed, LaunchError, ServebookError
 from servebook.params import AbVariant
@@ -167,6 +167,7 @@ def measure(target: Target, maker: loadgen.PromptMaker, plan: AbPlan) -> dict[in
     sizes the next (a 2-second window at 64 streams on an H200 held one stall and a 78 % spread)."""
     out: dict[int, list[float]] = {c: [] for c in plan.concurrencies}
     rates: dict[int, float] = {}
+    stall_s: dict[int, float] = {}  # each concurrency's bound, from its last window
     overhead = maker.chat_overhead() if plan.workload.endpoint == "chat" else 0
     for _ in range(plan.repeats):
         for c in plan.concurrencies:
@@ -177,12 +178,18 @@ def measure(target: Target, maker: loadgen.PromptMaker, plan: AbPlan) -> dict[in
                 prompts = loadgen.synthetic_prompts(maker, count, plan.workload, overhead)
                 window = loadgen.run_level(
                     target, plan.workload, prompts, concurrency=c, warmup=c, min_requests=least,
-                    min_seconds=plan.min_seconds,
+                    min_seconds=plan.min_seconds, stall_s=stall_s.get(c, client.STALL.min_s),
                 )  # fmt: skip
                 s = metrics.summarize(window.records)
+                if window.stalled:
+                    raise AbFailed(
+                        f"the engine stopped producing tokens at concurrency {c} ({window.stalled}) while /health "
+                        f"answered {client.health(target.url)}; `servebook status` names a stopped engine process"
+                    )
                 if s.failed:
                     raise AbFailed(f"{s.failed} requests failed at concurrency {c}: {s.errors}")
                 rates[c] = s.request_throughput
+                stall_s[c] = client.STALL.after(s.ttft_ms.p99, s.tpot_ms.p99)
                 if sized or s.duration_s >= plan.min_seconds:
                     out[c].append(s.output_throughput)
                     break

@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from servebook.params import Params
 
 StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault", "interrupted"]
-# a window with requests in flight and no token for this long is stalled; later levels allow ten times what the
-# level before took for its slowest first token and token gap
-STALL_MIN_S = 30.0
 LimitKind = Literal[
     "client", "batch", "kv_cache", "api_server", "pcie", "nvlink", "power", "thermal", "server", "decline", "rising"
 ]
@@ -710,10 +707,8 @@ class _Sweep:
     def stall_s(self) -> float:
         """How long a window may go without a token: from the level before's slowest first token and gap."""
         if not self.levels:
-            return STALL_MIN_S
-        last = self.levels[-1]
-        slowest = ((last.ttft_p99_ms or 0) + (last.tpot_p99_ms or 0)) / 1000
-        return max(STALL_MIN_S, 10 * slowest)
+            return client.STALL.min_s
+        return client.STALL.after(self.levels[-1].ttft_p99_ms, self.levels[-1].tpot_p99_ms)
 
     def prompts(self, c: int, expected: float | None) -> list[loadgen.PromptLike]:
         cfg = self.cfg

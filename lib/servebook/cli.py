@@ -205,7 +205,7 @@ def _vocabulary_default(name: str) -> Any:
 
 
 @app.command()
-def plan(
+def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
     model: str = typer.Argument(..., help="checkpoint folder, config.json, hub repo id, or builtin:tiny-qwen3-moe"),
     gpus_: int = typer.Option(8, "--gpus", min=1, help="number of GPUs (per node with --nodes)"),
     gpu: str = typer.Option("H200", help="GPU model: " + ", ".join(GPUS)),

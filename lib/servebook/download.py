@@ -326,6 +326,32 @@ def safetensors_tensor_bytes(path: Path) -> tuple[int, dict[str, Any]]:
     return sum(v["data_offsets"][1] - v["data_offsets"][0] for v in tensors.values()), tensors
 
 
+def _check_shards(target: Path, problems: list[str]) -> int:
+    """The tensor bytes of every safetensors shard, each shard's header and the index checked (problems added)."""
+    tensor_bytes = 0
+    for st in sorted(target.glob("*.safetensors")):
+        try:
+            n, _ = safetensors_tensor_bytes(st)
+            tensor_bytes += n
+        except (ValueError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            problems.append(f"{st.name}: unreadable safetensors ({exc}); delete it and download again")
+    index = target / "model.safetensors.index.json"
+    if not index.is_file():
+        return tensor_bytes
+    try:
+        data = json.loads(index.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = {}
+        problems.append(f"model.safetensors.index.json: not readable JSON ({exc}); download it again")
+    missing = sorted({f for f in data.get("weight_map", {}).values() if not (target / f).is_file()})
+    if missing:
+        problems.append(f"model.safetensors.index.json names missing shards {missing[:5]}; download them")
+    declared = data.get("metadata", {}).get("total_size")
+    if declared and not missing and abs(declared - tensor_bytes) > 0:
+        problems.append(f"the index declares {declared:,} B of tensors but the shards hold {tensor_bytes:,} B")
+    return tensor_bytes
+
+
 def verify(target: Path, listing: Listing | None = None, expected_sha256: dict[str, str] | None = None) -> Verification:
     """Check every file; returns per-file outcomes and problems (each naming the file and the fix)."""
     started = time.monotonic()
@@ -346,26 +372,7 @@ def verify(target: Path, listing: Listing | None = None, expected_sha256: dict[s
         files[name] = "ok" if got == digest else ("missing" if got is None else "checksum mismatch")
         if got != digest:
             problems.append(f"{name}: {files[name]}; rebuild with `servebook build-model --force`")
-    tensor_bytes = 0
-    for st in sorted(target.glob("*.safetensors")):
-        try:
-            n, _ = safetensors_tensor_bytes(st)
-            tensor_bytes += n
-        except (ValueError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            problems.append(f"{st.name}: unreadable safetensors ({exc}); delete it and download again")
-    index = target / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            data = json.loads(index.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            data = {}
-            problems.append(f"model.safetensors.index.json: not readable JSON ({exc}); download it again")
-        missing = sorted({f for f in data.get("weight_map", {}).values() if not (target / f).is_file()})
-        if missing:
-            problems.append(f"model.safetensors.index.json names missing shards {missing[:5]}; download them")
-        declared = data.get("metadata", {}).get("total_size")
-        if declared and not missing and abs(declared - tensor_bytes) > 0:
-            problems.append(f"the index declares {declared:,} B of tensors but the shards hold {tensor_bytes:,} B")
+    tensor_bytes = _check_shards(target, problems)
     if not (target / "config.json").is_file():
         problems.append("config.json is missing; vLLM cannot load the model without it")
     if not any((target / t).is_file() for t in TOKENIZER_FILES):

@@ -108,8 +108,8 @@ def node_parts(layout: planner.Parallelism, nodes: int, per_node: int, port: int
     """The leader's and a worker's node flags, with LWS's variables where the cluster decides the value."""
     if nodes <= 1:
         return [], []
-    leader = multinode.node_flags(layout, nodes, per_node, 0, LEADER_ADDRESS, port)
-    worker = multinode.node_flags(layout, nodes, per_node, 1, LEADER_ADDRESS, port)
+    leader = multinode.node_flags(layout, nodes, per_node, 0, head_address=LEADER_ADDRESS, port=port)
+    worker = multinode.node_flags(layout, nodes, per_node, 1, head_address=LEADER_ADDRESS, port=port)
     if layout.strategy(per_node) == "dp":
         local = per_node // (layout.tp * layout.pp)
         at = worker.index("--data-parallel-start-rank") + 1
@@ -164,7 +164,14 @@ def _name(p: Params) -> str:
 
 
 def _container(
-    p: Params, command: list[str], per_pod_gpus: int, env: list[dict[str, Any]], mount: str, leader: bool, shell: bool
+    p: Params,
+    command: list[str],
+    per_pod_gpus: int,
+    env: list[dict[str, Any]],
+    mount: str,
+    *,
+    leader: bool,
+    shell: bool,
 ) -> dict[str, Any]:
     c: dict[str, Any] = {"name": "vllm-leader" if leader else "vllm-worker", "image": p.k8s_image}
     if shell:
@@ -185,6 +192,26 @@ def _sh(arg: str) -> str:
     return arg if arg.startswith(("$(", "$$((")) else shlex.quote(arg)
 
 
+def _leader_probes(port: int, served_name: str, budget: int) -> dict[str, Any]:
+    """The leader's port and probes: started within the load budget, ready while a token comes back, alive while
+    ``/health`` answers."""
+    return {
+        "ports": [{"name": "http", "containerPort": port}],
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": PROBE_PERIOD_S,
+            "failureThreshold": math.ceil(budget / PROBE_PERIOD_S),
+        },
+        "readinessProbe": {
+            "exec": {"command": ["python3", "-c", readiness_script(port, served_name)]},
+            "periodSeconds": 30,
+            "timeoutSeconds": 25,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 30, "failureThreshold": 4},
+    }
+
+
 def render(p: Params, plan: planner.Plan, layout: planner.Layout) -> Manifests:
     """The manifests for ``layout`` (accepted by the plan) on ``p.nodes`` nodes of ``plan.device.per_node`` GPUs."""
     if not layout.accepted:
@@ -202,23 +229,7 @@ def render(p: Params, plan: planner.Plan, layout: planner.Layout) -> Manifests:
     env = _env(p, cfg, budget)
     leader_cmd = serve_command(cfg, model, leader_flags)
     leader = _container(p, leader_cmd, ranks_per_pod, env, mount, leader=True, shell=False)
-    leader["ports"] = [{"name": "http", "containerPort": p.port}]
-    leader["startupProbe"] = {
-        "httpGet": {"path": "/health", "port": p.port},
-        "periodSeconds": PROBE_PERIOD_S,
-        "failureThreshold": math.ceil(budget / PROBE_PERIOD_S),
-    }
-    leader["readinessProbe"] = {
-        "exec": {"command": ["python3", "-c", readiness_script(p.port, cfg.served_model_name)]},
-        "periodSeconds": 30,
-        "timeoutSeconds": 25,
-        "failureThreshold": 2,
-    }
-    leader["livenessProbe"] = {
-        "httpGet": {"path": "/health", "port": p.port},
-        "periodSeconds": 30,
-        "failureThreshold": 4,
-    }
+    leader |= _leader_probes(p.port, cfg.served_model_name, budget)
     volumes = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib(ranks_per_pod)}Gi"}},
         {"name": "models", **(

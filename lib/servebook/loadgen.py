@@ -23,7 +23,7 @@ from typing import Any, Literal
 import aiohttp
 import numpy as np
 
-from servebook.client import Target
+from servebook.client import STALL, Target
 from servebook.datasets import Prompt
 
 READ_BUFFER = 16 * 1024 * 1024
@@ -89,11 +89,9 @@ class Window:
 
 @dataclass
 class _Activity:
-    """When a window last saw a token and how many of its requests are in flight. A window that sees no token for
-    ``stall_s`` seconds while requests are in flight is stalled (a hung engine: ``/health`` answers 200 all the
-    while, vllm-project/vllm#39863) and is cut short rather than waiting each request's timeout in turn."""
+    """When a window last saw a token and how many of its requests are in flight."""
 
-    stall_s: float  # 0: never cut short
+    stall_s: float
     last: float = field(default_factory=time.perf_counter)
     inflight: int = 0
     stalled: str = ""
@@ -111,13 +109,18 @@ async def _guarded(activity: _Activity, work: Any) -> None:
     while not task.done():
         await asyncio.wait({task}, timeout=1.0)
         idle = time.perf_counter() - activity.last
-        if not task.done() and activity.stall_s and activity.inflight and idle > activity.stall_s:
+        if not task.done() and activity.inflight and idle > activity.stall_s:
             activity.stalled = f"no token for {idle:.0f} s with {activity.inflight} requests in flight"
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             return
     task.result()
+
+
+def _require_bound(stall_s: float) -> None:
+    if not stall_s > 0:
+        raise ValueError(f"every window needs a positive stall bound (StallPolicy), not {stall_s}")
 
 
 def _mark_stalled(records: list[RequestRecord], why: str) -> None:
@@ -461,12 +464,13 @@ def run_conversations(
     *,
     concurrency: int,
     level: str = "",
-    stall_s: float = 0.0,
+    stall_s: float = STALL.min_s,
 ) -> Window:
     """Multi-turn chat: ``conversations`` are each a list of user turns; ``concurrency`` conversations run at
     once, each sending its turns one after another with the growing history (so every turn after the first can
     reuse the prefix cache).  A record's index is conversation x 1000 + turn; its expected input is 0 (the
     history's length is the server's to count)."""
+    _require_bound(stall_s)
     label = level or f"c{concurrency}"
     window = _in_own_loop(_run_conversations(target, workload, conversations, concurrency, label, stall_s))
     for r in window.records:
@@ -484,7 +488,10 @@ class WindowShape:
     min_requests: int
     min_seconds: float = 0.0
     level: str = ""
-    stall_s: float = 0.0  # cut the window short after this long without a token (0: never)
+    stall_s: float = STALL.min_s  # cut the window short after this long without a token (StallPolicy)
+
+    def __post_init__(self) -> None:
+        _require_bound(self.stall_s)
 
 
 async def _run(
@@ -579,7 +586,7 @@ def run_level(
     min_requests: int | None = None,
     min_seconds: float = 0.0,
     processes: int = 1,
-    stall_s: float = 0.0,
+    stall_s: float = STALL.min_s,
 ) -> Window:
     """Send ``prompts`` keeping ``concurrency`` requests in flight; the first ``warmup`` (default: the
     concurrency) are sent and awaited first and excluded from measurement.  The measured window sends the rest,
@@ -700,7 +707,7 @@ def run_open_level(
     level: str,
     warmup: int = 0,
     max_concurrency: int = 0,
-    stall_s: float = 0.0,
+    stall_s: float = STALL.min_s,
 ) -> Window:
     """Open-loop load: after ``warmup`` requests sent together and awaited, request ``i`` leaves at
     ``offsets[i]`` seconds whether or not earlier ones have finished (``max_concurrency`` > 0 caps how many are

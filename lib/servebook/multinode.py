@@ -97,7 +97,14 @@ def _nodes(hosts: list[str], addresses: list[str], word: str) -> list[Node]:
 
 
 def node_flags(
-    layout: Parallelism, nodes: int, gpus_per_node: int, rank: int, head_address: str, port: int, hybrid: bool = False
+    layout: Parallelism,
+    nodes: int,
+    gpus_per_node: int,
+    rank: int,
+    *,
+    head_address: str,
+    port: int,
+    hybrid: bool = False,
 ) -> list[str]:
     """The flags that make a node's ``vllm serve`` one part of the server (after the layout's own flags);
     ``hybrid``: every node serves its own ranks' API (``--data-parallel-hybrid-lb``, which refuses --headless)."""
@@ -138,7 +145,7 @@ def node_configs(cfg: ServerConfig, count: int, gpus_per_node: int, head_address
     hybrid = cfg.data_parallel_lb == "hybrid"
     return [
         dataclasses.replace(
-            cfg, node_flags=node_flags(cfg.parallelism, count, gpus_per_node, rank, head_address, port, hybrid),
+            cfg, node_flags=node_flags(cfg.parallelism, count, gpus_per_node, rank, head_address=head_address, port=port, hybrid=hybrid),
             nodes=count,
         )
         for rank in range(count)
@@ -323,28 +330,7 @@ def problems(probes: list[NodeProbe], nodes: NodeSet, checkpoint: bool = True, g
         if found.error:
             out.append(f"{found.node}: {found.error}; set node_python to the Python that has vLLM on that node")
             continue
-        if not node.address:
-            out.append(f"{found.node}: no address; list every node's address in node_addresses")
-        elif found.interface is None:
-            out.append(
-                f"{found.node}: address {node.address} is on none of its interfaces ({', '.join(found.interfaces)}); "
-                "give node_addresses as each node's own IP on the network the nodes share"
-            )
-        out += network_problems(found, node)
-        for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-            wanted = found.env.get(key, "")
-            names = [n.lstrip("=^") for n in wanted.split(",") if n]
-            if names and not any(any(i.startswith(n) for i in found.interfaces) for n in names):
-                out.append(f"{found.node}: {key}={wanted} names no interface there ({', '.join(found.interfaces)})")
-        if found is not head and gpus_per_node:
-            if len(found.gpus) < gpus_per_node:
-                out.append(
-                    f"{found.node}: nvidia-smi lists {len(found.gpus)} GPUs, the layout needs {gpus_per_node} per node"
-                )
-            out += [
-                f"{found.node}: a GPU is held by {held}; stop it there (servebook stop --orphans) before the launch"
-                for held in found.gpu_processes
-            ]
+        out += _address_problems(found, node) + network_problems(found, node)
         if found is head:
             if checkpoint and not found.checkpoint.get("exists"):
                 out.append(f"{found.node}: the checkpoint folder is missing; run the download stage first")
@@ -352,39 +338,75 @@ def problems(probes: list[NodeProbe], nodes: NodeSet, checkpoint: bool = True, g
                 f"{found.node}: port {busy} is in use; stop what holds it or choose another"
                 for busy in found.ports_in_use
             ]
-            continue
-        out += [
-            f"{found.node}: port {busy} is in use there; stop what holds it or choose another replica_base_port"
-            for busy in found.ports_in_use
-        ]
-        for package in ("vllm", "torch", "nccl"):
-            theirs, ours = found.versions.get(package), head.versions.get(package)
-            if theirs != ours:
-                out.append(
-                    f"{found.node}: {package} {theirs or 'missing'}, but {head.node} has {ours or 'none'}; "
-                    "install the same versions on every node"
-                )
-        if checkpoint and not found.checkpoint.get("exists"):
-            out.append(
-                f"{found.node}: no checkpoint at the head's path; copy it there (rsync -a) or put it on storage every "
-                "node mounts at the same path"
-            )
-        elif checkpoint and (found.checkpoint.get("bytes"), found.checkpoint.get("sha256")) != (
-            head.checkpoint.get("bytes"),
-            head.checkpoint.get("sha256"),
-        ):
-            out.append(
-                f"{found.node}: its checkpoint differs from {head.node}'s ({found.checkpoint.get('files')} files, "
-                f"{found.checkpoint.get('bytes')} bytes, {found.checkpoint.get('hashed')} {str(found.checkpoint.get('sha256'))[:12]} "
-                f"against {head.checkpoint.get('files')}, {head.checkpoint.get('bytes')}, "
-                f"{str(head.checkpoint.get('sha256'))[:12]}); copy the head's checkpoint again"
-            )
-        if abs(found.clock_skew_s) > CLOCK_SKEW_LIMIT_S:
-            out.append(
-                f"{found.node}: its clock is {found.clock_skew_s:+.1f} s off the head's; start chrony or ntp there "
-                "(vLLM's distributed timeouts and every log's timestamps assume one clock)"
-            )
+        else:
+            out += _other_node_problems(found, head, checkpoint, gpus_per_node)
     return out
+
+
+def _address_problems(found: NodeProbe, node: Node) -> list[str]:
+    """The node's address is its own, and the socket interfaces NCCL and gloo are told to use exist there."""
+    out = []
+    if not node.address:
+        out.append(f"{found.node}: no address; list every node's address in node_addresses")
+    elif found.interface is None:
+        out.append(
+            f"{found.node}: address {node.address} is on none of its interfaces ({', '.join(found.interfaces)}); "
+            "give node_addresses as each node's own IP on the network the nodes share"
+        )
+    for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        wanted = found.env.get(key, "")
+        names = [n.lstrip("=^") for n in wanted.split(",") if n]
+        if names and not any(any(i.startswith(n) for i in found.interfaces) for n in names):
+            out.append(f"{found.node}: {key}={wanted} names no interface there ({', '.join(found.interfaces)})")
+    return out
+
+
+def _other_node_problems(found: NodeProbe, head: NodeProbe, checkpoint: bool, gpus_per_node: int) -> list[str]:
+    """A node other than the head: its GPUs, ports, software, checkpoint and clock against the head's."""
+    out = []
+    if gpus_per_node and len(found.gpus) < gpus_per_node:
+        out.append(f"{found.node}: nvidia-smi lists {len(found.gpus)} GPUs, the layout needs {gpus_per_node} per node")
+    if gpus_per_node:
+        out += [
+            f"{found.node}: a GPU is held by {held}; stop it there (servebook stop --orphans) before the launch"
+            for held in found.gpu_processes
+        ]
+    out += [
+        f"{found.node}: port {busy} is in use there; stop what holds it or choose another replica_base_port"
+        for busy in found.ports_in_use
+    ]
+    for package in ("vllm", "torch", "nccl"):
+        theirs, ours = found.versions.get(package), head.versions.get(package)
+        if theirs != ours:
+            out.append(
+                f"{found.node}: {package} {theirs or 'missing'}, but {head.node} has {ours or 'none'}; "
+                "install the same versions on every node"
+            )
+    if checkpoint:
+        out += _checkpoint_problems(found, head)
+    if abs(found.clock_skew_s) > CLOCK_SKEW_LIMIT_S:
+        out.append(
+            f"{found.node}: its clock is {found.clock_skew_s:+.1f} s off the head's; start chrony or ntp there "
+            "(vLLM's distributed timeouts and every log's timestamps assume one clock)"
+        )
+    return out
+
+
+def _checkpoint_problems(found: NodeProbe, head: NodeProbe) -> list[str]:
+    theirs, ours = found.checkpoint, head.checkpoint
+    if not theirs.get("exists"):
+        return [
+            f"{found.node}: no checkpoint at the head's path; copy it there (rsync -a) or put it on storage every "
+            "node mounts at the same path"
+        ]
+    if (theirs.get("bytes"), theirs.get("sha256")) == (ours.get("bytes"), ours.get("sha256")):
+        return []
+    return [
+        f"{found.node}: its checkpoint differs from {head.node}'s ({theirs.get('files')} files, "
+        f"{theirs.get('bytes')} bytes, {theirs.get('hashed')} {str(theirs.get('sha256'))[:12]} "
+        f"against {ours.get('files')}, {ours.get('bytes')}, {str(ours.get('sha256'))[:12]}); copy the head's "
+        "checkpoint again"
+    ]
 
 
 SHM_MIN_BYTES = 1 << 30

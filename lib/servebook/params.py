@@ -537,6 +537,29 @@ class Params(BaseModel):
             )
         return problems
 
+    def _ray_problems(self) -> list[str]:
+        """distributed_backend: ray across nodes: what Ray cannot carry here."""
+        problems = []
+        if self.device == "cpu":
+            problems.append(
+                "distributed_backend: ray on device cpu: vLLM's CPU build refuses Ray (\"current platform cpu does not "
+                'support ray"); set distributed_backend: mp'
+            )
+        if self.replicas > 1:
+            problems.append(
+                "distributed_backend: ray with replicas > 1: servebook's replicas each run on one node with vLLM's own "
+                "launch; set distributed_backend: mp, or replicas: 1 for one server on the Ray cluster"
+            )
+        if self.ab_variants:
+            problems.append(
+                "ab_variants with distributed_backend: ray: a variant's NCCL settings must reach every node's `ray "
+                "start`, and the A/B relaunches vLLM alone; set ab_variants: [] (or compare them with "
+                "distributed_backend: mp)"
+            )
+        if self.ray_port == self.node_master_port:
+            problems.append(f"ray_port and node_master_port are both {self.ray_port}; give the Ray head another port")
+        return problems
+
     def _node_problems(self, world: int) -> list[str]:
         if self.nodes == 1:
             named = [k for k in ("node_hosts", "node_addresses", "node_interconnect") if getattr(self, k)]
@@ -547,27 +570,9 @@ class Params(BaseModel):
                     "machine vLLM's own mp workers need none); set distributed_backend: mp, or nodes and node_hosts"
                 )
             return out
-        problems = []
-        if self.distributed_backend == "ray" and self.device == "cpu":
-            problems.append(
-                "distributed_backend: ray on device cpu: vLLM's CPU build refuses Ray (\"current platform cpu does not "
-                'support ray"); set distributed_backend: mp'
-            )
-        if self.distributed_backend == "ray" and self.replicas > 1:
-            problems.append(
-                "distributed_backend: ray with replicas > 1: servebook's replicas each run on one node with vLLM's own "
-                "launch; set distributed_backend: mp, or replicas: 1 for one server on the Ray cluster"
-            )
+        problems = self._ray_problems() if self.distributed_backend == "ray" else []
         if self.data_parallel_lb == "hybrid":
             problems += self._hybrid_problems()
-        if self.distributed_backend == "ray" and self.ab_variants:
-            problems.append(
-                "ab_variants with distributed_backend: ray: a variant's NCCL settings must reach every node's `ray "
-                "start`, and the A/B relaunches vLLM alone; set ab_variants: [] (or compare them with "
-                "distributed_backend: mp)"
-            )
-        if self.distributed_backend == "ray" and self.ray_port == self.node_master_port:
-            problems.append(f"ray_port and node_master_port are both {self.ray_port}; give the Ray head another port")
         if not self.layout_from_plan and (message := nodes_rule(world, self.nodes)):
             problems.append(
                 f"nodes {self.nodes} does not divide the layout's {world} GPUs (vLLM: {message.split(': ', 2)[-1]})"
@@ -605,6 +610,15 @@ class Params(BaseModel):
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    def updated(self, changes: dict[str, Any], source: str = "params") -> Params:
+        """These params with ``changes``, validated as a whole file is (pydantic's ``model_copy(update=...)``
+        validates nothing: it would accept a layout that ``Params(...)`` refuses)."""
+        return validate({**self.model_dump(exclude_unset=True), **changes}, source=source)
+
+    def with_layout(self, layout: Parallelism, source: str = "the plan's layout") -> Params:
+        """These params serving ``layout``, validated."""
+        return self.updated(layout.params(), source=source)
 
     @property
     def per_node(self) -> int:

@@ -498,32 +498,35 @@ def _vocabulary_and_pipeline_rules(spec: ModelSpec, layout: Layout) -> None:
         _reject(layout, f"pipeline_parallel_size {pp} exceeds the model's {spec.layers} layers")
 
 
-def _moe_rules(spec: ModelSpec, layout: Layout) -> None:
-    """4. The MoE tensor-parallel size (EP keeps experts whole; otherwise they are sliced over TP x DP), then what
-    the experts' quantization and count require of it."""
+def _moe_tp_rule(spec: ModelSpec, layout: Layout) -> None:
+    """4. The MoE tensor-parallel size (EP keeps experts whole; otherwise they are sliced over TP x DP), and that
+    it slices every expert evenly."""
     tp, dp = layout.tp, layout.dp
     if not spec.is_moe:
         layout.moe_tp = 1
         return
     layout.moe_tp = 1 if layout.ep else tp * dp
     layout.ep_size = tp * dp if layout.ep else 1
-    per_rank = spec.expert_intermediate // layout.moe_tp if spec.expert_intermediate % layout.moe_tp == 0 else None
     if spec.model_type in ("minimax_m2", "qwen3_moe") and tp > spec.experts:
         _reject(layout, f"ValueError: Tensor parallel size {tp} is greater than the number of experts {spec.experts}.")
-    if per_rank is None:
+    if spec.expert_intermediate % layout.moe_tp:
         _reject(
             layout,
             f"AssertionError: intermediate_size {spec.expert_intermediate} % moe tensor-parallel size {layout.moe_tp} != 0",
         )
-    else:
-        _fp8_expert_rule(spec, layout, per_rank)
-        _int4_expert_rule(spec, layout, per_rank)
-    _experts_per_rank(spec, layout)
 
 
-def _fp8_expert_rule(spec: ModelSpec, layout: Layout, per_rank: int) -> None:
+def _expert_slice(spec: ModelSpec, layout: Layout) -> int | None:
+    """Each rank's slice of an expert's intermediate size (after rule 4); None without experts or an even slice."""
+    if not spec.is_moe or spec.expert_intermediate % layout.moe_tp:
+        return None
+    return spec.expert_intermediate // layout.moe_tp
+
+
+def _fp8_expert_rule(spec: ModelSpec, layout: Layout) -> None:
     """5. FP8 block alignment of the experts' slices."""
-    if spec.quant.method != "fp8":
+    per_rank = _expert_slice(spec, layout)
+    if per_rank is None or spec.quant.method != "fp8":
         return
     bn, bk = spec.quant.block or (128, 128)
     if per_rank % bn:
@@ -540,10 +543,11 @@ def _fp8_expert_rule(spec: ModelSpec, layout: Layout, per_rank: int) -> None:
         )
 
 
-def _int4_expert_rule(spec: ModelSpec, layout: Layout, per_rank: int) -> None:
+def _int4_expert_rule(spec: ModelSpec, layout: Layout) -> None:
     """6. INT4 Marlin MoE: its group sizes, its alignment (else the slower Triton kernel), symmetric weights."""
     q = spec.quant
-    if q.method != "int4":
+    per_rank = _expert_slice(spec, layout)
+    if per_rank is None or q.method != "int4":
         return
     g = q.group_size or 128
     if g not in MARLIN_GROUPS:
@@ -562,6 +566,8 @@ def _int4_expert_rule(spec: ModelSpec, layout: Layout, per_rank: int) -> None:
 
 def _experts_per_rank(spec: ModelSpec, layout: Layout) -> None:
     """7. Experts per rank: every expert on every GPU without EP; an even split with it."""
+    if not spec.is_moe:
+        return
     if not layout.ep:
         layout.experts_per_gpu = spec.experts
         return
@@ -604,11 +610,14 @@ def _fp8_linear_rule(spec: ModelSpec, layout: Layout) -> None:
         )
 
 
-RULES = (
+RULES = (  # every rule, numbered as in its docstring; a rule reads what the rules before it set on the layout
     _expert_parallel_rule,
     _head_rules,
     _vocabulary_and_pipeline_rules,
-    _moe_rules,
+    _moe_tp_rule,
+    _fp8_expert_rule,
+    _int4_expert_rule,
+    _experts_per_rank,
     _fp8_linear_rule,
 )
 

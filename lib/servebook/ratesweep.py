@@ -83,6 +83,7 @@ class RateSweepResult(BaseModel):
     best_rate: float | None  # the highest rate kept up with (and meeting the objectives, where there are any)
     stop_reason: str
     tables: dict[str, str]
+    fault: str = ""  # the engine stopped producing tokens in a window (its stall bound): the sweep stopped there
 
 
 def achieved_rate(records: list[RequestRecord]) -> float:
@@ -202,13 +203,17 @@ def sweep_rates(
     runs: dict[str, tuple[list[RequestRecord], tables.RunShape]] = {}
     dataset = Cursor(cfg.dataset) if cfg.dataset else None
     stop_reason = f"every rate up to {max(cfg.rates):g} requests/s measured"
+    fault = ""
     for i, rate in enumerate(sorted(cfg.rates)):
         offsets = loadgen.arrival_offsets(cfg.requests_for(rate), rate, cfg.arrival, cfg.burstiness, cfg.seed + i)
         count = cfg.warmup + len(offsets)
         prompts: list[loadgen.PromptLike] = (
             list(dataset.take(count)) if dataset else loadgen.synthetic_prompts(maker, count, cfg.workload, overhead)
         )
-        level, recs = measure_rate(target, prompts, offsets, rate, cfg)
+        stall_s = client.STALL.after(levels[-1].ttft_p99_ms, levels[-1].tpot_p99_ms) if levels else client.STALL.min_s
+        level, recs, stalled = measure_rate(target, prompts, offsets, rate, cfg, stall_s=stall_s)
+        if stalled:  # what it completed is the fault's, not the server's capacity
+            level.kept_up, level.verdict = False, f"cut short, the engine stalled: {stalled}"
         levels.append(level)
         burstiness = cfg.burstiness if cfg.arrival == "gamma" else 1.0
         runs[f"r{rate:g}"] = (recs, tables.RunShape(cfg.max_concurrency or None, level.rate, burstiness))
@@ -217,6 +222,14 @@ def sweep_rates(
             f"{level.output_throughput:8.1f} output tok/s, TTFT p50 {level.ttft_p50_ms or 0:7.1f} ms "
             f"p99 {level.ttft_p99_ms or 0:7.1f} ms, {level.requests} requests; {level.verdict}"
         )
+        if stalled:
+            fault = (
+                f"the engine stopped producing tokens while /health answered {client.health(target.url)} ({stalled}, "
+                f"at {rate:g} requests/s); `servebook status` names a stopped engine process"
+            )
+            stop_reason = f"server fault at {rate:g} requests/s"
+            log(f"rate {rate:7.2f}/s: {fault}")
+            break
         if not level.kept_up:
             stop_reason = f"the server could not keep up with {rate:g} requests/s"
             break
@@ -241,21 +254,30 @@ def sweep_rates(
         best_rate=max(lv.rate for lv in good) if good else None,
         stop_reason=stop_reason,
         tables=tables_written,
+        fault=fault,
     )
 
 
 def measure_rate(
-    target: Target, prompts: list[loadgen.PromptLike], offsets: list[float], rate: float, cfg: RateSweepConfig
-) -> tuple[RateLevel, list[RequestRecord]]:
-    """One rate's window, with vLLM's counters and gauges around it."""
+    target: Target,
+    prompts: list[loadgen.PromptLike],
+    offsets: list[float],
+    rate: float,
+    cfg: RateSweepConfig,
+    *,
+    stall_s: float = client.STALL.min_s,
+) -> tuple[RateLevel, list[RequestRecord], str]:
+    """One rate's window, with vLLM's counters and gauges around it; the third value says why the window was cut
+    short as stalled ('' when it was not)."""
     if cfg.reset_prefix_cache:
         client.reset_prefix_cache(target)
     before = client.summed(client.scrape_engines(target))
     with client.MetricsSampler(target.engine_urls) as sampler:
         window = loadgen.run_open_level(
             target, cfg.workload, prompts, offsets=offsets, level=f"r{rate:g}", warmup=cfg.warmup,
-            max_concurrency=cfg.max_concurrency,
+            max_concurrency=cfg.max_concurrency, stall_s=stall_s,
         )  # fmt: skip
     summary = metrics.summarize(window.records, cfg.objectives)
     clock = metrics.engine_clock(window.records, before, client.summed(client.scrape_engines(target)))
-    return _level(rate, offsets, summary, window.records, sampler.peaks, cfg, clock=clock), window.records
+    level = _level(rate, offsets, summary, window.records, sampler.peaks, cfg, clock=clock)
+    return level, window.records, window.stalled

@@ -86,10 +86,7 @@ class LayoutChoice(BaseModel):
     def overrides(self) -> dict[str, object]:
         """The params this choice replaces, as the params name them."""
         return {
-            "tensor_parallel_size": self.layout.tp,
-            "pipeline_parallel_size": self.layout.pp,
-            "data_parallel_size": self.layout.dp,
-            "enable_expert_parallel": self.layout.ep,
+            **self.layout.params(),
             "max_model_len": self.max_model_len,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "kv_cache_dtype": self.kv_cache_dtype,
@@ -121,7 +118,9 @@ class PlanRecord(Record, planner.Plan):
 
     def params_for_launch(self, p: Params) -> Params:
         """The params stage 03 launches with: the explorer's choice over the params where one was made."""
-        return p.model_copy(update=self.chosen.overrides()) if self.launch_layout == "chosen" and self.chosen else p
+        if self.launch_layout == "chosen" and self.chosen:
+            return p.updated(self.chosen.overrides(), source="the layout chosen in 01_plan")
+        return p
 
 
 # ---------------------------------------------------------------- 02 download

@@ -173,35 +173,9 @@ def preflight(cfg: ServerConfig, stop_leftovers: bool = False, log: Callable[[st
     if env_problems:
         raise PreflightError("unknown vLLM environment variables, nothing started:\n  - " + "\n  - ".join(env_problems))
 
-    record = registered(cfg.port)
-    holder = port_holder(cfg.host, cfg.port)
-    ours = record is not None and isinstance(holder, psutil.Process) and _same_group(holder, record.pgid)
-    if holder is None and record is not None:
-        _earlier_server_not_listening(record, stop_leftovers, report, log)
-    if holder is not None:
-        if ours and record and record.fingerprint == cfg.fingerprint() and health(record.url) == "ready":
-            log(
-                f"reusing the healthy server on port {cfg.port} (pid {record.pid}) launched with the same configuration"
-            )
-            report.reuse = record
-            return report
-        if ours and stop_leftovers:
-            log(f"stopping our earlier server on port {cfg.port} (different configuration or unhealthy)")
-            report.stopped.append(stop(port=cfg.port))
-        elif ours and record:
-            raise PreflightError(
-                f"port {cfg.port} is held by a servebook server with a different configuration (pid {record.pid}); "
-                f"stop it with `servebook stop --port {cfg.port}` or set stop_leftovers: true"
-            )
-        else:
-            who = (
-                describe(holder)
-                if isinstance(holder, psutil.Process)
-                else "an unidentified process (run as root to see it)"
-            )
-            raise PreflightError(
-                f"port {cfg.port} on {cfg.host} is held by {who}; choose another port or stop that process"
-            )
+    _check_port(cfg, stop_leftovers, report, log)
+    if report.reuse:
+        return report
 
     orphans = vllm_orphans()
     if orphans:
@@ -220,6 +194,45 @@ def preflight(cfg: ServerConfig, stop_leftovers: bool = False, log: Callable[[st
     return report
 
 
+def _check_port(cfg: ServerConfig, stop_leftovers: bool, report: Preflight, log: Callable[[str], None]) -> None:
+    """The port: free; or held by servebook's healthy server of the same configuration (``report.reuse``); or by
+    one of servebook's to stop (with ``stop_leftovers``); anything else is refused with its holder named."""
+    record = registered(cfg.port)
+    holder = port_holder(cfg.host, cfg.port)
+    ours = record is not None and isinstance(holder, psutil.Process) and _same_group(holder, record.pgid)
+    if holder is None and record is not None:
+        _earlier_server_not_listening(record, stop_leftovers, report, log)
+    if holder is not None:
+        why = "a different configuration"
+        if ours and record and record.fingerprint == cfg.fingerprint() and health(record.url) == "ready":
+            why = hung(record, cfg)
+            if not why:
+                log(
+                    f"reusing the healthy server on port {cfg.port} (pid {record.pid}) launched with the same "
+                    "configuration"
+                )
+                report.reuse = record
+                return
+            why = f"a hung engine: {why}"
+        if ours and stop_leftovers:
+            log(f"stopping our earlier server on port {cfg.port} ({why})")
+            report.stopped.append(stop(port=cfg.port))
+        elif ours and record:
+            raise PreflightError(
+                f"port {cfg.port} is held by a servebook server with {why} (pid {record.pid}); "
+                f"stop it with `servebook stop --port {cfg.port}` or set stop_leftovers: true"
+            )
+        else:
+            who = (
+                describe(holder)
+                if isinstance(holder, psutil.Process)
+                else "an unidentified process (run as root to see it)"
+            )
+            raise PreflightError(
+                f"port {cfg.port} on {cfg.host} is held by {who}; choose another port or stop that process"
+            )
+
+
 def _earlier_server_not_listening(
     record: Registration, stop_leftovers: bool, report: Preflight, log: Callable[[str], None]
 ) -> None:
@@ -236,6 +249,15 @@ def _earlier_server_not_listening(
         )
     log(f"stopping the server still loading on port {record.port} (pid {record.pid})")
     report.stopped.append(stop(port=record.port))
+
+
+def hung(record: Registration, cfg: ServerConfig) -> str:
+    """Why a server whose ``/health`` answers 200 will serve no token ('' when one comes back): a process of its
+    group stopped (SIGSTOP, a debugger), or no one-token completion within the first window's stall bound."""
+    stopped = [m for m in group_members(record.pgid) if _status_of(m) == psutil.STATUS_STOPPED] if record.pgid else []
+    if stopped:
+        return f"{'; '.join(describe(m) for m in stopped)} stopped (SIGSTOP or a debugger)"
+    return client.first_token(cfg.target(timeout_s=FIRST_TOKEN_S))
 
 
 def _same_group(proc: psutil.Process, pgid: int | None) -> bool:
@@ -309,6 +331,7 @@ def environment_record(cfg: ServerConfig, env: dict[str, str]) -> dict[str, str]
 def launch(
     cfg: ServerConfig,
     log_dir: str | Path,
+    *,
     stop_leftovers: bool = False,
     on_progress: Callable[[str, float], None] | None = None,
     log: Callable[[str], None] = print,
@@ -324,11 +347,13 @@ def launch(
     with launch_lock(cfg):
         pre = preflight(cfg, stop_leftovers=stop_leftovers, log=log)
         if pre.reuse or cluster is None:
-            return _start(cfg, Path(log_dir), pre, on_progress, log, workers)
+            return _start(cfg, Path(log_dir), pre, on_progress=on_progress, log=log, workers=workers)
         ray_nodes: list[remote.WorkerRecord] = []
         try:
             cluster.start(cfg.environment(base={}, with_secrets=False), Path(log_dir), ray_nodes.append, log)
-            return _start(cfg, Path(log_dir), pre, on_progress, log, workers, ray_nodes)
+            return _start(
+                cfg, Path(log_dir), pre, on_progress=on_progress, log=log, workers=workers, ray_nodes=ray_nodes
+            )
         except BaseException:
             if not registered(cfg.port):  # _start stops what it registered; before that, the cluster is ours alone
                 left = multinode.Workers(ray_nodes).stop(STOP_GRACE_S)
@@ -341,6 +366,7 @@ def _start(
     cfg: ServerConfig,
     log_dir: Path,
     pre: Preflight,
+    *,
     on_progress: Callable[[str, float], None] | None,
     log: Callable[[str], None],
     workers: Sequence[remote.WorkerRecord],
@@ -436,6 +462,7 @@ def _wait_ready(
     pending = ""
     checked_workers = start
     told: set[str] = set()
+    stopped_for = _StoppedWatch()
 
     def read_log(elapsed: float) -> None:
         nonlocal offset, pending
@@ -460,15 +487,7 @@ def _wait_ready(
             checked_workers = time.monotonic()
             multinode.Workers(list(workers)).check(elapsed)
         read_log(elapsed)
-        code = proc.poll()
-        if code is not None:
-            text = log_path.read_text(errors="replace")
-            raise LaunchError(
-                f"vLLM exited with code {code} after {elapsed:.1f} s, before it was ready",
-                cause=mask(root_cause(text)),
-                log_tail=tail(log_path),
-                log_path=str(log_path),
-            )
+        _raise_if_gone(proc, log_path, elapsed, stopped_for)
         state = health(cfg.url)
         if state == "ready":
             # what vLLM logged between the last read and /health's answer ("Application startup complete") was
@@ -480,13 +499,10 @@ def _wait_ready(
                 on_progress("ready: /health answers 200 and the engine produced a token", elapsed)
             return progress.seen, progress.values, progress.seen["ready"]
         if state == "dead":
-            text = log_path.read_text(errors="replace")
             raise LaunchError(
-                "vLLM's /health reports the engine dead",
-                cause=mask(root_cause(text)),
-                log_tail=tail(log_path),
-                log_path=str(log_path),
-            )
+                "vLLM's /health reports the engine dead", cause=mask(root_cause(log_path.read_text(errors="replace"))),
+                log_tail=tail(log_path), log_path=str(log_path),
+            )  # fmt: skip
         if elapsed > budget:
             raise LaunchError(
                 f"vLLM was not ready within the load budget of {budget:.0f} s; raise load_timeout_s if the load is "
@@ -498,8 +514,45 @@ def _wait_ready(
         time.sleep(0.5)
 
 
+def _raise_if_gone(proc: subprocess.Popen[bytes], log_path: Path, elapsed: float, stopped_for: _StoppedWatch) -> None:
+    """A loading server that exited, or whose process stays stopped, will never be ready: say why now."""
+    code = proc.poll()
+    if code is not None:
+        raise LaunchError(
+            f"vLLM exited with code {code} after {elapsed:.1f} s, before it was ready",
+            cause=mask(root_cause(log_path.read_text(errors="replace"))), log_tail=tail(log_path),
+            log_path=str(log_path),
+        )  # fmt: skip
+    if frozen := stopped_for.check(proc.pid):
+        raise LaunchError(
+            f"vLLM stopped loading after {elapsed:.1f} s: {frozen}; it will not go on by itself",
+            cause=f"hung: {frozen}", log_tail=tail(log_path), log_path=str(log_path),
+        )  # fmt: skip
+
+
 WORKER_CHECK_S = 3.0
-FIRST_TOKEN_S = 120.0  # a loaded engine answers one token in well under a second; a hung one never does
+
+
+class _StoppedWatch:
+    """Names a loading server's process that has stayed stopped (SIGSTOP, a debugger) for ``STOPPED_S``: a load
+    that will never finish, however long its budget."""
+
+    def __init__(self) -> None:
+        self.since: dict[int, float] = {}
+
+    def check(self, pid: int) -> str:
+        now = time.monotonic()
+        stopped = [m for m in group_members(pid) if _status_of(m) == psutil.STATUS_STOPPED]  # pid leads its group
+        self.since = {m.pid: self.since.get(m.pid, now) for m in stopped}
+        long_stopped = [m for m in stopped if now - self.since[m.pid] >= STOPPED_S]
+        if not long_stopped:
+            return ""
+        return f"{'; '.join(describe(m) for m in long_stopped)} stopped (SIGSTOP or a debugger)"
+
+
+# a loaded engine answers one token in well under a second; a hung one never does: named as fast as a window is
+FIRST_TOKEN_S = client.STALL.min_s
+STOPPED_S = 5.0  # a server process stopped this long (SIGSTOP, a debugger) is named, not waited for
 
 
 def _check_answers(cfg: ServerConfig, proc: subprocess.Popen[bytes], log_path: Path) -> None:

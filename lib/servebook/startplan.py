@@ -66,12 +66,13 @@ def load_plan(
     total = weights.total(planned.model)
     share = planned.model.moe_layers * weights.experts / total if total else 0.0
     cfg = server_config.ServerConfig.from_params(p, planned.device.kind, layout.parallelism)
-    prediction = startup.predict(
-        evidence, device=planned.device.kind, world_size=layout.parallelism.world_size, ep_ranks=layout.tp * layout.dp if layout.ep else 1,
+    query = startup.StartQuery(
+        device=planned.device.kind, world_size=layout.parallelism.world_size, ep_ranks=layout.tp * layout.dp if layout.ep else 1,
         choice=choice, vllm_version=version, key=startup.compile_key(cfg, version), model_path=cfg.model_path,
         expert_share=share, enforce_eager=p.enforce_eager, fallback_gb_per_s=DATASHEET_DISK_GB_S,
         loader=startup.loader_of(choice.load_strategy, list(p.extra_args), choice.load_format),
     )  # fmt: skip
+    prediction = startup.predict(evidence, query)
     return choice, prediction
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -414,100 +415,140 @@ def _loader_rate(starts: list[StartEntry], strategy: str, device: str = "cuda") 
     return STRATEGY_LOADER_GB_S.get(device, {}).get(strategy)
 
 
+@dataclass(frozen=True)
+class StartQuery:
+    """What a start's prediction depends on besides the checkpoint and the history: the layout's ranks, the load
+    path, the vLLM version and compile key, the model's expert share of the bytes, and the machine's caches.
+    ``loader``: what reads the weights where it is not ``choice``'s strategy (``loader_of``)."""
+
+    device: str
+    world_size: int
+    ep_ranks: int
+    choice: LoadChoice
+    vllm_version: str | None
+    key: str
+    model_path: str
+    expert_share: float = 0.0
+    enforce_eager: bool = False
+    fallback_gb_per_s: float | None = None
+    kernels_cached: bool | None = None
+    loader: str | None = None
+
+    @property
+    def strategy(self) -> str:
+        return self.loader or self.choice.load_strategy
+
+
+@dataclass(frozen=True)
+class _ReadTime:
+    seconds: float
+    per_rank: float
+    disk_bytes: float
+    cached: float
+    disk_rate: float | None
+    loader_rate: float
+
+
 def predict(
-    evidence: CheckpointEvidence | None,
-    *,
-    device: str,
-    world_size: int,
-    ep_ranks: int,
-    choice: LoadChoice,
-    vllm_version: str | None,
-    key: str,
-    model_path: str,
-    expert_share: float = 0.0,
-    enforce_eager: bool = False,
-    starts: list[StartEntry] | None = None,
-    fallback_gb_per_s: float | None = None,
-    kernels_cached: bool | None = None,
-    loader: str | None = None,
+    evidence: CheckpointEvidence | None, query: StartQuery, starts: list[StartEntry] | None = None
 ) -> StartPrediction:
     """Read time (disk part over the measured rate, cached part over the page-cache rate) plus the other phases of
-    the last start of this model (compile from one that hit or missed as this one will), else the defaults.
-    ``loader``: what reads the weights where it is not ``choice``'s strategy (``loader_of``)."""
+    the last start of this model (compile from one that hit or missed as this one will), else the defaults."""
+    q = query
     starts = history() if starts is None else starts
-    strategy = loader or choice.load_strategy
-    hit = (not enforce_eager) and compile_cache_expected(key, starts)
-    kernels = kernels_warm(starts) if kernels_cached is None else kernels_cached
-    d = DEFAULT_PHASES.get(device, DEFAULT_PHASES["cuda"])
-    compile_state = "hit" if hit else "miss"
-    # a miss on a machine whose Triton cache is empty also compiles every kernel during the memory profile
-    profile_state = compile_state if hit or kernels else "miss_fresh"
+    hit = (not q.enforce_eager) and compile_cache_expected(q.key, starts)
+    kernels = kernels_warm(starts) if q.kernels_cached is None else q.kernels_cached
+    same_model = [s for s in starts if s.model_path == q.model_path and s.device == q.device]
+    read = _read_time(evidence, q, same_model)
+    others, basis = _other_phases(q, same_model, hit, kernels)
+    phases = {"weights_read": round(read.seconds, 1), **{k: round(v, 1) for k, v in others.items()}}
+    return StartPrediction(
+        total_s=round(sum(phases.values()), 1),
+        phases=phases,
+        bytes_per_rank=read.per_rank,
+        disk_bytes=read.disk_bytes,
+        read_gb_per_s=read.disk_rate,
+        compile_cache="not used (enforce_eager)" if q.enforce_eager else ("hit" if hit else "miss"),
+        limit=_limit(read, others),
+        basis=basis,
+    )
+
+
+def _read_time(evidence: CheckpointEvidence | None, q: StartQuery, same_model: list[StartEntry]) -> _ReadTime:
+    """The weights' read: the part not in the page cache from disk (read once, the ranks share the cache), each
+    rank's rest from the page cache at the loader's rate."""
+    d = DEFAULT_PHASES.get(q.device, DEFAULT_PHASES["cuda"])
+    strategy = q.strategy
     size = float(evidence.bytes) if evidence and evidence.bytes else 0.0
     per_rank = (
-        bytes_per_rank(evidence, world_size, ep_ranks, choice, vllm_version, expert_share) if evidence and size else 0.0
+        bytes_per_rank(evidence, q.world_size, q.ep_ranks, q.choice, q.vllm_version, q.expert_share)
+        if evidence and size
+        else 0.0
     )
     cached = evidence.cached_share if evidence and strategy not in DIRECT_IO_LOADERS else 0.0
     probe = evidence.probe if evidence else None
-    same_model = [s for s in starts if s.model_path == model_path and s.device == device]
+    loader_rate = _loader_rate(same_model, strategy, q.device) or d["loader_gb_per_s"]
+    disk_rate = (probe.gb_per_s if probe and probe.gb_per_s else None) or q.fallback_gb_per_s
+    cache_rate = min(probe.warm_gb_per_s, loader_rate) if probe and probe.warm_gb_per_s else loader_rate
+    disk_bytes = size * (1 - cached)
+    cold_rate = disk_rate * LOADER_COLD_SHARE.get(strategy, 1.0) if disk_rate else 0.0
+    if strategy not in DIRECT_IO_LOADERS:  # mmap's page faults and copies cap what the default loader takes
+        cold_rate = min(cold_rate, loader_rate)
+    seconds = disk_bytes / (cold_rate * GB) if cold_rate else 0.0
+    seconds += max(0.0, per_rank - disk_bytes) / (cache_rate * GB)
+    return _ReadTime(seconds, per_rank, disk_bytes, cached, disk_rate, loader_rate)
+
+
+def _other_phases(
+    q: StartQuery, same_model: list[StartEntry], hit: bool, kernels: bool
+) -> tuple[dict[str, float], str]:
+    """Every phase but the read, from the last start of this model most like this one (the same caches, then the
+    same loader), with compile and profile from the defaults where its caches differed; else the defaults."""
+    d = DEFAULT_PHASES.get(q.device, DEFAULT_PHASES["cuda"])
+    compile_state = "hit" if hit else "miss"
+    # a miss on a machine whose Triton cache is empty also compiles every kernel during the memory profile
+    profile_state = compile_state if hit or kernels else "miss_fresh"
     same_caches = [s for s in same_model if _caches(s) == (hit, kernels)]
     like = (
-        [s for s in same_caches if s.load_strategy == strategy]
+        [s for s in same_caches if s.load_strategy == q.strategy]
         or same_caches
         or [s for s in same_model if _caches(s)[0] == hit]
         or same_model
     )
-    loader_rate = _loader_rate(same_model, strategy, device) or d["loader_gb_per_s"]
-    disk_rate = (probe.gb_per_s if probe and probe.gb_per_s else None) or fallback_gb_per_s
-    cache_rate = min(probe.warm_gb_per_s, loader_rate) if probe and probe.warm_gb_per_s else loader_rate
-    disk_bytes = size * (1 - cached)  # the ranks share one page cache: the disk is read once in total
-    cold_rate = disk_rate * LOADER_COLD_SHARE.get(strategy, 1.0) if disk_rate else 0.0
-    if strategy not in DIRECT_IO_LOADERS:  # mmap's page faults and copies cap what the default loader takes
-        cold_rate = min(cold_rate, loader_rate)
-    read_s = disk_bytes / (cold_rate * GB) if cold_rate else 0.0
-    read_s += max(0.0, per_rank - disk_bytes) / (cache_rate * GB)
-    if like:
-        last = like[-1]
-        others = {k: v for k, v in last.phases.items() if k != "weights_read"}
-        basis = f"other phases from the start of {last.at} (compile cache {last.compile_cache or 'not used'})"
-        was_hit, had_kernels = _caches(last)
-        if was_hit != hit or (not hit and had_kernels is not None and had_kernels != kernels):
-            others |= {
-                "compile": d[f"compile_{compile_state}"],
-                "memory_profiling": d[f"memory_profiling_{profile_state}"],
-            }
-            basis += f"; {' and '.join(COMPILE_PHASES)} from the {device} defaults for a compile {compile_state}" + (
-                "" if hit or kernels else " on a fresh kernel cache"
-            )
-        if had_kernels is not None and had_kernels != kernels and "imports" in others:
-            others["imports"] = d["imports_warm"] if kernels else d["imports_fresh"]
-            basis += f"; imports from the {device} defaults for a machine's {'later' if kernels else 'first'} start"
-    else:
+    if not like:
         others = {
             "imports": d["imports"], "distributed_init": d["distributed_init"],
-            "compile": 0.0 if enforce_eager else d[f"compile_{compile_state}"],
+            "compile": 0.0 if q.enforce_eager else d[f"compile_{compile_state}"],
             "memory_profiling": d[f"memory_profiling_{profile_state}"],
-            "graph_capture": 0.0 if enforce_eager else d["graph_capture"], "other": d["other"],
+            "graph_capture": 0.0 if q.enforce_eager else d["graph_capture"], "other": d["other"],
         }  # fmt: skip
-        basis = f"no earlier start of this model: {device} defaults for the other phases"
-    phases = {"weights_read": round(read_s, 1), **{k: round(v, 1) for k, v in others.items()}}
-    total = sum(phases.values())
-    if read_s and read_s >= max(others.values(), default=0.0):
-        what = (
-            f"disk: {disk_rate:.2f} GB/s measured"
-            if disk_rate and disk_rate <= loader_rate and cached < 0.9
-            else f"the loader: {loader_rate:.2f} GB/s per rank from the page cache"
+        return others, f"no earlier start of this model: {q.device} defaults for the other phases"
+    last = like[-1]
+    others = {k: v for k, v in last.phases.items() if k != "weights_read"}
+    basis = f"other phases from the start of {last.at} (compile cache {last.compile_cache or 'not used'})"
+    was_hit, had_kernels = _caches(last)
+    if was_hit != hit or (not hit and had_kernels is not None and had_kernels != kernels):
+        others |= {"compile": d[f"compile_{compile_state}"], "memory_profiling": d[f"memory_profiling_{profile_state}"]}
+        basis += f"; {' and '.join(COMPILE_PHASES)} from the {q.device} defaults for a compile {compile_state}" + (
+            "" if hit or kernels else " on a fresh kernel cache"
         )
-        limit = f"{what}, {per_rank / GB:.1f} GB per rank ({cached:.0%} cached), about {read_s / 60:.1f} min"
-    else:
-        name, seconds = max(others.items(), key=lambda kv: kv[1]) if others else ("weights_read", read_s)
-        limit = f"{name}: about {seconds:.0f} s" + (f" ({FIXES[name]})" if name in FIXES else "")
-    return StartPrediction(
-        total_s=round(total, 1),
-        phases=phases,
-        bytes_per_rank=per_rank,
-        disk_bytes=disk_bytes,
-        read_gb_per_s=disk_rate,
-        compile_cache="not used (enforce_eager)" if enforce_eager else compile_state,
-        limit=limit,
-        basis=basis,
-    )
+    if had_kernels is not None and had_kernels != kernels and "imports" in others:
+        others["imports"] = d["imports_warm"] if kernels else d["imports_fresh"]
+        basis += f"; imports from the {q.device} defaults for a machine's {'later' if kernels else 'first'} start"
+    return others, basis
+
+
+def _limit(read: _ReadTime, others: dict[str, float]) -> str:
+    """The start's longest phase, in words, with what would shorten it."""
+    if read.seconds and read.seconds >= max(others.values(), default=0.0):
+        what = (
+            f"disk: {read.disk_rate:.2f} GB/s measured"
+            if read.disk_rate and read.disk_rate <= read.loader_rate and read.cached < 0.9
+            else f"the loader: {read.loader_rate:.2f} GB/s per rank from the page cache"
+        )
+        return (
+            f"{what}, {read.per_rank / GB:.1f} GB per rank ({read.cached:.0%} cached), about "
+            f"{read.seconds / 60:.1f} min"
+        )
+    name, seconds = max(others.items(), key=lambda kv: kv[1]) if others else ("weights_read", read.seconds)
+    return f"{name}: about {seconds:.0f} s" + (f" ({FIXES[name]})" if name in FIXES else "")

@@ -106,17 +106,15 @@ def explore(
     from servebook.stages import plan as plan_stage
 
     try:
-        what_if = p.model_copy(
-            update={
+        what_if = p.updated(
+            {
+                **layout.params(),
                 "max_model_len": max_model_len,
                 "gpu_memory_utilization": gpu_memory_utilization,
                 "kv_cache_dtype": kv_cache_dtype,
-                "tensor_parallel_size": layout.tp,
-                "pipeline_parallel_size": layout.pp,
-                "data_parallel_size": layout.dp,
-                "enable_expert_parallel": layout.ep,
                 "layout_from_plan": False,
-            }
+            },
+            source=f"what if {layout.name}",
         )
         replanned = plan_stage.make_plan(what_if, record.device, record.load_evidence)
     except ServebookError as exc:

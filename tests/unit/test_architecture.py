@@ -184,3 +184,19 @@ def test_a_new_stage_is_one_module_one_notebook_and_one_table_row(tmp_path, monk
     ]
     html = (run_dir / "report.html").read_text()
     assert "the toy counted" in html and "08_toy" in html
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_of_the_library_is_longer_than_80_lines():
+    """Ruff counts branches (C901) and arguments (PLR0913, PLR0917); this counts lines, decorators and docstring
+    included, of every function and method in the package."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} {lines} lines")
+    assert long == [], f"split these below {MAX_FUNCTION_LINES} lines: {long}"

@@ -16,7 +16,7 @@ def wait_a_sample(sampler: gpu_evidence.GpuSampler, timeout_s: float = 2.0) -> N
         time.sleep(0.01)
 
 
-def sample(gpu=0, util=60.0, power=350.0, limit=600.0, clock=2400.0, reasons=0, tx=10.0, rx=10.0, gen=5, width=16):
+def sample(*, gpu=0, util=60.0, power=350.0, limit=600.0, clock=2400.0, reasons=0, tx=10.0, rx=10.0, gen=5, width=16):
     return Sample(gpu, util, power, limit, clock, 2600.0, reasons, tx, rx, gen, width)
 
 

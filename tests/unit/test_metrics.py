@@ -12,7 +12,7 @@ from servebook.records import BenchmarkRecord, LaunchRecord
 from servebook.stages import benchmark
 
 
-def rec(send, chunks, tokens, prompt=10, warmup=False, error="", arrival=None, expected_output=None):
+def rec(send, chunks, tokens, *, prompt=10, warmup=False, error="", arrival=None, expected_output=None):
     r = RequestRecord(
         index=0,
         level="t",

@@ -78,7 +78,7 @@ def test_a_node_count_that_does_not_divide_the_world_is_vllms_refusal():
     source = inspect.getsource(arg_utils)
     assert "must evenly divide the total " in source and "world size ({world_size}). Adjust `--nnodes`" in source
     with pytest.raises(ValueError, match="--nnodes 3"):
-        multinode.node_flags(Parallelism(tp=8), 3, 3, 0, "10.0.0.1", 29500)
+        multinode.node_flags(Parallelism(tp=8), 3, 3, 0, head_address="10.0.0.1", port=29500)
 
 
 def test_each_nodes_command_is_accepted_by_vllms_parser(tmp_path):

@@ -6,6 +6,8 @@ import pytest
 
 from servebook import params
 from servebook.errors import ParamsError
+from servebook.params import Params
+from servebook.planner import Parallelism
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,3 +153,18 @@ def test_offline_mode_is_named_when_nothing_is_cached(monkeypatch, tmp_path):
     with pytest.raises(HubUnreachable, match="HF_HUB_OFFLINE is set"):
         modelspec.load("some-org/never-downloaded")
     assert hub.offline()
+
+
+def test_a_change_after_validation_is_validated_as_a_whole_file_is():
+    """The plan's choice and the explorer's what-if reach the params through `updated`: pydantic's
+    `model_copy(update=...)` would accept the layout that `Params(...)` refuses."""
+    p = Params(gpu_ids=[0, 1], tensor_parallel_size=2)
+    with pytest.raises(ParamsError, match="gpu_ids lists 2 GPUs"):
+        p.updated({"tensor_parallel_size": 4}, source="the layout chosen in 01_plan")
+    with pytest.raises(ParamsError, match="what if"):
+        p.with_layout(Parallelism(tp=4), source="what if TP=4")
+    moved = p.with_layout(Parallelism(tp=1, dp=2))
+    assert (moved.tensor_parallel_size, moved.data_parallel_size) == (1, 2)
+    assert moved.model_fields_set == p.model_fields_set | {
+        "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel"
+    }  # fmt: skip

@@ -393,3 +393,11 @@ def test_a_model_that_is_no_path_here_and_no_hub_id_is_refused_in_those_words(tm
     # huggingface_hub's own words were "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"
     with pytest.raises(ServebookError, match=r"model '.*/nope/' is no file or folder here .* no hub repository id"):
         modelspec.load(f"{tmp_path}/nope/")
+
+
+def test_rules_lists_every_numbered_rule_in_order():
+    """A reader of `planner.RULES` sees every rule the plan applies: each docstring's number is its place."""
+    import re
+
+    numbers = [int(re.match(r"(\d+)\. ", rule.__doc__ or "").group(1)) for rule in planner.RULES]
+    assert numbers == list(range(1, len(planner.RULES) + 1)) and len(numbers) == 8

@@ -98,3 +98,15 @@ def test_a_rate_whose_tokens_reached_the_client_in_bursts_says_so_in_its_verdict
     assert "vLLM's own" not in ratesweep._level(2.0, offsets, summary, recs, {}, cfg, clock=steady).verdict
     shared = burst.model_copy(update={"vllm_requests": 40})  # someone else's requests too: no comparison
     assert ratesweep._level(2.0, offsets, summary, recs, {}, cfg, clock=shared).tpot_clock_gap_pct is None
+
+
+def test_every_window_has_a_stall_bound_from_the_window_before():
+    """The window owns its stall policy: 30 s for a first window, ten times the slowest first token and gap after
+    a measured one, never less than 30 s; a window without a bound cannot be made."""
+    from servebook import client
+
+    assert loadgen.WindowShape(concurrency=4, warmup=4, min_requests=8).stall_s == client.STALL.min_s == 30.0
+    assert client.STALL.after(None, None) == 30.0
+    assert client.STALL.after(4000.0, 500.0) == pytest.approx(45.0)
+    with pytest.raises(ValueError, match="positive stall bound"):
+        loadgen.WindowShape(concurrency=4, warmup=4, min_requests=8, stall_s=0)

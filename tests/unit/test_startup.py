@@ -265,9 +265,9 @@ def test_a_probe_that_cannot_read_says_so_and_the_plan_falls_back_to_the_datashe
     probe = loadpath.probe_read([tmp_path / "gone.safetensors"])
     assert "could not read" in probe.error and probe.gb_per_s is None
     ev = CheckpointEvidence(path=str(tmp_path), bytes=70 * 10**9, probe=probe)
-    fallback = startup.predict(ev, device="cuda", world_size=1, ep_ranks=1, choice=LoadChoice(),
-                               vllm_version="0.25.0", key="k", model_path="m", starts=[],
-                               fallback_gb_per_s=7.0)  # fmt: skip
+    fallback = startup.predict(ev, startup.StartQuery(device="cuda", world_size=1, ep_ranks=1, choice=LoadChoice(),
+                                                      vllm_version="0.25.0", key="k", model_path="m",
+                                                      fallback_gb_per_s=7.0), starts=[])  # fmt: skip
     assert fallback.read_gb_per_s == 7.0 and fallback.phases["weights_read"] == pytest.approx(70 / 1.8, abs=0.1)
 
 
@@ -287,11 +287,11 @@ def entry(start: dict, bytes_: float, key: str, hit: bool, kernels: bool) -> sta
 
 
 def predicted(ev: CheckpointEvidence, cached: bool, history: list, kernels: bool, strategy: str = "default"):
-    return startup.predict(ev.model_copy(update={"cached_bytes": ev.bytes if cached else 0}), device="cuda",
-                           world_size=1, ep_ranks=1, vllm_version="0.25.0", key="k", model_path="/tmp/models/kimi-mini",
-                           choice=LoadChoice(load_strategy=strategy if strategy in loadpath.STRATEGIES else "default",
-                                             load_format=strategy if strategy in loadpath.FORMATS else "auto"),
-                           loader=strategy, starts=history, kernels_cached=kernels)  # fmt: skip
+    query = startup.StartQuery(device="cuda", world_size=1, ep_ranks=1, vllm_version="0.25.0", key="k",
+                               model_path="/tmp/models/kimi-mini", loader=strategy, kernels_cached=kernels,
+                               choice=LoadChoice(load_strategy=strategy if strategy in loadpath.STRATEGIES else "default",
+                                                 load_format=strategy if strategy in loadpath.FORMATS else "auto"))  # fmt: skip
+    return startup.predict(ev.model_copy(update={"cached_bytes": ev.bytes if cached else 0}), query, starts=history)
 
 
 def test_the_h200_starts_are_predicted_within_a_quarter_from_the_ones_before(tmp_path, monkeypatch):
@@ -366,8 +366,9 @@ def test_the_compile_key_moves_with_what_vllm_hashes_and_not_with_the_load_path(
 
 def test_the_limit_names_the_disk_when_the_read_is_the_longest_phase():
     ev = evidence(probe=ReadProbe(bytes_read=10**9, seconds=4.0, gb_per_s=0.25, warm_gb_per_s=6.0, cold=True))
-    p = startup.predict(ev, device="cuda", world_size=8, ep_ranks=1, choice=LoadChoice(), vllm_version="0.25.0",
-                        key="k", model_path="m", starts=[])  # fmt: skip
+    query = startup.StartQuery(device="cuda", world_size=8, ep_ranks=1, choice=LoadChoice(), vllm_version="0.25.0",
+                               key="k", model_path="m")  # fmt: skip
+    p = startup.predict(ev, query, starts=[])
     assert p.limit.startswith("disk: 0.25 GB/s measured, 547.0 GB per rank")
     assert p.phases["weights_read"] > 30 * 60  # the story's 36 minutes, from its 0.25 GB/s
 

@@ -76,6 +76,7 @@ def run(p: Params, run_dir: str | Path, on_level: Callable[[bench.SweepResult], 
         record.rates = ratesweep.sweep_rates(
             target, launch.model_path, rates_cfg, run_dir, table_prefix=f"{BenchmarkRecord.FILE}_rates"
         )
+        record.fault = record.rates.fault
         results.write(run_dir, record)
     return record
 

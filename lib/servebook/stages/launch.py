@@ -215,13 +215,7 @@ def launch_replicas(
     placed = replicas.placements(p, cfg)
     here = [pl for pl in placed if not pl.elsewhere]
     if cfg.device == "cuda":
-        have = len(hardware.inventory().gpus)
-        need = max(g for pl in here for g in pl.config.gpu_ids) + 1
-        if need > have:
-            raise PreflightError(
-                f"replicas {p.replicas} x {cfg.parallelism.name} need GPUs up to index {need - 1}; this machine has "
-                f"{have}: lower replicas, or the layout, or list gpu_ids"
-            )
+        _check_replica_gpus(p.replicas, cfg, here)
     router.binary()  # refused before any replica starts when vllm-router is missing
     probes = replicas.preflight(p, cfg, placed)
     nodes = replicas.machines(p)
@@ -270,6 +264,27 @@ def launch_replicas(
         f"router {routed.policy} on {routed.url} in front of {len(placed)} replicas{where}, ready in "
         f"{routed.seconds_to_ready:.1f} s"
     )
+    return first, _replica_records(placed, launches, elsewhere, ready_s), routed, probes
+
+
+def _check_replica_gpus(count: int, cfg: server.ServerConfig, here: list[replicas.Placement]) -> None:
+    have = len(hardware.inventory().gpus)
+    need = max(g for pl in here for g in pl.config.gpu_ids) + 1
+    if need > have:
+        raise PreflightError(
+            f"replicas {count} x {cfg.parallelism.name} need GPUs up to index {need - 1}; this machine has "
+            f"{have}: lower replicas, or the layout, or list gpu_ids"
+        )
+
+
+def _replica_records(
+    placed: list[replicas.Placement],
+    launches: dict[int, server.Launch],
+    elsewhere: dict[int, tuple[server.Registration, bool, float]],
+    ready_s: dict[int, float],
+) -> list[ReplicaRecord]:
+    """Each replica as the launch record keeps it: this machine's from its launch, another's from its
+    registration here."""
     records = []
     for pl in placed:
         if pl.index in launches:
@@ -289,7 +304,7 @@ def launch_replicas(
                           command=reg.command, environment=env | {"VLLM_HOST_IP": pl.node.address},
                           node=pl.node.name, ssh=pl.node.ssh, ssh_config=worker.ssh_config)
         )  # fmt: skip
-    return first, records, routed, probes
+    return records
 
 
 def launch_hybrid(

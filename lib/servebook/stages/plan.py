@@ -75,7 +75,7 @@ def launch_commands(
     """What the launch stage runs for this layout: one command, or each node's, head first."""
     model = str(Path(p.model).parent) if p.model.endswith("config.json") else p.model  # vLLM loads the folder
     cfg = startplan.with_load_choice(
-        server_config.ServerConfig.from_params(p.model_copy(update={"model": model}), device.kind, layout), choice
+        server_config.ServerConfig.from_params(p.updated({"model": model}), device.kind, layout), choice
     )
     if device.nodes <= 1:
         return [cfg.command()]
@@ -88,9 +88,7 @@ def ray_commands(p: Params) -> list[list[str]]:
     """Each node's ``ray start``, head first, as the launch runs them before the head's ``vllm serve``."""
     addresses = list(p.node_addresses) or [multinode.HEAD_ADDRESS] + [f"NODE{i}_ADDRESS" for i in range(1, p.nodes)]
     hosts = list(p.node_hosts) or ["local"] + [f"node{i}" for i in range(1, p.nodes)]
-    return raycluster.RayCluster.from_params(
-        p.model_copy(update={"node_addresses": addresses, "node_hosts": hosts})
-    ).commands()
+    return raycluster.RayCluster.from_params(p.updated({"node_addresses": addresses, "node_hosts": hosts})).commands()
 
 
 def run(p: Params, run_dir: str | Path) -> PlanRecord:
