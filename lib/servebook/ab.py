@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from servebook import bench, client, loadgen, metrics, remote, server, startup
+from servebook import bench, client, loadgen, metrics, remote, server, serving, startup
 from servebook.client import Target
 from servebook.errors import AbFailed, LaunchError, ServebookError
 from servebook.params import AbVariant
@@ -116,6 +116,8 @@ class AbResult(BaseModel):
 
 def variant_config(base: server.ServerConfig, variant: AbVariant) -> server.ServerConfig:
     changes = variant.changes()
+    if layout := {k: changes.pop(k) for k in serving.LAYOUT if k in changes}:
+        changes["layout"] = base.layout.updated(layout)
     if "extra_env" in changes:
         changes["extra_env"] = {**base.extra_env, **changes["extra_env"]}
     if "extra_args" in changes:

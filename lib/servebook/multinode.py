@@ -145,7 +145,7 @@ def node_configs(cfg: ServerConfig, count: int, gpus_per_node: int, head_address
     hybrid = cfg.data_parallel_lb == "hybrid"
     return [
         dataclasses.replace(
-            cfg, node_flags=node_flags(cfg.parallelism, count, gpus_per_node, rank, head_address=head_address, port=port, hybrid=hybrid),
+            cfg, node_flags=node_flags(cfg.layout, count, gpus_per_node, rank, head_address=head_address, port=port, hybrid=hybrid),
             nodes=count,
         )
         for rank in range(count)

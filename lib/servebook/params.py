@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
+from servebook import serving
 from servebook.errors import DatasetError, ParamsError, PlanInputError
 from servebook.planner import GPU_MEMORY_UTILIZATION, Parallelism, nodes_rule, parse_interconnect
 from servebook.secrets import is_secret_name
@@ -391,6 +392,7 @@ class Params(BaseModel):
                 f"model: no folder {self.model} on this machine; point model at a checkpoint folder that exists, "
                 "or give a hub repo id such as MiniMaxAI/MiniMax-M2.5"
             )
+        problems += serving.conflicts(self.extra_args)
         for flag in self.extra_args:
             if re.search(r"--api-key\b", flag):
                 problems.append("extra_args must not carry --api-key; set api_key_env to the variable that holds it")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -337,6 +337,12 @@ class Parallelism(BaseModel):
             "data_parallel_size": self.dp,
             "enable_expert_parallel": self.ep,
         }
+
+    def updated(self, changes: Mapping[str, int | bool]) -> Parallelism:
+        """This layout with the fields ``changes`` names (as the params name them) changed, validated."""
+        short = dict(zip(self.params(), ("tp", "pp", "dp", "ep")))
+        mine = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
+        return Parallelism.model_validate(mine | {short[k]: v for k, v in changes.items()})
 
 
 @pydantic_dataclass

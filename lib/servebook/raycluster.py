@@ -208,7 +208,7 @@ def head_config(cfg: ServerConfig, cluster: RayCluster, gpus_per_node: int) -> S
     starting one of its own; a data-parallel replica wider than a node needs Ray's ``span`` packing
     (docs/serving/data_parallel_deployment.md)."""
     env = {"RAY_ADDRESS": cluster.address, "VLLM_HOST_IP": cluster.head.address}
-    layout = cfg.parallelism
+    layout = cfg.layout
     if layout.dp > 1 and layout.tp * layout.pp > gpus_per_node:
         env["VLLM_RAY_DP_PACK_STRATEGY"] = "span"
     return dataclasses.replace(cfg, nodes=len(cluster.nodes), extra_env={**cfg.extra_env, **env})

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, computed_field
+from pydantic import BaseModel, computed_field, model_validator
 
 from servebook import (
     ab,
@@ -27,6 +27,7 @@ from servebook import (
     ratesweep,
     remote,
     server,
+    serving,
     startup,
     systemd,
 )
@@ -274,6 +275,16 @@ class LaunchRecord(Record):
     FILE = "03_launch"
 
     config: server.ServerConfig  # what the A/B relaunches and deploy turns into a unit
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layout_as_one(cls, data: Any) -> Any:
+        """Records of schema 2 held the layout's four fields in the configuration; they are one layout now."""
+        config = data.get("config") if isinstance(data, dict) else None
+        if isinstance(config, dict) and "layout" not in config and any(n in config for n in serving.LAYOUT):
+            config["layout"] = Parallelism().updated({n: config.pop(n) for n in serving.LAYOUT if n in config})
+        return data
+
     layout_source: Literal["plan", "explorer", "params"] = "params"
     command: list[str]  # secrets masked
     command_line: str
@@ -331,7 +342,7 @@ class LaunchRecord(Record):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def layout(self) -> Parallelism:
-        return self.config.parallelism
+        return self.config.layout
 
     @computed_field  # type: ignore[prop-decorator]
     @property

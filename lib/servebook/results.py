@@ -19,7 +19,7 @@ from servebook.environment import Host
 from servebook.errors import MissingRecord
 from servebook.secrets import mask
 
-SCHEMA_VERSION = 2  # 1: the untyped dicts of servebook 0.1
+SCHEMA_VERSION = 3  # 1: the untyped dicts of servebook 0.1; 2: a server's layout as four fields
 INTERACTIVE_RUN = "interactive"
 
 

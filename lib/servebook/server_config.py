@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from servebook import hardware, models, secrets, startup, vllm_compat
+from servebook import hardware, models, secrets, serving, startup, vllm_compat
 from servebook.client import Target, bearer
 from servebook.errors import PreflightError
 from servebook.params import Params
@@ -24,32 +24,6 @@ from servebook.planner import Parallelism
 SECONDS_PER_GB = 6.0  # load-budget slope: 547 GB took 36 minutes in the story
 BASE_BUDGET_S = 300.0  # imports, torch.compile warm-up and graph capture on a small model
 SERVER_KEY_VAR = "VLLM_API_KEY"  # the variable vLLM reads its --api-key from
-# vLLM's flags that a parameter sets (serve_args writes them): extra_args must not set them again
-OWNED_FLAGS = {
-    "--served-model-name": "served_model_name",
-    "--host": "host",
-    "--port": "port",
-    "--max-model-len": "max_model_len",
-    "--tensor-parallel-size": "tensor_parallel_size",
-    "-tp": "tensor_parallel_size",
-    "--pipeline-parallel-size": "pipeline_parallel_size",
-    "-pp": "pipeline_parallel_size",
-    "--data-parallel-size": "data_parallel_size",
-    "-dp": "data_parallel_size",
-    "--enable-expert-parallel": "enable_expert_parallel",
-    "--gpu-memory-utilization": "gpu_memory_utilization",
-    "--kv-cache-dtype": "kv_cache_dtype",
-    "--enforce-eager": "enforce_eager",
-    "--max-num-seqs": "max_num_seqs",
-    "--max-num-batched-tokens": "max_num_batched_tokens",
-    "--safetensors-load-strategy": "load_strategy",
-    "--load-format": "load_format",
-    "--enable-ep-weight-filter": "ep_weight_filter",
-    "--no-enable-ep-weight-filter": "ep_weight_filter",
-    "--distributed-executor-backend": "distributed_backend",
-    "--data-parallel-backend": "distributed_backend",
-    "--data-parallel-hybrid-lb": "data_parallel_lb",
-}
 
 
 def load_budget_s(checkpoint_bytes: float | None, load_timeout_s: float = 0.0) -> float:
@@ -80,10 +54,7 @@ class ServerConfig:
     host: str = _default("host")
     port: int = _default("port")
     device: str = "cpu"
-    tensor_parallel_size: int = _default("tensor_parallel_size")
-    pipeline_parallel_size: int = _default("pipeline_parallel_size")
-    data_parallel_size: int = _default("data_parallel_size")
-    enable_expert_parallel: bool = _default("enable_expert_parallel")
+    layout: Parallelism = field(default_factory=Parallelism)  # the params' four layout fields, or the plan's choice
     gpu_ids: list[int] = _default("gpu_ids")
     max_model_len: int = _default("max_model_len")
     gpu_memory_utilization: float = _default("gpu_memory_utilization")
@@ -110,18 +81,15 @@ class ServerConfig:
     ) -> ServerConfig:
         """Build from parameters; a plan's recommended layout overrides the layout keys, a download's folder the model."""
         chosen = {name: getattr(params, name) for name in serving_fields()}
-        if layout:
-            chosen.update(layout.params())
         chosen["served_model_name"] = chosen["served_model_name"] or models.default_served_name(chosen["model"])
-        return cls(model_path=model_path or models.resolve(params.model), device=device, **chosen)
-
-    @property
-    def parallelism(self) -> Parallelism:
-        return Parallelism.of(self)
+        return cls(
+            model_path=model_path or models.resolve(params.model), device=device, layout=layout or params.layout,
+            **chosen,
+        )  # fmt: skip
 
     @property
     def world_size(self) -> int:
-        return self.parallelism.world_size
+        return self.layout.world_size
 
     @property
     def target_gpus(self) -> list[int]:
@@ -133,60 +101,12 @@ class ServerConfig:
         return f"http://{host}:{self.port}"
 
     def serve_args(self) -> list[str]:
-        """vLLM flags after the model, in the order a person would write them."""
-        args = [
-            "--served-model-name",
-            self.served_model_name,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            str(self.max_model_len),
-            *self.parallelism.flags(),
-        ]
-        if self.device == "cuda":
-            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-        if self.kv_cache_dtype != "auto":
-            args += ["--kv-cache-dtype", self.kv_cache_dtype]
-        if self.enforce_eager:
-            args.append("--enforce-eager")
-        if self.max_num_seqs:
-            args += ["--max-num-seqs", str(self.max_num_seqs)]
-        if self.max_num_batched_tokens:
-            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
-        args += self.load_flags()
-        return args + self.backend_flags() + list(self.node_flags) + list(self.extra_args)
-
-    def backend_flags(self) -> list[str]:
-        """Ray across nodes: vLLM's executor places the workers on the cluster (raycluster.py) and launches every
-        data-parallel rank from this one command; mp needs no flag (it is vLLM's default)."""
-        if self.distributed_backend != "ray" or self.nodes <= 1:
-            return []
-        args = ["--distributed-executor-backend", "ray"]
-        return args + (["--data-parallel-backend", "ray"] if self.data_parallel_size > 1 else [])
+        """vLLM flags after the model, in the order a person would write them (``serving.FIELDS``), then this
+        node's part of a multi-node server and ``extra_args``."""
+        return serving.command_args(self) + list(self.node_flags) + list(self.extra_args)
 
     def conflicts(self) -> list[str]:
-        """Flags in ``extra_args`` that a parameter owns: vLLM takes the last one, so the plan, the launch lock
-        and the unit would describe another server than the one that starts."""
-        given = [a.split("=", 1)[0] for a in self.extra_args if a.startswith("-")]
-        return [
-            f"extra_args sets {flag}, which the parameter {OWNED_FLAGS[flag]} owns; set {OWNED_FLAGS[flag]} and take "
-            f"{flag} out of extra_args"
-            for flag in dict.fromkeys(given)
-            if flag in OWNED_FLAGS
-        ]
-
-    def load_flags(self) -> list[str]:
-        """vLLM's load options; ``auto`` and ``default`` leave vLLM's own default in place."""
-        args = []
-        if self.load_format not in ("auto", ""):
-            args += ["--load-format", self.load_format]
-        if self.load_strategy not in ("auto", "default", ""):
-            args += ["--safetensors-load-strategy", self.load_strategy]
-        if self.ep_weight_filter == "on" and self.enable_expert_parallel:
-            args.append("--enable-ep-weight-filter")
-        return args
+        return serving.conflicts(self.extra_args)
 
     def dry(self) -> ServerConfig:
         """The same server with random weights (``--load-format dummy``): every flag, the real shapes, KV sizing and
@@ -254,13 +174,15 @@ class ServerConfig:
     def fingerprint(self) -> str:
         data = asdict(self)
         data.pop("load_timeout_s")
+        data |= data.pop("layout").params()  # the layout's fields as the params name them
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# set by from_params's caller (the device, the download's folder) or by multinode.prepare (a node's flags)
-DERIVED = frozenset({"model_path", "device", "node_flags"})
+# set by from_params's caller (the device, the download's folder, the plan's layout) or by multinode.prepare (a
+# node's flags)
+DERIVED = frozenset({"model_path", "device", "layout", "node_flags"})
 
 
 def serving_fields() -> list[str]:
-    """The :class:`Params` fields a server's configuration is made of."""
+    """The :class:`Params` fields a server's configuration takes one by one (the layout's four come as one)."""
     return [f.name for f in dataclasses.fields(ServerConfig) if f.name not in DERIVED]

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from servebook import files, loadpath, models
+from servebook import files, loadpath, models, serving
 from servebook.loadpath import GB, CheckpointEvidence, LoadChoice, ep_filter_skips
 from servebook.vllm_log import LogValues
 
@@ -182,26 +182,12 @@ def phase_messages(seen: dict[str, float]) -> list[tuple[str, float]]:
 
 # ---------------------------------------------------------------- compile key and start history
 
-# what vLLM's torch.compile cache key depends on among servebook's fields (vllm/config/vllm.py compute_hash:
-# model config, parallel config, max_num_batched_tokens, compilation config with its capture sizes); the
-# memory share and the load options are outside it
-COMPILE_KEY_FIELDS = (
-    "model_path",
-    "max_model_len",
-    "kv_cache_dtype",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "data_parallel_size",
-    "enable_expert_parallel",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "enforce_eager",
-    "extra_args",
-)
-
 
 def compile_key(config: object, vllm_version: str | None) -> str:
-    data = {f: getattr(config, f, None) for f in COMPILE_KEY_FIELDS}
+    """What vLLM's torch.compile cache key depends on among servebook's fields (vllm/config/vllm.py compute_hash:
+    model config, parallel config, max_num_batched_tokens, compilation config with its capture sizes), the rows
+    ``serving.FIELDS`` marks; the memory share and the load options are outside it."""
+    data = {f: serving.value_of(config, f) for f in serving.COMPILE_KEY_FIELDS}
     data["vllm"] = vllm_version
     data["extra_args"] = [a for a in data.get("extra_args") or [] if "load" not in str(a)]
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -8,6 +8,7 @@ import pytest
 from servebook import bench, client, loadgen, metrics, plots, results, server
 from servebook.errors import ServebookError
 from servebook.loadgen import RequestRecord
+from servebook.planner import Parallelism
 from servebook.records import BenchmarkRecord, LaunchRecord
 from servebook.stages import benchmark
 
@@ -212,8 +213,8 @@ def test_compare_labels_layouts_and_finds_the_crossover(tmp_path):
         )
         return d
 
-    a = run("tp2", dict(tensor_parallel_size=2, data_parallel_size=4, enable_expert_parallel=True), [90, 170, 300, 420])
-    b = run("tp8", dict(tensor_parallel_size=8, enable_expert_parallel=True), [80, 150, 320, 600])
+    a = run("tp2", dict(layout=Parallelism(tp=2, dp=4, ep=True)), [90, 170, 300, 420])
+    b = run("tp8", dict(layout=Parallelism(tp=8, ep=True)), [80, 150, 320, 600])
     fig, crossings = plots.compare([benchmark.load_run(a), benchmark.load_run(b)])
     assert crossings == [plots.Crossing("TP=2+DP=4+EP (tp2)", "TP=8+EP (tp8)", 4)]
     assert len(fig.data) == 6

@@ -89,7 +89,7 @@ def test_each_nodes_command_is_accepted_by_vllms_parser(tmp_path):
 
     def commands(layout, port=29500, **serving):
         cfg = server_config.ServerConfig(model=model, model_path=model, served_model_name="m", device="cuda", **serving)
-        cfg = dataclasses.replace(cfg, **layout.params())
+        cfg = dataclasses.replace(cfg, layout=layout)
         prefix = len(vllm_compat.serve_prefix(model))
         return [argv[prefix:] for argv in multinode.commands(cfg, 2, 8, "10.0.0.1", port, sys.executable)]
 
@@ -301,8 +301,7 @@ def test_hybrid_load_balancing_gives_every_node_its_own_api_and_vllms_parser_tak
     address; a layout whose replicas span nodes, or hybrid params vLLM's mode cannot serve, refused by name."""
     model = str(tmp_path)
     cfg = server_config.ServerConfig(model=model, model_path=model, served_model_name="m", device="cuda",
-                                     data_parallel_lb="hybrid", tensor_parallel_size=8, data_parallel_size=2,
-                                     enable_expert_parallel=True)  # fmt: skip
+                                     data_parallel_lb="hybrid", layout=Parallelism(tp=8, dp=2, ep=True))  # fmt: skip
     head, (worker,) = multinode.prepare(cfg, NODES, tmp_path, api_port=8001)
     worker_args = worker.command[len(vllm_compat.serve_prefix(model, sys.executable)) :]
     for args in (head.serve_args(), worker_args):
@@ -313,7 +312,7 @@ def test_hybrid_load_balancing_gives_every_node_its_own_api_and_vllms_parser_tak
     assert worker_args[worker_args.index("--host") + 1] == "10.0.0.2" and head.host == "127.0.0.1"
     assert head.port == 8001 and worker_args[worker_args.index("--port") + 1] == "8001"
     with pytest.raises(ValueError, match="data_parallel_lb: hybrid needs every data-parallel replica inside one node"):
-        multinode.node_configs(dataclasses.replace(cfg, tensor_parallel_size=16, data_parallel_size=1), 2, 8,
+        multinode.node_configs(dataclasses.replace(cfg, layout=Parallelism(tp=16)), 2, 8,
                                "10.0.0.1", 29500)  # fmt: skip
     with pytest.raises(ValueError) as refused:
         params.Params(model="builtin:tiny-qwen3-moe", nodes=2, data_parallel_lb="hybrid", tensor_parallel_size=2,

@@ -32,7 +32,7 @@ def head_args(tmp_path, layout: Parallelism, gpus_per_node: int = 8) -> tuple[li
     cfg = server_config.ServerConfig(
         model=model, model_path=model, served_model_name="m", device="cuda", distributed_backend="ray", nodes=2
     )
-    cfg = raycluster.head_config(dataclasses.replace(cfg, **layout.params()), raycluster.RayCluster.from_params(p),
+    cfg = raycluster.head_config(dataclasses.replace(cfg, layout=layout), raycluster.RayCluster.from_params(p),
                                  gpus_per_node)  # fmt: skip
     (only,) = multinode.node_configs(cfg, 2, gpus_per_node, "10.0.0.1", 29500)  # on Ray only the head runs vLLM
     return only.serve_args(), only.extra_env

@@ -5,6 +5,7 @@ import pytest
 
 from servebook import bench, params, router
 from servebook.errors import ParamsError, PreflightError
+from servebook.planner import Parallelism
 from servebook.server_config import ServerConfig
 from servebook.stages import launch as launch_stage
 
@@ -31,10 +32,10 @@ def test_a_missing_router_is_refused_with_the_install_command(monkeypatch):
 
 def test_each_replica_gets_its_port_and_its_slice_of_the_gpus():
     p = params.validate({"replicas": 2, "tensor_parallel_size": 4, "port": 9000, "device": "cuda"})
-    cfg = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", tensor_parallel_size=4)
+    cfg = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", layout=Parallelism(tp=4))
     first, second = launch_stage.replica_configs(p, cfg)
     assert (first.port, first.gpu_ids, second.port, second.gpu_ids) == (9001, [0, 1, 2, 3], 9002, [4, 5, 6, 7])
-    listed = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", tensor_parallel_size=4,
+    listed = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", layout=Parallelism(tp=4),
                           gpu_ids=[7, 6, 5, 4, 3, 2, 1, 0])  # fmt: skip
     p = params.validate({"replicas": 2, "tensor_parallel_size": 4, "replica_base_port": 9100,
                          "gpu_ids": [7, 6, 5, 4, 3, 2, 1, 0]})  # fmt: skip
@@ -155,7 +156,7 @@ def test_replicas_spread_over_machines_get_their_machine_its_address_and_the_sam
 
     p = params.validate({"replicas": 4, "replica_hosts": ["local", "gpu-b"], "replica_addresses": ["10.0.0.1",
                          "10.0.0.2"], "tensor_parallel_size": 4, "port": 9000, "device": "cuda", "ab_variants": []})  # fmt: skip
-    cfg = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", tensor_parallel_size=4)
+    cfg = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", layout=Parallelism(tp=4))
     placed = replicas.placements(p, cfg)
     assert [(pl.node.ssh, pl.config.port, pl.config.gpu_ids) for pl in placed] == [
         ("", 9001, [0, 1, 2, 3]), ("", 9002, [4, 5, 6, 7]), ("gpu-b", 9003, [0, 1, 2, 3]), ("gpu-b", 9004, [4, 5, 6, 7])

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from servebook import multinode, params, results, runner, server_config, stages, systemd
+from servebook import multinode, params, results, runner, server_config, serving, stages, systemd
 from servebook.params import AbVariant, Params
+from servebook.planner import Parallelism
 from servebook.records import LaunchRecord
 from servebook.stages import deploy, launch, plan
 
@@ -63,18 +64,21 @@ def test_servebook_plan_json_carries_each_nodes_command():
 def test_a_servers_configuration_is_made_of_the_params_own_fields():
     fields = server_config.serving_fields()
     assert set(fields) <= set(Params.model_fields), set(fields) - set(Params.model_fields)
+    # the serving-field table declares every one of them, and the layout's four, which travel as one
+    assert set(serving.names()) == set(fields) | set(serving.LAYOUT) and set(serving.LAYOUT) <= set(Params.model_fields)
     # an A/B variant changes serving fields only, and never one a server does not have
-    assert set(AbVariant.model_fields) - {"name"} <= set(fields)
+    assert set(AbVariant.model_fields) - {"name"} <= set(serving.names())
     # the defaults are the vocabulary's own
     defaults = server_config.ServerConfig(model="m", model_path="/m", served_model_name="m")
     for name in fields:
         if name not in ("model", "served_model_name"):
             assert getattr(defaults, name) == Params.model_fields[name].get_default(call_default_factory=True), name
     # every field is read from the params: a value set there reaches the server
-    p = Params(port=8765, max_num_seqs=7, api_key_env="MY_KEY", extra_env={"NCCL_ALGO": "Ring"}, load_timeout_s=99)
+    p = Params(port=8765, max_num_seqs=7, api_key_env="MY_KEY", extra_env={"NCCL_ALGO": "Ring"}, load_timeout_s=99,
+               tensor_parallel_size=2, enable_expert_parallel=True)  # fmt: skip
     cfg = server_config.ServerConfig.from_params(p, "cpu", model_path="/m")
-    assert (cfg.port, cfg.max_num_seqs, cfg.api_key_env, cfg.extra_env, cfg.load_timeout_s) == (
-        8765, 7, "MY_KEY", {"NCCL_ALGO": "Ring"}, 99
+    assert (cfg.port, cfg.max_num_seqs, cfg.api_key_env, cfg.extra_env, cfg.load_timeout_s, cfg.layout) == (
+        8765, 7, "MY_KEY", {"NCCL_ALGO": "Ring"}, 99, Parallelism(tp=2, ep=True)
     )  # fmt: skip
 
 
@@ -208,3 +212,17 @@ def test_an_ab_variant_types_each_serving_field_as_the_params_do():
     for name, field in AbVariant.model_fields.items():
         if name != "name":
             assert field.annotation == Params.model_fields[name].annotation | None, name
+
+
+def test_the_field_table_writes_the_commands_the_h200_launches_ran():
+    """Every committed H200 launch record (schema 2: the layout's four fields in its configuration) reads back with
+    its layout as one value, and the serving-field table writes the very flags that launch ran."""
+    records = sorted((REPO / "docs" / "examples").rglob("03_launch.json"))
+    assert len(records) >= 5
+    layouts = set()
+    for path in records:
+        record = LaunchRecord.model_validate_json(path.read_text())
+        args = record.config.serve_args()
+        assert record.command[-len(args) :] == args, path
+        layouts.add(record.config.layout)
+    assert Parallelism(tp=2, ep=True) in layouts and Parallelism() in layouts

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from servebook import client, server, server_config, vllm_compat
+from servebook import client, server, server_config, serving, vllm_compat
 from servebook.errors import PreflightError
+from servebook.planner import Parallelism
 
 CPU_LOG = """\
 (APIServer pid=4061) INFO 11-30 12:53:46 [api_utils.py:347]  ▄▄ ▄█ █     █     █ ▀▄▀ █  version 0.32.0
@@ -75,9 +76,11 @@ def test_warnings_are_not_root_causes():
 
 
 def cfg(**kw):
+    """A configuration, the layout given as the params name its fields."""
     base = dict(model="m", model_path="/models/m", served_model_name="m", device="cuda")
+    layout = {k: kw.pop(k) for k in serving.LAYOUT if k in kw}
     base.update(kw)
-    return server.ServerConfig(**base)
+    return server.ServerConfig(**base, layout=Parallelism().updated(layout))
 
 
 def test_serve_args_follow_the_layout():

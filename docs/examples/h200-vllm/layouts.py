@@ -38,7 +38,7 @@ def probe(p: Params, out: Path, name: str) -> dict:
         if said.startswith("KV cache:") or "; KV cache:" in said:
             raise Sized
 
-    row: dict = {"layout": name, "model": p.model, "flags": cfg.parallelism.flags()}
+    row: dict = {"layout": name, "model": p.model, "flags": cfg.layout.flags()}
     try:
         server.launch(cfg, folder, stop_leftovers=True, on_progress=on_progress, log=lambda m: print(" ", m))
         row["outcome"] = "ready"

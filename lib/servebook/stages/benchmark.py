@@ -37,9 +37,9 @@ def admitted_sequences(launch: LaunchRecord, plan: PlanRecord | None) -> int:
     default for the planned device; 0 when neither is known."""
     cfg = launch.config
     per_engine = cfg.max_num_seqs or (
-        planner.default_max_num_seqs(plan.device, cfg.tensor_parallel_size * cfg.pipeline_parallel_size) if plan else 0
+        planner.default_max_num_seqs(plan.device, cfg.layout.tp * cfg.layout.pp) if plan else 0
     )
-    return per_engine * cfg.data_parallel_size
+    return per_engine * cfg.layout.dp
 
 
 def run(p: Params, run_dir: str | Path, on_level: Callable[[bench.SweepResult], None] | None = None) -> BenchmarkRecord:
@@ -52,7 +52,7 @@ def run(p: Params, run_dir: str | Path, on_level: Callable[[bench.SweepResult], 
     dataset = load_dataset(p, launch)
     plan = results.read(run_dir, PlanRecord)
     cfg = sweep_config(p, admitted_sequences(launch, plan))
-    planned = plan.find(launch.config.parallelism) if plan else None
+    planned = plan.find(launch.config.layout) if plan else None
     cfg.decode_ceiling = dict(planned.decode_ceiling) if planned else {}
     cfg.dataset = dataset.prompts if dataset else None
     cfg.gpu_ids = list(launch.gpu_ids) if launch.config.device == "cuda" else []

@@ -64,9 +64,7 @@ def load_choice_for(p: Params, cfg: server.ServerConfig, plan: PlanRecord | None
     if plan and plan.load_choice and plan.load_evidence and not plan.load_evidence.error:
         return plan.load_choice
     evidence = loadpath.gather(cfg.model_path, probe=False)
-    choice = loadpath.recommend(
-        evidence, expert_parallel=cfg.enable_expert_parallel, vllm_version=vllm_compat.vllm_version()
-    )
+    choice = loadpath.recommend(evidence, expert_parallel=cfg.layout.ep, vllm_version=vllm_compat.vllm_version())
     if p.load_strategy != "auto":
         choice.load_strategy = p.load_strategy
     return choice
@@ -75,7 +73,7 @@ def load_choice_for(p: Params, cfg: server.ServerConfig, plan: PlanRecord | None
 def check_load_options(cfg: server.ServerConfig) -> None:
     """Load options the installed vLLM cannot take stop the launch before anything starts."""
     problems = loadpath.option_problems(
-        cfg.load_strategy, cfg.load_format, cfg.ep_weight_filter, expert_parallel=cfg.enable_expert_parallel
+        cfg.load_strategy, cfg.load_format, cfg.ep_weight_filter, expert_parallel=cfg.layout.ep
     )
     problems += ready_timeout_problems(cfg)
     if problems:
@@ -146,7 +144,7 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     p = plan.params_for_launch(p) if plan else p
     cfg = config_for(p, run_dir)
     check_load_options(cfg)
-    predicted = plan.find(cfg.parallelism) if plan else None
+    predicted = plan.find(cfg.layout) if plan else None
     dry = dry_start(cfg, run_dir, p, predicted) if p.launch_dry_run else None
     if dry and not dry.ok:
         raise LaunchError("the dry start (--load-format dummy) failed; nothing was read", cause=dry.error)
@@ -272,7 +270,7 @@ def _check_replica_gpus(count: int, cfg: server.ServerConfig, here: list[replica
     need = max(g for pl in here for g in pl.config.gpu_ids) + 1
     if need > have:
         raise PreflightError(
-            f"replicas {count} x {cfg.parallelism.name} need GPUs up to index {need - 1}; this machine has "
+            f"replicas {count} x {cfg.layout.name} need GPUs up to index {need - 1}; this machine has "
             f"{have}: lower replicas, or the layout, or list gpu_ids"
         )
 
