@@ -30,12 +30,15 @@ from servebook import (
     serving,
     startup,
     systemd,
+    topology,
 )
 from servebook.errors import PreflightError
 from servebook.planner import Parallelism
+from servebook.replicas import ReplicaRecord as ReplicaRecord  # one of several servers behind a router
 from servebook.results import Record
 from servebook.router import RouterRecord
 from servebook.secrets import mask, mask_env
+from servebook.topology import Shape
 from servebook.units import GiB
 from servebook.vllm_log import LogValues
 
@@ -220,25 +223,6 @@ class PlanCheck(BaseModel):
         return f"{name}: plan {p:.2f} GiB, vLLM {r:.2f} GiB ({p - r:+.2f} GiB)"
 
 
-class ReplicaRecord(BaseModel):
-    """One of several independent servers behind a router."""
-
-    index: int
-    url: str
-    port: int
-    pid: int
-    pgid: int
-    gpu_ids: list[int]
-    log_path: str
-    seconds_to_ready: float
-    reused: bool = False
-    command: list[str] = []  # exactly what it runs (its own port and cores), secrets masked
-    environment: dict[str, str] = {}  # what differs from the launching shell, secrets masked
-    node: str = ""  # the machine it runs on when that is another one (replica_hosts), reached over SSH
-    ssh: str = ""
-    ssh_config: str = ""
-
-
 class DryStart(BaseModel):
     """A start with ``--load-format dummy``: the exact command's flags, shapes, KV sizing and graphs, no read."""
 
@@ -283,6 +267,9 @@ class LaunchRecord(Record):
         config = data.get("config") if isinstance(data, dict) else None
         if isinstance(config, dict) and "layout" not in config and any(n in config for n in serving.LAYOUT):
             config["layout"] = Parallelism().updated({n: config.pop(n) for n in serving.LAYOUT if n in config})
+        if isinstance(data, dict) and "topology" not in data:  # schema 2: the shape from what it started
+            roles = [w.get("role", "") if isinstance(w, dict) else w.role for w in data.get("workers") or []]
+            data["topology"] = topology.shape_of_launch(bool(data.get("router")), roles)
         return data
 
     layout_source: Literal["plan", "explorer", "params"] = "params"
@@ -311,6 +298,7 @@ class LaunchRecord(Record):
     # replicas > 1: every replica (the first is the one the fields above describe) and the router in front
     replicas: list[ReplicaRecord] = []
     router: RouterRecord | None = None
+    topology: Shape = "single"  # the serving shape it launched (topology.shape_of)
 
     @computed_field  # type: ignore[prop-decorator]
     @property

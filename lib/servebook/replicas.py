@@ -18,12 +18,35 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from servebook import client, multinode, remote, server, vllm_compat
 from servebook.errors import LaunchError, PreflightError
 from servebook.params import Params
 from servebook.secrets import mask
 from servebook.server_config import ServerConfig
 from servebook.vllm_log import root_cause
+
+
+class ReplicaRecord(BaseModel):
+    """One of several servers behind a router, as the launch record keeps it (independent replicas, or the nodes'
+    API servers of hybrid data parallelism)."""
+
+    index: int
+    url: str
+    port: int
+    pid: int
+    pgid: int
+    gpu_ids: list[int]
+    log_path: str
+    seconds_to_ready: float
+    reused: bool = False
+    command: list[str] = []  # exactly what it runs (its own port and cores), secrets masked
+    environment: dict[str, str] = {}  # what differs from the launching shell, secrets masked
+    node: str = ""  # the machine it runs on when that is another one (replica_hosts), reached over SSH
+    ssh: str = ""
+    ssh_config: str = ""
+
 
 WORKER_CHECK_S = 5.0  # how often a loading replica elsewhere is asked whether its vLLM still runs
 THIS_MACHINE = multinode.Node(name="this machine", address="")

@@ -28,7 +28,7 @@ import nbformat
 import papermill as pm
 from jupyter_client.manager import AsyncKernelManager
 
-from servebook import environment, errors, report, results, server, stages
+from servebook import environment, errors, report, results, server, stages, topology
 from servebook import params as params_mod
 from servebook.errors import ParamsError, ServebookError
 from servebook.records import LaunchRecord, PlanRecord
@@ -279,16 +279,8 @@ def run(
     params = params_mod.load(params_path, overrides)  # raises before anything exists
     declare_secret(params.api_key_env)  # its value is masked in every notebook, record and report, as the key it is
     selected = stages.select(wanted)
-    if params.replicas > 1 and params.nodes > 1 and any(stage.record.FILE == "03_launch" for stage in selected):
-        raise errors.ParamsError(
-            str(params_path),
-            [
-                f"replicas {params.replicas} with nodes {params.nodes}: servebook's own launch runs each replica on "
-                "one machine; set nodes: 1 and list the machines in replica_hosts to spread the replicas over them, "
-                "or replicas: 1 for one server across nodes (`servebook export k8s` renders replicas of a multi-node "
-                "server as LeaderWorkerSet groups)"
-            ],
-        )
+    if any(stage.record.FILE == "03_launch" for stage in selected):
+        topology.shape_of(params, str(params_path))  # a shape servebook's own launch cannot start is refused now
     declared = {stage.name: declared_parameters(notebook_of(stage)) for stage in selected}
     run_dir = new_run_dir(f"{params.run_name}-{suffix}" if suffix else params.run_name)
     pipeline = _Pipeline(params, run_dir, selected, declared, secret_values(), log, stream_output)

@@ -3,14 +3,14 @@
 import psutil
 import pytest
 
-from servebook import params, server
+from servebook import params, server, topology
 
 pytestmark = pytest.mark.integration
 
 SHARED_PORT = 8131
 
 
-def config(port: int, **kw) -> server.ServerConfig:
+def params_for(port: int, **kw) -> params.Params:
     values = dict(
         model="builtin:tiny-qwen3-moe",
         served_model_name="",
@@ -21,7 +21,11 @@ def config(port: int, **kw) -> server.ServerConfig:
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},
     )
     values.update(kw)
-    return server.ServerConfig.from_params(params.Params(**values), "cpu")
+    return params.Params(**values)
+
+
+def config(port: int, **kw) -> server.ServerConfig:
+    return server.ServerConfig.from_params(params_for(port, **kw), "cpu")
 
 
 def ours_left(pgid: int) -> list[str]:
@@ -41,9 +45,10 @@ def vllm_titles() -> list[str]:
 
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory):
-    """One embedded server for the tests that only talk to it."""
-    cfg = config(SHARED_PORT)
-    launched = server.launch(cfg, tmp_path_factory.mktemp("shared"), stop_leftovers=True, log=print)
-    yield launched
-    server.stop(port=SHARED_PORT)
-    assert ours_left(launched.pgid) == []
+    """One embedded server for the tests that only talk to it, started and stopped as a one-server topology: its
+    ``running()`` block stops it on the way out and verifies it gone."""
+    p = params_for(SHARED_PORT, stop_leftovers=True)
+    shape = topology.of(p, config(SHARED_PORT), tmp_path_factory.mktemp("shared"))
+    with shape.running() as started:
+        yield started.launch
+    assert ours_left(started.launch.pgid) == [] and server.registered(SHARED_PORT) is None

@@ -341,7 +341,7 @@ def test_a_hybrid_server_deploys_as_the_heads_unit_behind_the_routers(tmp_path):
     replicas = [ReplicaRecord(index=i, url=u, port=8001, pid=0, pgid=0, gpu_ids=list(range(8)), log_path="",
                               seconds_to_ready=0, command=[]) for i, u in enumerate(urls)]  # fmt: skip
     launch = LaunchRecord.planned(head_cfg).model_copy(
-        update={"workers": workers, "router": routed, "replicas": replicas}
+        update={"workers": workers, "router": routed, "replicas": replicas, "topology": "hybrid"}
     )
     record = deploy._deploy_hybrid(p.model_copy(update={"deploy_install": False}), tmp_path, launch, "mm", None)
     name = "servebook-mm.service"

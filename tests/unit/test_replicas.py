@@ -3,11 +3,10 @@ the shares the benchmark reads off each replica's /metrics, and the refusals bef
 
 import pytest
 
-from servebook import bench, params, router
+from servebook import bench, params, replicas, router
 from servebook.errors import ParamsError, PreflightError
 from servebook.planner import Parallelism
 from servebook.server_config import ServerConfig
-from servebook.stages import launch as launch_stage
 
 
 def test_the_router_command_names_its_replicas_policy_and_a_metrics_port_clear_of_theirs():
@@ -33,13 +32,13 @@ def test_a_missing_router_is_refused_with_the_install_command(monkeypatch):
 def test_each_replica_gets_its_port_and_its_slice_of_the_gpus():
     p = params.validate({"replicas": 2, "tensor_parallel_size": 4, "port": 9000, "device": "cuda"})
     cfg = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", layout=Parallelism(tp=4))
-    first, second = launch_stage.replica_configs(p, cfg)
+    first, second = (pl.config for pl in replicas.placements(p, cfg))
     assert (first.port, first.gpu_ids, second.port, second.gpu_ids) == (9001, [0, 1, 2, 3], 9002, [4, 5, 6, 7])
     listed = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", layout=Parallelism(tp=4),
                           gpu_ids=[7, 6, 5, 4, 3, 2, 1, 0])  # fmt: skip
     p = params.validate({"replicas": 2, "tensor_parallel_size": 4, "replica_base_port": 9100,
                          "gpu_ids": [7, 6, 5, 4, 3, 2, 1, 0]})  # fmt: skip
-    a, b = launch_stage.replica_configs(p, listed)
+    a, b = (pl.config for pl in replicas.placements(p, listed))
     assert (a.port, a.gpu_ids, b.port, b.gpu_ids) == (9100, [7, 6, 5, 4], 9101, [3, 2, 1, 0])
 
 

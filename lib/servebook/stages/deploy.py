@@ -202,7 +202,7 @@ def _node_units(unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> 
     """A multi-node server's worker units, one per other node, written and verified beside the head's; the head's
     unit learns to start and stop them."""
     records = []
-    ray = any(w.role == "ray" for w in launch.workers)  # every node's `ray start`, the head's too, before its vLLM
+    ray = launch.topology == "ray"  # every node's `ray start`, the head's too, before its vLLM
     if ray:
         unit.ray_address, unit.ray_nodes = launch.config.extra_env.get("RAY_ADDRESS", ""), len(launch.workers)
         unit.ray = True
@@ -255,12 +255,9 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     tuned = results.read(run_dir, NcclTuningRecord)
     name = p.deploy_name or launch.served_model_name.replace("/", "-")
     nccl_env = tuned.recommended_env if tuned else None
-    if launch.router and launch.workers:
-        record = _deploy_hybrid(p, run_dir, launch, name, nccl_env)
-        results.write(run_dir, record)
-        return record
-    if launch.router:
-        record = _deploy_router(p, run_dir, launch, name, nccl_env)
+    if launch.topology in ("hybrid", "replicas"):  # a router's unit in front of the servers' units
+        shape = _deploy_hybrid if launch.topology == "hybrid" else _deploy_router
+        record = shape(p, run_dir, launch, name, nccl_env)
         results.write(run_dir, record)
         return record
     size, _ = models.checkpoint_bytes(launch.model_path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -13,16 +12,13 @@ from servebook import (
     hardware,
     loadpath,
     models,
-    multinode,
     planner,
-    raycluster,
-    remote,
-    replicas,
     results,
     router,
     server,
     startplan,
     startup,
+    topology,
     ui,
     vllm_compat,
 )
@@ -38,7 +34,6 @@ from servebook.records import (
     PlanRecord,
     ProcessMemory,
     ReconRecord,
-    ReplicaRecord,
 )
 
 
@@ -148,33 +143,12 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     dry = dry_start(cfg, run_dir, p, predicted) if p.launch_dry_run else None
     if dry and not dry.ok:
         raise LaunchError("the dry start (--load-format dummy) failed; nothing was read", cause=dry.error)
-    probes: list[multinode.NodeProbe] = []
-    workers: list[remote.WorkerRecord] = []
-    cluster = None
-    if p.nodes > 1 and p.distributed_backend == "ray":
-        cluster = raycluster.RayCluster.from_params(p)
-        probes = multinode.preflight(multinode.NodeSet.from_params(p), cfg.model_path, [p.ray_port], backend="ray")
-        cfg = raycluster.head_config(cfg, cluster, p.per_node)
-    elif p.nodes > 1:
-        nodes = multinode.NodeSet.from_params(p)
-        api_port = (p.replica_base_port or p.port + 1) if p.data_parallel_lb == "hybrid" else 0
-        probes = multinode.preflight(  # server.launch checks the head's API port, router.start the router's
-            nodes, cfg.model_path, [nodes.master_port], node_ports=[api_port] if api_port else []
-        )
-        cfg, workers = multinode.prepare(cfg, nodes, run_dir, api_port)
-    cached_share, kernels_cached = startup.state_before_start(cfg.model_path)
-    replica_records: list[ReplicaRecord] = []
-    routed = None
-    if p.replicas > 1:
-        launch, replica_records, routed, probes = launch_replicas(p, cfg, run_dir)
-        cfg = launch.config
-    elif p.nodes > 1 and p.data_parallel_lb == "hybrid":
-        launch, replica_records, routed = launch_hybrid(p, cfg, workers, run_dir)
-    else:
-        launch = server.launch(
-            cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive),
-            workers=workers, cluster=cluster,
-        )  # fmt: skip
+    topo = topology.of(p, cfg, run_dir)
+    topo.preflight()  # every machine checked before anything starts; on several nodes cfg becomes the head's part
+    cached_share, kernels_cached = startup.state_before_start(topo.cfg.model_path)
+    started = topo.start()
+    launch = started.launch
+    cfg = launch.config
     registered = server.registered(cfg.port)
     if dry and launch.values.kv_cache_tokens and launch.timeline:
         dry.real_adds = real_adds(dry, launch)
@@ -185,169 +159,20 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         else "params",
         memory_after_load=memory_after_load(launch),
         plan_check=PlanCheck.of(predicted, launch.values) if predicted else None,
-        nodes=probes,
+        nodes=started.probes,
         workers=registered.workers if registered else [],
         timeline=launch.timeline,
         start_prediction=plan.start_prediction if plan else None,
         load_choice=load_choice_for(p, cfg, plan),
         dry_run=dry,
-        replicas=replica_records,
-        router=routed,
+        replicas=started.replicas,
+        router=started.router,
+        topology=topo.shape,
     )
     if launch.timeline and not launch.reused:
         remember_start(cfg, launch, cached_share, kernels_cached)
     results.write(run_dir, record)
     return record
-
-
-def replica_configs(p: Params, cfg: server.ServerConfig) -> list[server.ServerConfig]:
-    """One configuration per replica: the same server on consecutive ports, each on its own slice of the GPUs."""
-    return [placed.config for placed in replicas.placements(p, cfg)]
-
-
-def launch_replicas(
-    p: Params, cfg: server.ServerConfig, run_dir: Path
-) -> tuple[server.Launch, list[ReplicaRecord], router.RouterRecord, list[multinode.NodeProbe]]:
-    """Every replica, then vllm-router in front: those on other machines (replica_hosts) started first, so they
-    load while this machine's start one after another; on any failure what started is stopped."""
-    placed = replicas.placements(p, cfg)
-    here = [pl for pl in placed if not pl.elsewhere]
-    if cfg.device == "cuda":
-        _check_replica_gpus(p.replicas, cfg, here)
-    router.binary()  # refused before any replica starts when vllm-router is missing
-    probes = replicas.preflight(p, cfg, placed)
-    nodes = replicas.machines(p)
-    ports: list[int] = []  # every replica started or reused so far, stopped again if the launch fails
-    elsewhere: dict[int, tuple[server.Registration, bool, float]] = {}
-    launches: dict[int, server.Launch] = {}
-    try:
-        for pl in placed:
-            if pl.elsewhere and nodes:
-                since = time.monotonic()
-                reg, reused = replicas.start_elsewhere(pl, nodes, run_dir / f"replica-{pl.index}", run_dir)
-                ports.append(pl.config.port)
-                elsewhere[pl.index] = (reg, reused, since)
-        for pl in here:
-            rcfg = pl.config
-            print(
-                f"replica {pl.index + 1} of {len(placed)} on port {rcfg.port}"
-                + (f", GPUs {rcfg.gpu_ids}" if rcfg.gpu_ids else "")
-            )
-            launches[pl.index] = server.launch(
-                rcfg, run_dir / f"replica-{pl.index}", stop_leftovers=p.stop_leftovers,
-                on_progress=ui.load_progress(p.interactive, f"replica {pl.index}"),
-            )  # fmt: skip
-            ports.append(rcfg.port)
-        ready_s = {
-            i: 0.0 if reused else replicas.wait_elsewhere(reg, placed[i].config.load_budget_s(), since)
-            for i, (reg, reused, since) in elsewhere.items()
-        }
-        for i, seconds in ready_s.items():
-            print(f"replica {i + 1} of {len(placed)} on {placed[i].node.name} ready at {placed[i].config.url} "
-                  f"after {seconds:.1f} s")  # fmt: skip
-        urls = [launches[pl.index].url if pl.index in launches else elsewhere[pl.index][0].url for pl in placed]
-        first = launches[here[0].index]
-        routed = router.start(
-            router.RouterConfig(port=p.port, worker_urls=urls, policy=p.router_policy, host=p.host),
-            first.config.target(timeout_s=120),
-            run_dir / "router",
-            run_dir=str(run_dir),
-        )
-    except BaseException:
-        for port in ports:
-            server.stop(port=port)
-        raise
-    where = f" on {len(nodes.nodes)} machines" if nodes else ""
-    print(
-        f"router {routed.policy} on {routed.url} in front of {len(placed)} replicas{where}, ready in "
-        f"{routed.seconds_to_ready:.1f} s"
-    )
-    return first, _replica_records(placed, launches, elsewhere, ready_s), routed, probes
-
-
-def _check_replica_gpus(count: int, cfg: server.ServerConfig, here: list[replicas.Placement]) -> None:
-    have = len(hardware.inventory().gpus)
-    need = max(g for pl in here for g in pl.config.gpu_ids) + 1
-    if need > have:
-        raise PreflightError(
-            f"replicas {count} x {cfg.layout.name} need GPUs up to index {need - 1}; this machine has "
-            f"{have}: lower replicas, or the layout, or list gpu_ids"
-        )
-
-
-def _replica_records(
-    placed: list[replicas.Placement],
-    launches: dict[int, server.Launch],
-    elsewhere: dict[int, tuple[server.Registration, bool, float]],
-    ready_s: dict[int, float],
-) -> list[ReplicaRecord]:
-    """Each replica as the launch record keeps it: this machine's from its launch, another's from its
-    registration here."""
-    records = []
-    for pl in placed:
-        if pl.index in launches:
-            x = launches[pl.index]
-            records.append(
-                ReplicaRecord(index=pl.index, url=x.url, port=x.config.port, pid=x.pid, pgid=x.pgid,
-                              gpu_ids=x.config.target_gpus, log_path=x.log_path, seconds_to_ready=x.seconds_to_ready,
-                              reused=x.reused, command=x.command, environment=x.environment)
-            )  # fmt: skip
-            continue
-        reg, reused, _ = elsewhere[pl.index]
-        worker = reg.workers[0]
-        env = server.environment_record(pl.config, pl.config.environment(base={}, with_secrets=False))
-        records.append(
-            ReplicaRecord(index=pl.index, url=reg.url, port=reg.port, pid=worker.pid, pgid=0, gpu_ids=reg.gpu_ids,
-                          log_path=reg.log_path, seconds_to_ready=ready_s[pl.index], reused=reused,
-                          command=reg.command, environment=env | {"VLLM_HOST_IP": pl.node.address},
-                          node=pl.node.name, ssh=pl.node.ssh, ssh_config=worker.ssh_config)
-        )  # fmt: skip
-    return records
-
-
-def launch_hybrid(
-    p: Params, cfg: server.ServerConfig, workers: list[remote.WorkerRecord], run_dir: Path
-) -> tuple[server.Launch, list[ReplicaRecord], router.RouterRecord]:
-    """vLLM's hybrid data-parallel load balancing: every node's ``vllm serve`` serves its own ranks' API (the head's
-    here, the others' on their node address), vllm-router in front of all of them on the head; on any failure
-    everything started is stopped."""
-    router.binary()  # refused before any node starts when vllm-router is missing
-    launch = server.launch(
-        cfg, run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive), workers=workers
-    )
-    started = server.registered(cfg.port)
-    nodes = started.workers if started else []
-    urls = [launch.url] + [f"http://{w.address}:{cfg.port}" for w in nodes]
-    ready_s = [launch.seconds_to_ready]
-    try:
-        for worker, url in zip(nodes, urls[1:], strict=True):
-            ok, message, seconds = server.wait_ready(url, cfg.load_budget_s())
-            if not ok:
-                raise LaunchError(
-                    f"{worker.node}'s API server at {url} did not answer /health: {message}; its log is "
-                    f"{worker.log_path} there"
-                )
-            ready_s.append(launch.seconds_to_ready + seconds)
-        routed = router.start(
-            router.RouterConfig(port=p.port, worker_urls=urls, policy=p.router_policy, host=p.host),
-            launch.config.target(timeout_s=120),
-            run_dir / "router",
-            run_dir=str(run_dir),
-        )
-    except BaseException:
-        server.stop(port=cfg.port)
-        raise
-    print(f"router {routed.policy} on {routed.url} in front of {len(urls)} nodes' API servers (hybrid data parallel)")
-    served = [
-        ReplicaRecord(index=0, url=launch.url, port=cfg.port, pid=launch.pid, pgid=launch.pgid,
-                      gpu_ids=cfg.target_gpus, log_path=launch.log_path, seconds_to_ready=launch.seconds_to_ready,
-                      reused=launch.reused, command=launch.command, environment=launch.environment)
-    ] + [
-        ReplicaRecord(index=i, url=url, port=cfg.port, pid=w.pid, pgid=0, gpu_ids=cfg.target_gpus,
-                      log_path=f"{w.node}:{w.log_path}", seconds_to_ready=round(s, 2), command=w.command)
-        for i, (w, url, s) in enumerate(zip(nodes, urls[1:], ready_s[1:], strict=True), start=1)
-    ]  # fmt: skip
-    return launch, served, routed
 
 
 def real_adds(dry: DryStart, launch: server.Launch) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from servebook import environment, hardware, models, multinode, results, startplan
+from servebook import environment, hardware, models, multinode, results, startplan, topology
 from servebook.errors import NotReady
 from servebook.hardware import Inventory
 from servebook.params import Params
@@ -103,7 +103,7 @@ def run(p: Params, run_dir: str | Path) -> ReconRecord:
     # on several nodes this machine (the head) holds its share of the layout's GPUs
     here = p.world_size // p.nodes * p.replicas_per_host  # and every replica that runs on this machine
     record = assess(p.model, p.model_store, p.device, here, p.gpu_ids, p.checkpoint_gb)
-    if p.nodes > 1 or p.replica_hosts:
+    if topology.spans_machines(p):
         assess_nodes(record, p)
     record.checkpoint_io = startplan.load_evidence(p)
     io = record.checkpoint_io
@@ -124,7 +124,8 @@ def assess_nodes(record: ReconRecord, p: Params) -> None:
         )
         record.verdict.ready = False
         return
-    nodes = multinode.NodeSet.for_replicas(p) if p.replica_hosts else multinode.NodeSet.from_params(p)
+    nodes = topology.machines(p)
+    assert nodes is not None
     record.nodes = multinode.probe_all(nodes, models.resolve(p.model))
     found = multinode.problems(
         record.nodes, nodes, checkpoint=False, gpus_per_node=nodes.gpus_per_node if record.device == "cuda" else 0
