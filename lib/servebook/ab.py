@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from servebook import bench, client, loadgen, metrics, remote, server, serving, startup
+from servebook import client, levels, loadgen, metrics, remote, server, serving, startup
 from servebook.client import Target
 from servebook.errors import AbFailed, LaunchError, ServebookError
 from servebook.params import AbVariant
@@ -176,7 +176,7 @@ def measure(target: Target, maker: loadgen.PromptMaker, plan: AbPlan) -> dict[in
             while True:
                 least = max(plan.requests, 4 * c)
                 sized = c in rates
-                count = bench.prompts_for_window(least, plan.min_seconds, rates.get(c)) + c
+                count = levels.prompts_for_window(least, plan.min_seconds, rates.get(c)) + c
                 prompts = loadgen.synthetic_prompts(maker, count, plan.workload, overhead)
                 window = loadgen.run_level(
                     target, plan.workload, prompts, concurrency=c, warmup=c, min_requests=least,

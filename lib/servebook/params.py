@@ -393,6 +393,8 @@ class Params(BaseModel):
                 "or give a hub repo id such as MiniMaxAI/MiniMax-M2.5"
             )
         problems += serving.conflicts(self.extra_args)
+        for variant in self.ab_variants:  # a variant sets a parameter by its name, never through extra_args
+            problems += [f"ab_variants {variant.name}: {c}" for c in serving.conflicts(variant.extra_args or [])]
         for flag in self.extra_args:
             if re.search(r"--api-key\b", flag):
                 problems.append("extra_args must not carry --api-key; set api_key_env to the variable that holds it")

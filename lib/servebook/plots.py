@@ -15,7 +15,8 @@ import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from servebook.bench import SweepResult, off_clock
+from servebook.bench import SweepResult
+from servebook.levels import off_clock
 from servebook.ratesweep import RateSweepResult
 from servebook.startup import PHASES
 

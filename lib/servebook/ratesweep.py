@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from servebook import bench, client, loadgen, metrics, tables
+from servebook import client, levels, loadgen, metrics, tables
 from servebook.client import Target
 from servebook.datasets import Cursor, Prompt
 from servebook.loadgen import Arrival, RequestRecord, Workload
@@ -121,7 +121,7 @@ def judge(level: RateLevel, cfg: RateSweepConfig) -> str:
     gap = level.tpot_clock_gap_pct
     clock = (
         f"; the client's mean TPOT is {gap:+.0f} % off vLLM's own: the API server delivered tokens late or in bursts"
-        if gap is not None and abs(gap) > bench.CLOCK_TOLERANCE_PCT
+        if gap is not None and abs(gap) > levels.CLOCK_TOLERANCE_PCT
         else ""
     )
     if not level.kept_up:

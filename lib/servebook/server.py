@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from servebook import client, files, hardware, models, multinode, raycluster, remote, startup, vllm_compat
+from servebook import client, files, hardware, models, multinode, remote, startup, vllm_compat
 from servebook.client import health
 from servebook.errors import CleanupError, LaunchError, PreflightError
 from servebook.processes import (
@@ -336,42 +336,29 @@ def launch(
     on_progress: Callable[[str, float], None] | None = None,
     log: Callable[[str], None] = print,
     workers: Sequence[remote.WorkerRecord] = (),
-    cluster: raycluster.RayCluster | None = None,
 ) -> Launch:
     """Preflight, start, and wait for ``/health``; raise :class:`LaunchError` with the root cause on failure.
 
     ``workers`` are the other nodes of a multi-node server (``multinode.workers``): started once the head is,
-    watched while it loads (one that exits fails the launch with its own log's root cause), stopped with it.
-    A Ray ``cluster`` is started before the head's vLLM (which needs every node alive), its nodes then
-    registered, watched and stopped as the server's workers."""
+    watched while it loads (one that exits fails the launch with its own log's root cause), stopped with it."""
     with launch_lock(cfg):
         pre = preflight(cfg, stop_leftovers=stop_leftovers, log=log)
-        if pre.reuse or cluster is None:
-            return _start(cfg, Path(log_dir), pre, on_progress=on_progress, log=log, workers=workers)
-        ray_nodes: list[remote.WorkerRecord] = []
-        try:
-            cluster.start(cfg.environment(base={}, with_secrets=False), Path(log_dir), ray_nodes.append, log)
-            return _start(
-                cfg, Path(log_dir), pre, on_progress=on_progress, log=log, workers=workers, ray_nodes=ray_nodes
-            )
-        except BaseException:
-            if not registered(cfg.port):  # _start stops what it registered; before that, the cluster is ours alone
-                left = multinode.Workers(ray_nodes).stop(STOP_GRACE_S)
-                if left:
-                    log(f"the Ray cluster's stop left: {'; '.join(left)}")
-            raise
+        return start(cfg, Path(log_dir), pre, on_progress=on_progress, log=log, workers=workers)
 
 
-def _start(
+def start(
     cfg: ServerConfig,
     log_dir: Path,
     pre: Preflight,
     *,
     on_progress: Callable[[str, float], None] | None,
     log: Callable[[str], None],
-    workers: Sequence[remote.WorkerRecord],
-    ray_nodes: Sequence[remote.WorkerRecord] = (),
+    workers: Sequence[remote.WorkerRecord] = (),
+    members: Sequence[remote.WorkerRecord] = (),
 ) -> Launch:
+    """Start the server a passed :func:`preflight` cleared (or hand back the one it found to reuse), under
+    :func:`launch_lock`. ``members``: processes already running on other nodes that belong to this server from
+    its start (a Ray cluster's nodes), registered with it, watched while it loads and stopped with it."""
     env = cfg.environment()
     if pre.reuse:
         rec = pre.reuse
@@ -391,7 +378,7 @@ def _start(
         )  # fmt: skip
     record = _registration(cfg, proc.pid, command, log_path)
     record.run_dir = str(log_dir.resolve())
-    record.workers = list(ray_nodes)
+    record.workers = list(members)
     try:
         register(record)
     except BaseException:  # a server nobody could find must not outlive this call

@@ -9,7 +9,7 @@ import time
 import pandas as pd
 import pytest
 
-from servebook import bench, loadgen, metrics, server
+from servebook import bench, levels, loadgen, metrics, server
 
 from .conftest import config
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path):
-    cfg = bench.SweepConfig(
+    cfg = levels.SweepConfig(
         workload=loadgen.Workload(input_len=48, output_len=24),
         max_concurrency=4,
         repeats=2,
@@ -53,7 +53,7 @@ def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path)
 def test_windows_last_their_seconds_and_a_broken_objective_ends_the_sweep(shared_server, tmp_path):
     """Each window sends until it has both its requests and its seconds; a wide spread earns another run
     (up to max_repeats); an objective no request can meet stops the sweep at its first level, by name."""
-    cfg = bench.SweepConfig(
+    cfg = levels.SweepConfig(
         workload=loadgen.Workload(input_len=16, output_len=8),
         max_concurrency=4,
         repeats=2,
@@ -79,7 +79,7 @@ def test_windows_last_their_seconds_and_a_broken_objective_ends_the_sweep(shared
 
 def test_a_server_killed_mid_level_stops_the_sweep_and_keeps_results(tmp_path):
     launched = server.launch(config(8136), tmp_path / "server", log=print)
-    cfg = bench.SweepConfig(
+    cfg = levels.SweepConfig(
         workload=loadgen.Workload(input_len=32, output_len=256),
         max_concurrency=8,
         repeats=1,
@@ -108,7 +108,7 @@ def test_a_level_past_max_num_seqs_is_labelled_a_batch_limit(tmp_path):
     # gauges miss the full batch: one uncounted level at 8 streams shows it every shape first
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(launched.config.model_path), seed=8)
     loadgen.run_level(launched.config.target(), loadgen.Workload(32, 64), maker.prompts(24, 32), concurrency=8)
-    cfg = bench.SweepConfig(
+    cfg = levels.SweepConfig(
         # answers long enough for the half-second /metrics sampler to catch the full batch several times
         workload=loadgen.Workload(input_len=32, output_len=128),
         start_concurrency=4,  # two levels: no plateau or decline can end the sweep before 8 streams
@@ -135,7 +135,7 @@ def test_a_level_past_max_num_seqs_is_labelled_a_batch_limit(tmp_path):
     # An API server starved of CPU delivers each answer in one burst (the client's TPOT far off the engine's)
     # and feeds the engine so slowly that requests wait before vLLM's queue, not in it (fresh-clone CI read
     # 0.012 ms at 8 streams)
-    if not any(bench.off_clock(lv) for lv in data.levels):
+    if not any(levels.off_clock(lv) for lv in data.levels):
         assert by_c[8].server_queue_ms > 5 * by_c[4].server_queue_ms + 10, evidence
     assert (by_c[8].running_peak or 0) <= 4  # sampled gauges never see more than max_num_seqs running
     assert by_c[4].limit_kind != "batch" and (by_c[4].client_cpu_pct or 0) > 0
@@ -183,7 +183,7 @@ def test_a_dataset_sweep_sends_each_request_with_its_own_lengths(shared_server, 
     path = Path(__file__).resolve().parents[1] / "fixtures" / "datasets" / "custom-small.jsonl"
     tok = loadgen.load_tokenizer(shared_server.config.model_path)
     ds = datasets.load(path, tok, max_model_len=shared_server.config.max_model_len, output_len=32)
-    cfg = bench.SweepConfig(max_concurrency=2, repeats=1, max_repeats=1, prompts_per_level=8, dataset=ds.prompts)
+    cfg = levels.SweepConfig(max_concurrency=2, repeats=1, max_repeats=1, prompts_per_level=8, dataset=ds.prompts)
     data = bench.sweep(shared_server.config.target(), shared_server.config.model_path, cfg, tmp_path)
     assert data.fault == "" and data.length_mismatches.checked > 0
     assert data.length_mismatches.input == data.length_mismatches.output == 0
@@ -199,7 +199,7 @@ def test_a_dataset_sweep_sends_each_request_with_its_own_lengths(shared_server, 
 def test_multi_turn_conversations_send_their_history_and_hit_the_prefix_cache(shared_server, tmp_path):
     """Three-turn chats against real vLLM: each turn's prompt holds the turns and answers before it, so vLLM finds
     part of it in its prefix cache (reset before every level), and the level records that hit rate."""
-    cfg = bench.SweepConfig(
+    cfg = levels.SweepConfig(
         workload=loadgen.Workload(input_len=48, output_len=8, endpoint="chat", turns=3),
         max_concurrency=2,
         repeats=1,
@@ -240,7 +240,7 @@ def test_two_client_processes_share_the_streams_and_open_their_windows_together(
 
 def test_a_long_context_mix_sends_its_share_at_its_length(shared_server, tmp_path):
     """Every fourth request carries 800 prompt tokens, the rest 48; the server's counts match both lengths."""
-    cfg = bench.SweepConfig(
+    cfg = levels.SweepConfig(
         workload=loadgen.Workload(input_len=48, output_len=8, long_input_len=800, long_share=0.25),
         max_concurrency=2,
         repeats=1,

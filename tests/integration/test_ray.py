@@ -13,6 +13,7 @@ import pytest
 
 from servebook import models, multinode, params, raycluster, remote, server
 from servebook.errors import Interrupted, LaunchError, PreflightError
+from servebook.topology import ray_nodes
 
 from . import netns
 from .conftest import config, ours_left
@@ -81,7 +82,7 @@ def test_a_node_that_cannot_join_fails_the_launch_by_name_and_nothing_is_left(na
         cluster, node
     )  # fmt: skip
     with pytest.raises(LaunchError) as caught:
-        server.launch(cfg, tmp_path, log=print, cluster=cluster)
+        ray_nodes.launch_on(cluster, cfg, tmp_path, log=print)
     message = str(caught.value)
     assert "node1" in message and ("exited before it joined" in message or "did not join" in message), message
     assert server.registered(PORT) is None  # no vLLM was started: the cluster comes first
@@ -91,7 +92,7 @@ def test_a_node_that_cannot_join_fails_the_launch_by_name_and_nothing_is_left(na
 def test_a_server_beside_the_cluster_is_registered_with_its_nodes_and_stopped_with_them(namespaces, tmp_path):
     cfg = config(PORT)
     cluster = cluster_of(namespaces)
-    launched = server.launch(cfg, tmp_path, log=print, cluster=cluster)
+    launched = ray_nodes.launch_on(cluster, cfg, tmp_path, log=print)
     try:
         registered = server.registered(PORT)
         assert registered is not None
@@ -133,7 +134,7 @@ def test_a_sigterm_while_the_nodes_join_stops_the_cluster_it_started(namespaces,
     signal.alarm(12)
     try:
         with pytest.raises(Interrupted):
-            server.launch(config(PORT), tmp_path, log=print, cluster=cluster_of(namespaces))
+            ray_nodes.launch_on(cluster_of(namespaces), config(PORT), tmp_path, log=print)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)

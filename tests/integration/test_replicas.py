@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servebook import bench, k8s, params, results, router, server
+from servebook import k8s, limits, params, results, router, server
 from servebook.errors import PreflightError
 from servebook.records import BenchmarkRecord
 from servebook.runner import stop_started_servers
@@ -81,7 +81,7 @@ def test_two_replicas_behind_vllm_router_serve_share_and_stop(tmp_path, monkeypa
         assert after_kill and all(level.dead_replicas == [dead.url] for level in after_kill), swept.levels
         hit = after_kill[0]
         assert hit.router_retries is not None and hit.router_errors is not None
-        said = bench.failover_text(hit)
+        said = limits.failover_text(hit)
         assert f"{dead.url} stopped answering" in said and "request(s) lost" in said
         print("failover:", said, "| shares after:", hit.replica_shares)
         table = benchmark.replica_table(swept.levels)

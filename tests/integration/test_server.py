@@ -1,5 +1,6 @@
 """Launch, reuse, refuse, fail and stop with real vLLM (no fake server)."""
 
+import dataclasses
 import os
 import signal
 import socket
@@ -11,7 +12,7 @@ import psutil
 import pytest
 
 from servebook import client, hardware, modelspec, planner, server
-from servebook.errors import LaunchError, PreflightError
+from servebook.errors import LaunchError, ParamsError, PreflightError
 
 from .conftest import SHARED_PORT, config, ours_left, vllm_titles
 
@@ -75,9 +76,13 @@ def test_misspelled_flag_is_rejected_with_vllms_message_before_launch(tmp_path):
     with pytest.raises(PreflightError) as exc:
         server.launch(config(8132, extra_args=["--max-num-active-seqs", "many"]), tmp_path, log=print)
     assert "argument --max-num-active-seqs: Value many cannot be converted to <class 'int'>" in str(exc.value)
-    # a flag a parameter owns is refused as such before vLLM's parser runs: the params would describe another server
-    with pytest.raises(PreflightError, match="extra_args sets --max-num-seqs, which the parameter max_num_seqs owns"):
-        server.launch(config(8132, extra_args=["--max-num-seqs", "8"]), tmp_path, log=print)
+    # a flag a parameter owns is refused as such before vLLM's parser runs: the params would describe another server;
+    # the params refuse it, and so does the launch of a configuration built past them (an A/B variant's flags)
+    owned = "extra_args sets --max-num-seqs, which the parameter max_num_seqs owns"
+    with pytest.raises(ParamsError, match=owned):
+        config(8132, extra_args=["--max-num-seqs", "8"])
+    with pytest.raises(PreflightError, match=owned):
+        server.launch(dataclasses.replace(config(8132), extra_args=["--max-num-seqs", "8"]), tmp_path, log=print)
     assert set(vllm_titles()) == before and server.registered(8132) is None
     assert not list(tmp_path.glob("server*.log"))
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from servebook import bench, gpu_evidence
+from servebook import gpu_evidence, levels, limits
 from servebook.gpu_evidence import Sample
 
 
@@ -43,8 +43,8 @@ def test_a_power_cap_and_a_thermal_slowdown_are_named_from_nvmls_reasons():
 
 
 def test_a_gpu_wall_labels_a_level_that_stopped_rising_and_not_one_still_rising():
-    cfg = bench.SweepConfig()
-    level = bench.Level(
+    cfg = levels.SweepConfig()
+    level = levels.Level(
         concurrency=64, repeats=2, output_throughput=4000.0, output_throughput_min=3950.0,
         output_throughput_max=4050.0, spread_pct=2.5, running_peak=64,
         gpu=gpu_evidence.GpuEvidence(
@@ -52,33 +52,33 @@ def test_a_gpu_wall_labels_a_level_that_stopped_rising_and_not_one_still_rising(
             sm_util_mean_pct=55.0,
         ),
     )  # fmt: skip
-    kind, words = bench.limit_of(level, gain=0.02, cfg=cfg)
+    kind, words = limits.limit_of(level, gain=0.02, cfg=cfg)
     assert kind == "pcie" and words.startswith("PCIe at 91 % of Gen5 x16 (from the GPU)")
-    assert bench.limit_of(level, gain=0.4, cfg=cfg)[0] == "rising"
+    assert limits.limit_of(level, gain=0.4, cfg=cfg)[0] == "rising"
     calm = level.model_copy(update={"gpu": level.gpu.model_copy(update={"pcie_peak_pct": 30.0})})
-    kind, words = bench.limit_of(calm, gain=0.02, cfg=cfg)
+    kind, words = limits.limit_of(calm, gain=0.02, cfg=cfg)
     assert kind == "server" and "SM busy 55 %" in words
 
 
 def test_a_batch_limit_is_read_from_vllms_queue_time_when_the_gauges_missed_the_level():
     """CI once saw '0 of 8 streams running' at max_num_seqs=4: the /metrics samples missed the whole level."""
-    cfg = bench.SweepConfig(max_num_seqs=4)
-    missed = bench.Level(
+    cfg = levels.SweepConfig(max_num_seqs=4)
+    missed = levels.Level(
         concurrency=8, repeats=1, output_throughput=600.0, output_throughput_min=600.0,
         output_throughput_max=600.0, spread_pct=None, running_peak=0, waiting_peak=0, e2el_p50_ms=400.0,
         server_queue_ms=190.0, client_cpu_pct=1.0,
     )  # fmt: skip
-    kind, words = bench.limit_of(missed, gain=-0.4, cfg=cfg)
+    kind, words = limits.limit_of(missed, gain=-0.4, cfg=cfg)
     assert kind == "batch"
     assert (
         words == "batch limit max_num_seqs=4: 8 streams for 4 slots; requests waited 190 ms on average in vLLM's queue"
     )
     seen = missed.model_copy(update={"running_peak": 4, "waiting_peak": 3})
-    assert bench.limit_of(seen, gain=0.0, cfg=cfg)[1].startswith("batch limit max_num_seqs=4: 4 running, 4 waiting;")
+    assert limits.limit_of(seen, gain=0.0, cfg=cfg)[1].startswith("batch limit max_num_seqs=4: 4 running, 4 waiting;")
     # streams within max_num_seqs are no batch limit, whatever queued for the prefill budget
     within = missed.model_copy(update={"concurrency": 4, "running_peak": 4, "waiting_peak": 0})
-    assert bench.limit_of(within, gain=-0.4, cfg=cfg)[0] == "decline"
-    assert bench.limit_of(missed, gain=-0.4, cfg=bench.SweepConfig())[0] == "decline"  # no max_num_seqs set
+    assert limits.limit_of(within, gain=-0.4, cfg=cfg)[0] == "decline"
+    assert limits.limit_of(missed, gain=-0.4, cfg=levels.SweepConfig())[0] == "decline"  # no max_num_seqs set
 
 
 def test_the_sampler_reads_the_fake_nvml_and_says_why_a_cpu_server_has_no_evidence(fake_nvml):
@@ -93,7 +93,7 @@ def test_the_sampler_reads_the_fake_nvml_and_says_why_a_cpu_server_has_no_eviden
     with gpu_evidence.GpuSampler([]) as cpu:
         pass
     assert cpu.evidence is None and cpu.absent == "no GPU serves this model"
-    assert bench.gpu_columns(cpu.evidence) == {}
+    assert levels.gpu_columns(cpu.evidence) == {}
 
 
 def nvlink(gpu, t_s, tx_gb, rx_gb, capacity=450.0):
@@ -128,7 +128,7 @@ def test_the_sampler_reads_nvlink_counters_and_link_speed_from_the_fake_nvml(fak
     assert e.nvlink_peak_gbs == pytest.approx(405, rel=0.02) and e.nvlink_peak_direction == "sent"
     kind, words = gpu_evidence.verdict(e)
     assert kind == "nvlink" and words.startswith("NVLink at 90 % of 450 GB/s")
-    row = bench.gpu_columns(sampler.evidence)
+    row = levels.gpu_columns(sampler.evidence)
     assert row["gpu_nvlink_pct"] == pytest.approx(90, abs=2) and row["gpu_nvlink_direction"] == "sent"
     # an H200 board whose scenario gives no link speed: no bandwidth to measure against, so no NVLink evidence
     fake_nvml("h200x8-nvlink")
@@ -138,7 +138,7 @@ def test_the_sampler_reads_nvlink_counters_and_link_speed_from_the_fake_nvml(fak
 
 
 def test_an_nvlink_wall_labels_a_level_once_throughput_stops_rising():
-    level = bench.Level(
+    level = levels.Level(
         concurrency=128, repeats=2, output_throughput=9000.0, output_throughput_min=8900.0,
         output_throughput_max=9100.0, spread_pct=2.2, running_peak=128,
         gpu=gpu_evidence.GpuEvidence(
@@ -146,9 +146,9 @@ def test_an_nvlink_wall_labels_a_level_once_throughput_stops_rising():
             nvlink_peak_direction="sent",
         ),
     )  # fmt: skip
-    kind, words = bench.limit_of(level, gain=0.01, cfg=bench.SweepConfig())
+    kind, words = limits.limit_of(level, gain=0.01, cfg=levels.SweepConfig())
     assert kind == "nvlink" and words.startswith("NVLink at 92 % of 450 GB/s (414 GB/s sent)")
-    assert bench.limit_of(level, gain=0.5, cfg=bench.SweepConfig())[0] == "rising"
+    assert limits.limit_of(level, gain=0.5, cfg=levels.SweepConfig())[0] == "rising"
 
 
 def test_the_limits_table_is_rounded_under_readable_headers_with_shared_notes_below():

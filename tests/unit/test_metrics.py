@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from servebook import bench, client, loadgen, metrics, plots, results, server
+from servebook import client, levels, limits, loadgen, metrics, plots, results, server
 from servebook.errors import ServebookError
 from servebook.loadgen import RequestRecord
 from servebook.planner import Parallelism
@@ -99,15 +99,15 @@ def test_length_checks_flag_ignored_max_tokens():
 
 
 def test_plateau_rule():
-    assert not bench.plateau_reached([100, 190], 0.05)
-    assert not bench.plateau_reached([100, 190, 360], 0.05)
-    assert bench.plateau_reached([100, 190, 360, 370, 372], 0.05)  # 360 -> 372 over two doublings: 3 %
-    assert not bench.plateau_reached([100, 190, 360, 370, 390], 0.05)  # 8 % over two doublings
-    assert bench.plateau_level([1, 2, 4, 8, 16], [100, 190, 360, 370, 372], 0.05) == 4
+    assert not limits.plateau_reached([100, 190], 0.05)
+    assert not limits.plateau_reached([100, 190, 360], 0.05)
+    assert limits.plateau_reached([100, 190, 360, 370, 372], 0.05)  # 360 -> 372 over two doublings: 3 %
+    assert not limits.plateau_reached([100, 190, 360, 370, 390], 0.05)  # 8 % over two doublings
+    assert limits.plateau_level([1, 2, 4, 8, 16], [100, 190, 360, 370, 372], 0.05) == 4
 
 
 def test_broken_objective_names_the_metric():
-    level = bench.Level(
+    level = levels.Level(
         concurrency=4,
         repeats=1,
         output_throughput=1,
@@ -119,28 +119,28 @@ def test_broken_objective_names_the_metric():
         e2el_p50_ms=1000,
     )
     assert (
-        bench.objective_broken(level, metrics.Objectives(ttft_ms=200))
+        limits.objective_broken(level, metrics.Objectives(ttft_ms=200))
         == "median TTFT 250 ms exceeds the 200 ms objective"
     )
-    assert bench.objective_broken(level, metrics.Objectives(tpot_ms=20)) == ""
+    assert limits.objective_broken(level, metrics.Objectives(tpot_ms=20)) == ""
 
 
-def run_row(concurrency: int, repeat: int, output_throughput: float, **fields) -> bench.RunRow:
+def run_row(concurrency: int, repeat: int, output_throughput: float, **fields) -> levels.RunRow:
     """A measured window as the sweep records it, with only the figures a test names."""
     clock = metrics.EngineClock(
         requests=0, vllm_requests=0, client_ttft_mean_ms=None, vllm_ttft_mean_ms=None, client_tpot_mean_ms=None,
         vllm_tpot_mean_ms=None,
     )  # fmt: skip
     summary = metrics.summarize([]).model_copy(update={"output_throughput": output_throughput})
-    return bench.RunRow(
-        concurrency=concurrency, repeat=repeat, summary=summary, server=bench.ServerCounters(), clock=clock,
+    return levels.RunRow(
+        concurrency=concurrency, repeat=repeat, summary=summary, server=levels.ServerCounters(), clock=clock,
         prefix_cache_reset="reset", client_cpu_pct=10.0, client_processes=1, **fields,
     )  # fmt: skip
 
 
 def test_aggregate_reports_median_and_spread():
     rows = [run_row(4, rep, t) for rep, t in enumerate((90.0, 100.0, 110.0))]
-    (level,) = bench.aggregate(rows)
+    (level,) = levels.aggregate(rows)
     assert level.output_throughput == 100 and level.spread_pct == pytest.approx(20.0)
     assert level.client_cpu_pct == 10.0 and level.gpu is None
 
@@ -154,7 +154,7 @@ def test_a_levels_gpu_evidence_is_the_median_of_its_repeats_and_names_every_slow
             samples=12, sm_util_mean_pct=60.0, pcie_peak_pct=90.0, pcie_link="Gen5 x16", slowdowns=["power cap"]
         ),
     ]
-    (level,) = bench.aggregate([run_row(8, rep, 1000.0, gpu=e) for rep, e in enumerate(seen)])
+    (level,) = levels.aggregate([run_row(8, rep, 1000.0, gpu=e) for rep, e in enumerate(seen)])
     assert level.gpu.sm_util_mean_pct == 50 and level.gpu.pcie_peak_pct == 85 and level.gpu.pcie_link == "Gen5 x16"
     assert level.gpu.slowdowns == ["power cap"] and level.gpu_samples == [10, 12]
     row = level.flat()  # the levels table keeps its columns
@@ -175,7 +175,7 @@ def test_compare_labels_layouts_and_finds_the_crossover(tmp_path):
         cfg = server.ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", **layout)
         results.write(d, LaunchRecord.planned(cfg))
         levels = [
-            bench.Level(
+            levels.Level(
                 concurrency=c,
                 repeats=1,
                 output_throughput=tp,
@@ -305,7 +305,7 @@ def test_usage_only_stream_has_no_token_chunk():
 
 
 def level(c, tp, low=None, high=None):
-    return bench.Level(
+    return levels.Level(
         concurrency=c,
         repeats=2,
         output_throughput=tp,
@@ -318,14 +318,14 @@ def level(c, tp, low=None, high=None):
 def test_a_decline_past_the_best_level_ends_the_sweep():
     # the H200 story: 21,028 tok/s at 128 streams, 13,487 at 256
     levels = [level(64, 15000), level(128, 21028), level(256, 13487, 13000, 14000)]
-    assert bench.declined(levels, 0.05).concurrency == 128
+    assert limits.declined(levels, 0.05).concurrency == 128
     # a noisy level whose best repeat reaches the peak is not a decline
-    assert bench.declined([level(8, 937), level(16, 917, 450, 1380)], 0.05) is None
-    assert bench.declined([level(1, 100)], 0.05) is None
+    assert limits.declined([level(8, 937), level(16, 917, 450, 1380)], 0.05) is None
+    assert limits.declined([level(1, 100)], 0.05) is None
 
 
 def test_spread_is_range_over_median_and_needs_two_runs():
-    from servebook.bench import spread_pct
+    from servebook.levels import spread_pct
 
     assert spread_pct([100.0]) is None
     assert spread_pct([90.0, 110.0]) == pytest.approx(20.0)
@@ -333,7 +333,7 @@ def test_spread_is_range_over_median_and_needs_two_runs():
 
 
 def test_a_level_window_is_sized_for_its_seconds_at_the_expected_rate():
-    from servebook.bench import SweepConfig
+    from servebook.levels import SweepConfig
 
     cfg = SweepConfig(prompts_per_level=64, min_level_s=20.0)
     assert cfg.prompts_for(16, None) == 64  # nothing known yet: the count alone
@@ -345,7 +345,7 @@ def test_a_level_window_is_sized_for_its_seconds_at_the_expected_rate():
 def _level(concurrency, **kw):
     base = dict(repeats=2, output_throughput=1000.0, output_throughput_min=990.0, output_throughput_max=1010.0,
                 spread_pct=2.0)  # fmt: skip
-    return bench.Level(concurrency=concurrency, **{**base, **kw})
+    return levels.Level(concurrency=concurrency, **{**base, **kw})
 
 
 @pytest.mark.parametrize(
@@ -378,7 +378,7 @@ def _level(concurrency, **kw):
 )
 def test_what_limits_a_level(level, gain, kind, words):
     """Each rule on hand-built evidence; the client is judged first, then the batch, the KV cache, the gain."""
-    got_kind, text = bench.limit_of(level, gain, bench.SweepConfig(max_num_seqs=4 if kind == "batch" else 1024))
+    got_kind, text = limits.limit_of(level, gain, levels.SweepConfig(max_num_seqs=4 if kind == "batch" else 1024))
     assert got_kind == kind and words in text
 
 
@@ -388,7 +388,7 @@ def test_levels_are_labelled_against_the_level_before():
         _level(2, output_throughput=190.0),
         _level(4, output_throughput=192.0),
     ]
-    bench.label_limits(levels, bench.SweepConfig(plateau_gain=0.05))
+    limits.label_limits(levels, levels.SweepConfig(plateau_gain=0.05))
     assert [lv.limit_kind for lv in levels] == ["rising", "rising", "server"]
 
 
@@ -468,23 +468,23 @@ def test_tokens_delivered_in_one_burst_are_named_as_off_the_engines_clock():
     before, after = _vllm_metrics(0, 0.0, 0.0), _vllm_metrics(8, 1.4, 0.025)
     clock = metrics.engine_clock(burst, before, after)
     assert clock.tpot_gap_pct == pytest.approx(-100.0)
-    level = bench.Level(
+    level = levels.Level(
         concurrency=8,
         repeats=1,
         output_throughput=20.0,
         output_throughput_min=20.0,
         output_throughput_max=20.0,
         spread_pct=None,
-        **bench.clock_fields(clock),
+        **levels.clock_fields(clock),
     )
-    warning = bench.clock_disagreements([level])
+    warning = levels.clock_disagreements([level])
     assert "c=8 (0.0 against 25.0 ms, -100 %)" in warning and "API server" in warning
-    kind, words = bench.limit_of(level, gain=0.0, cfg=bench.SweepConfig())
+    kind, words = limits.limit_of(level, gain=0.0, cfg=levels.SweepConfig())
     assert kind == "api_server"
     assert "engine had the first token after 1400 ms and the rest 25.0 ms apart" in words
     assert "reached the client after 1500 ms and 0.0 ms apart" in words
     # while throughput still rises with the streams, the level is not yet limited by it (as for a GPU wall)
-    assert bench.limit_of(level, gain=0.5, cfg=bench.SweepConfig())[0] == "rising"
+    assert limits.limit_of(level, gain=0.5, cfg=levels.SweepConfig())[0] == "rising"
     steady = level.model_copy(update={"client_tpot_mean_ms": 26.0, "tpot_clock_gap_pct": 4.0})
-    assert bench.clock_disagreements([steady]) == ""
-    assert bench.limit_of(steady, gain=0.0, cfg=bench.SweepConfig())[0] == "server"
+    assert levels.clock_disagreements([steady]) == ""
+    assert limits.limit_of(steady, gain=0.0, cfg=levels.SweepConfig())[0] == "server"

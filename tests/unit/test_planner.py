@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from servebook import gpus, modelspec, planner
+from servebook import gpus, levels, limits, modelspec, planner
 from servebook.errors import PlanInputError
 from servebook.modelspec import ModelConfigError
 
@@ -357,16 +357,15 @@ def test_the_reserve_grows_with_the_batched_tokens_of_smaller_gpus():
 def test_the_decode_ceiling_by_batch_size_meets_the_levels_it_judges():
     """The ceiling at one sequence is the plan's single-stream figure, it rises with the batch (more sequences
     share each weight read), and a level gets its measured throughput as a share of it."""
-    from servebook import bench
 
     planned = planner.plan(spec("q3moe-30b-a3b-shapes-8l-bf16"), device("H200", 2), max_model_len=4096)
     layout = planned.find(planner.Parallelism(tp=2))
     ceiling = layout.decode_ceiling
     assert ceiling[1] == pytest.approx(layout.decode_tok_s_single)
     assert all(ceiling[2 * b] > ceiling[b] for b in (1, 2, 4, 8, 16, 32, 64))
-    level = bench.Level(concurrency=64, repeats=1, output_throughput=ceiling[64] / 4, output_throughput_min=0.0,
+    level = levels.Level(concurrency=64, repeats=1, output_throughput=ceiling[64] / 4, output_throughput_min=0.0,
                         output_throughput_max=0.0, spread_pct=None)  # fmt: skip
-    bench.label_limits([level], bench.SweepConfig(decode_ceiling=ceiling))
+    limits.label_limits([level], levels.SweepConfig(decode_ceiling=ceiling))
     assert level.plan_ceiling_tok_s == ceiling[64] and level.plan_ceiling_pct == pytest.approx(25.0)
 
 

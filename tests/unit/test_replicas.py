@@ -3,7 +3,7 @@ the shares the benchmark reads off each replica's /metrics, and the refusals bef
 
 import pytest
 
-from servebook import bench, params, replicas, router
+from servebook import levels, limits, params, replicas, router
 from servebook.errors import ParamsError, PreflightError
 from servebook.planner import Parallelism
 from servebook.server_config import ServerConfig
@@ -53,17 +53,17 @@ def test_each_replicas_share_and_prefix_hits_come_from_its_own_counters():
                      "vllm:prefix_cache_hits_total": 150},
         "http://b": {"vllm:request_success_total": 15, "vllm:prefix_cache_queries_total": 100},
     }  # fmt: skip
-    parts = bench.replica_shares(before, after)
+    parts = levels.replica_shares(before, after)
     assert parts["http://a"].share == pytest.approx(0.75) and parts["http://b"].share == pytest.approx(0.25)
     assert parts["http://a"].prefix_cache_hit_rate == pytest.approx(0.75)
     assert parts["http://b"].prefix_cache_hit_rate == 0.0
-    assert bench.replica_shares({"http://a": {}}, {"http://a": {}}) == {}  # one server: nothing to split
-    gone = bench.replica_shares(before, {"http://a": after["http://a"], "http://b": {}})
+    assert levels.replica_shares({"http://a": {}}, {"http://a": {}}) == {}  # one server: nothing to split
+    gone = levels.replica_shares(before, {"http://a": after["http://a"], "http://b": {}})
     assert gone["http://b"].answered is False and gone["http://a"].share == 1.0
 
 
 def test_a_level_carries_the_shares_into_its_table_row():
-    level = bench.Level(concurrency=4, repeats=1, output_throughput=10.0, output_throughput_min=10.0,
+    level = levels.Level(concurrency=4, repeats=1, output_throughput=10.0, output_throughput_min=10.0,
                         output_throughput_max=10.0, spread_pct=None,
                         replica_shares={"http://b": 0.4, "http://a": 0.6},
                         replica_prefix_hit_rates={"http://a": 0.5, "http://b": None})  # fmt: skip
@@ -132,22 +132,22 @@ def test_replicas_across_nodes_are_refused_before_a_launch_starts(tmp_path):
 
 
 def test_a_level_names_the_replica_that_died_and_what_the_router_did_about_it():
-    counts = bench.RouterCounts.of(
+    counts = levels.RouterCounts.of(
         {"vllm_router_retries_total": 2.0}, {"vllm_router_retries_total": 5.0, "vllm_router_request_errors_total": 1.0}
     )
-    assert counts == bench.RouterCounts(retries=3.0, retries_exhausted=0.0, errors=1.0)
-    assert bench.RouterCounts.of({}, {}) is None  # no router answered: nothing counted, not zero
-    level = bench.Level(concurrency=4, repeats=1, output_throughput=1.0, output_throughput_min=1.0,
+    assert counts == levels.RouterCounts(retries=3.0, retries_exhausted=0.0, errors=1.0)
+    assert levels.RouterCounts.of({}, {}) is None  # no router answered: nothing counted, not zero
+    level = levels.Level(concurrency=4, repeats=1, output_throughput=1.0, output_throughput_min=1.0,
                         output_throughput_max=1.0, spread_pct=None, failed=1, dead_replicas=["http://b"],
                         router_retries=3.0, router_retries_exhausted=1.0)  # fmt: skip
-    said = bench.failover_text(level)
+    said = limits.failover_text(level)
     assert said == (
         "http://b stopped answering; the router retried 3 request(s) on another replica (1 ran out of retries), "
         "1 request(s) lost"
     )
     assert level.flat()["dead_replicas"] == "http://b"
     calm = level.model_copy(update={"dead_replicas": [], "router_retries": 0.0, "failed": 0})
-    assert bench.failover_text(calm) == ""
+    assert limits.failover_text(calm) == ""
 
 
 def test_replicas_spread_over_machines_get_their_machine_its_address_and_the_same_gpu_slices_there():

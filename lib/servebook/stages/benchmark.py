@@ -11,12 +11,13 @@ from pandas.io.formats.style import Styler
 
 from servebook import bench, datasets, multinode, planner, ratesweep, results, vllm_format
 from servebook.errors import ServebookError, SweepAborted
+from servebook.levels import Level, SweepConfig, off_clock
 from servebook.params import Params
 from servebook.records import BenchmarkRecord, LaunchRecord, PlanRecord
 
 
-def sweep_config(p: Params, max_num_seqs: int = 0) -> bench.SweepConfig:
-    return bench.SweepConfig(
+def sweep_config(p: Params, max_num_seqs: int = 0) -> SweepConfig:
+    return SweepConfig(
         max_num_seqs=max_num_seqs,
         workload=bench.workload_for(p),
         max_concurrency=p.bench_max_concurrency,
@@ -184,7 +185,7 @@ def levels(record: BenchmarkRecord) -> pd.DataFrame:
     frame = pd.DataFrame([level.flat() for level in record.levels])
     if not frame.empty:
         frame["client clock"] = [
-            f"off vLLM's by {lv.tpot_clock_gap_pct:+.0f} %" if bench.off_clock(lv) else "" for lv in record.levels
+            f"off vLLM's by {lv.tpot_clock_gap_pct:+.0f} %" if off_clock(lv) else "" for lv in record.levels
         ]
     return frame
 
@@ -370,7 +371,7 @@ def _layout_of(path: Path) -> str:
     return f"{launch.layout.name}: " if launch else ""
 
 
-def replica_table(levels: list[bench.Level]) -> pd.DataFrame:
+def replica_table(levels: list[Level]) -> pd.DataFrame:
     """Per level and replica: its share of the finished requests and its prefix-cache hit rate, in percent."""
     rows = [
         {

@@ -1,13 +1,17 @@
 """One server across nodes on Ray (``distributed_backend: ray``): servebook starts a Ray cluster (the head here,
 every other node joining over SSH), then the head's ``vllm serve`` places its workers on it; the cluster's nodes
-are registered as the server's workers, watched and stopped with it (:mod:`servebook.raycluster`)."""
+are registered as the server's own processes, watched while it loads and stopped with it
+(:mod:`servebook.raycluster` has each node's ``ray start``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import ClassVar
 
-from servebook import multinode, raycluster, server, ui
+from servebook import multinode, raycluster, remote, server, ui
 from servebook.multinode import NodeProbe
+from servebook.server_config import ServerConfig
 from servebook.topology import Shape, Started, Topology
 
 
@@ -23,8 +27,35 @@ class RayServer(Topology):
         return probes
 
     def _start(self) -> Started:
-        launch = server.launch(
-            self.cfg, self.run_dir, stop_leftovers=self.p.stop_leftovers, on_progress=ui.load_progress(self.p.interactive),
-            cluster=self.cluster,
+        launch = launch_on(
+            self.cluster, self.cfg, self.run_dir, stop_leftovers=self.p.stop_leftovers,
+            on_progress=ui.load_progress(self.p.interactive),
         )  # fmt: skip
         return Started(launch, probes=self.preflight())
+
+
+def launch_on(
+    cluster: raycluster.RayCluster,
+    cfg: ServerConfig,
+    log_dir: Path,
+    *,
+    stop_leftovers: bool = False,
+    on_progress: Callable[[str, float], None] | None = None,
+    log: Callable[[str], None] = print,
+) -> server.Launch:
+    """The server's preflight here, then the cluster (vLLM's head needs every node alive before it starts), then
+    the head's vLLM with the cluster's nodes as its own processes. A server to reuse needs no cluster. When
+    anything fails before vLLM was registered, the cluster is stopped here (after that, the server's stop does)."""
+    with server.launch_lock(cfg):
+        pre = server.preflight(cfg, stop_leftovers=stop_leftovers, log=log)
+        if pre.reuse:
+            return server.start(cfg, log_dir, pre, on_progress=on_progress, log=log)
+        ray_nodes: list[remote.WorkerRecord] = []
+        try:
+            cluster.start(cfg.environment(base={}, with_secrets=False), log_dir, ray_nodes.append, log)
+            return server.start(cfg, log_dir, pre, on_progress=on_progress, log=log, members=ray_nodes)
+        except BaseException:
+            if not server.registered(cfg.port):
+                if left := multinode.Workers(ray_nodes).stop(server.STOP_GRACE_S):
+                    log(f"the Ray cluster's stop left: {'; '.join(left)}")
+            raise
