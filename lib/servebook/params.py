@@ -392,12 +392,7 @@ class Params(BaseModel):
                 f"model: no folder {self.model} on this machine; point model at a checkpoint folder that exists, "
                 "or give a hub repo id such as MiniMaxAI/MiniMax-M2.5"
             )
-        problems += serving.conflicts(self.extra_args)
-        for variant in self.ab_variants:  # a variant sets a parameter by its name, never through extra_args
-            problems += [f"ab_variants {variant.name}: {c}" for c in serving.conflicts(variant.extra_args or [])]
-        for flag in self.extra_args:
-            if re.search(r"--api-key\b", flag):
-                problems.append("extra_args must not carry --api-key; set api_key_env to the variable that holds it")
+        problems += self._flag_problems()
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -539,6 +534,15 @@ class Params(BaseModel):
                 f"bench_input_len + bench_output_len = {self.bench_input_len + self.bench_output_len} exceeds "
                 f"max_model_len {self.max_model_len}; shorten the requests or raise max_model_len"
             )
+        return problems
+
+    def _flag_problems(self) -> list[str]:
+        """vLLM flags in ``extra_args`` (the params' and each A/B variant's) that a parameter owns, or the key."""
+        problems = serving.conflicts(self.extra_args)
+        for variant in self.ab_variants:  # a variant sets a parameter by its name, never through extra_args
+            problems += [f"ab_variants {variant.name}: {c}" for c in serving.conflicts(variant.extra_args or [])]
+        if any(re.search(r"--api-key\b", flag) for flag in self.extra_args):
+            problems.append("extra_args must not carry --api-key; set api_key_env to the variable that holds it")
         return problems
 
     def _ray_problems(self) -> list[str]:

@@ -174,7 +174,7 @@ def test_compare_labels_layouts_and_finds_the_crossover(tmp_path):
         d.mkdir()
         cfg = server.ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", **layout)
         results.write(d, LaunchRecord.planned(cfg))
-        levels = [
+        measured = [
             levels.Level(
                 concurrency=c,
                 repeats=1,
@@ -197,7 +197,7 @@ def test_compare_labels_layouts_and_finds_the_crossover(tmp_path):
                 repeats=1,
                 plateau_gain=0.05,
                 objectives=metrics.Objectives(),
-                levels=levels,
+                levels=measured,
                 runs=[],
                 stopped_by="max_concurrency",
                 stop_reason="",
@@ -317,8 +317,8 @@ def level(c, tp, low=None, high=None):
 
 def test_a_decline_past_the_best_level_ends_the_sweep():
     # the H200 story: 21,028 tok/s at 128 streams, 13,487 at 256
-    levels = [level(64, 15000), level(128, 21028), level(256, 13487, 13000, 14000)]
-    assert limits.declined(levels, 0.05).concurrency == 128
+    measured = [level(64, 15000), level(128, 21028), level(256, 13487, 13000, 14000)]
+    assert limits.declined(measured, 0.05).concurrency == 128
     # a noisy level whose best repeat reaches the peak is not a decline
     assert limits.declined([level(8, 937), level(16, 917, 450, 1380)], 0.05) is None
     assert limits.declined([level(1, 100)], 0.05) is None
@@ -383,13 +383,13 @@ def test_what_limits_a_level(level, gain, kind, words):
 
 
 def test_levels_are_labelled_against_the_level_before():
-    levels = [
+    measured = [
         _level(1, output_throughput=100.0),
         _level(2, output_throughput=190.0),
         _level(4, output_throughput=192.0),
     ]
-    limits.label_limits(levels, levels.SweepConfig(plateau_gain=0.05))
-    assert [lv.limit_kind for lv in levels] == ["rising", "rising", "server"]
+    limits.label_limits(measured, levels.SweepConfig(plateau_gain=0.05))
+    assert [lv.limit_kind for lv in measured] == ["rising", "rising", "server"]
 
 
 def vllm_events(chat: bool):
