@@ -158,9 +158,10 @@ def launch(
         False, "--dry-run", help="start the exact command with --load-format dummy, report KV and the timeline, stop"
     ),
 ) -> None:
-    """Start a vLLM server (or reuse a matching healthy one) and wait until it is ready; each start-up phase is
-    printed as it ends, the timeline when it is ready."""
-    from servebook import hardware, params, server, startplan
+    """Start the server the params describe, in its shape (one server, one across nodes, replicas behind a
+    router), or reuse a matching healthy one, and wait until it is ready; each start-up phase is printed as it
+    ends, the timeline when it is ready."""
+    from servebook import hardware, params, server, startplan, topology
     from servebook.results import outputs_root
     from servebook.stages import launch as launch_stage
 
@@ -171,13 +172,9 @@ def launch(
         launch_stage.check_load_options(cfg)
         if dry_run:
             cfg = cfg.dry()
-        result = server.launch(
-            cfg,
-            log_dir or outputs_root() / "servers",
-            stop_leftovers=p.stop_leftovers,
-            on_progress=lambda msg, t: typer.echo(f"[{t:6.1f} s] {msg}"),
-            log=typer.echo,
-        )
+        shape = topology.of(p, cfg, log_dir or outputs_root() / "servers")
+        typer.echo(f"launching {shape.describe()}")
+        result = shape.start().launch
     except ServebookError as exc:
         _fail(exc)
     typer.echo(f"{'reused' if result.reused else 'ready'}: {result.url} (pid {result.pid}, log {result.log_path})")
@@ -186,7 +183,7 @@ def launch(
     if dry_run:
         kv = result.values.kv_cache_tokens
         typer.echo(f"dry start: KV cache {kv or 0:,} tokens, weights {result.values.model_memory_gib} GiB; stopping it")
-        server.stop(port=cfg.port)
+        shape.stop()
 
 
 @app.command()

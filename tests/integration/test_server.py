@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from servebook import client, hardware, modelspec, planner, server
+from servebook import client, hardware, modelspec, params, planner, server
 from servebook.errors import LaunchError, ParamsError, PreflightError
 
 from .conftest import SHARED_PORT, config, ours_left, vllm_titles
@@ -80,7 +80,7 @@ def test_misspelled_flag_is_rejected_with_vllms_message_before_launch(tmp_path):
     # the params refuse it, and so does the launch of a configuration built past them (an A/B variant's flags)
     owned = "extra_args sets --max-num-seqs, which the parameter max_num_seqs owns"
     with pytest.raises(ParamsError, match=owned):
-        config(8132, extra_args=["--max-num-seqs", "8"])
+        params.validate({"model": "builtin:tiny-qwen3-moe", "extra_args": ["--max-num-seqs", "8"]})
     with pytest.raises(PreflightError, match=owned):
         server.launch(dataclasses.replace(config(8132), extra_args=["--max-num-seqs", "8"]), tmp_path, log=print)
     assert set(vllm_titles()) == before and server.registered(8132) is None
