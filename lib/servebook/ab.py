@@ -184,10 +184,7 @@ def measure(target: Target, maker: loadgen.PromptMaker, plan: AbPlan) -> dict[in
                 )  # fmt: skip
                 s = metrics.summarize(window.records)
                 if window.stalled:
-                    raise AbFailed(
-                        f"the engine stopped producing tokens at concurrency {c} ({window.stalled}) while /health "
-                        f"answered {client.health(target.url)}; `servebook status` names a stopped engine process"
-                    )
+                    raise AbFailed(client.hung_engine(target.url, window.stalled, f"concurrency {c}"))
                 if s.failed:
                     raise AbFailed(f"{s.failed} requests failed at concurrency {c}: {s.errors}")
                 rates[c] = s.request_throughput

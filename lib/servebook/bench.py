@@ -245,12 +245,9 @@ class _Sweep:
     def _fault(self, row: RunRow, stalled: str = "") -> str:
         """The server's fault, when failed requests mean it stopped answering, failed them all, or stopped
         producing tokens; '' otherwise."""
-        health = client.health(self.target.url)
         if stalled:
-            return (
-                f"the engine stopped producing tokens while /health answered {health} ({stalled}, at concurrency "
-                f"{row.concurrency}); `servebook status` names a stopped engine process"
-            )
+            return client.hung_engine(self.target.url, stalled, f"concurrency {row.concurrency}")
+        health = client.health(self.target.url)
         if health == "ready" and row.summary.failed < row.summary.requests:
             return ""
         what = "stopped answering" if health != "ready" else "failed every request"

@@ -52,6 +52,14 @@ class StallPolicy:
 STALL = StallPolicy()
 
 
+def hung_engine(url: str, stalled: str, where: str) -> str:
+    """A window cut short by its stall bound, said for a person: what stalled, what ``/health`` said meanwhile."""
+    return (
+        f"the engine stopped producing tokens while /health answered {health(url)} ({stalled}, at {where}); "
+        "`servebook status` names a stopped engine process"
+    )
+
+
 def health(url: str, timeout: float = 2.0) -> str:
     """'ready' (200), 'dead' (503: the engine died), 'loading' (no listener yet), 'busy' or 'error <code>'."""
     try:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from servebook import client, levels, loadgen, metrics, tables
+from servebook import client, loadgen, metrics, tables
 from servebook.client import Target
 from servebook.datasets import Cursor, Prompt
+from servebook.levels import CLOCK_TOLERANCE_PCT
 from servebook.loadgen import Arrival, RequestRecord, Workload
 
 KEEP_UP = 0.9  # completions at under 90 % of the offered rate: requests pile up, the server is past its capacity
@@ -121,7 +122,7 @@ def judge(level: RateLevel, cfg: RateSweepConfig) -> str:
     gap = level.tpot_clock_gap_pct
     clock = (
         f"; the client's mean TPOT is {gap:+.0f} % off vLLM's own: the API server delivered tokens late or in bursts"
-        if gap is not None and abs(gap) > levels.CLOCK_TOLERANCE_PCT
+        if gap is not None and abs(gap) > CLOCK_TOLERANCE_PCT
         else ""
     )
     if not level.kept_up:
@@ -223,10 +224,7 @@ def sweep_rates(
             f"p99 {level.ttft_p99_ms or 0:7.1f} ms, {level.requests} requests; {level.verdict}"
         )
         if stalled:
-            fault = (
-                f"the engine stopped producing tokens while /health answered {client.health(target.url)} ({stalled}, "
-                f"at {rate:g} requests/s); `servebook status` names a stopped engine process"
-            )
+            fault = client.hung_engine(target.url, stalled, f"{rate:g} requests/s")
             stop_reason = f"server fault at {rate:g} requests/s"
             log(f"rate {rate:7.2f}/s: {fault}")
             break

@@ -254,7 +254,7 @@ def _earlier_server_not_listening(
 def hung(record: Registration, cfg: ServerConfig) -> str:
     """Why a server whose ``/health`` answers 200 will serve no token ('' when one comes back): a process of its
     group stopped (SIGSTOP, a debugger), or no one-token completion within the first window's stall bound."""
-    stopped = [m for m in group_members(record.pgid) if _status_of(m) == psutil.STATUS_STOPPED] if record.pgid else []
+    stopped = stopped_members(record.pgid) if record.pgid else []
     if stopped:
         return f"{'; '.join(describe(m) for m in stopped)} stopped (SIGSTOP or a debugger)"
     return client.first_token(cfg.target(timeout_s=FIRST_TOKEN_S))
@@ -529,7 +529,7 @@ class _StoppedWatch:
 
     def check(self, pid: int) -> str:
         now = time.monotonic()
-        stopped = [m for m in group_members(pid) if _status_of(m) == psutil.STATUS_STOPPED]  # pid leads its group
+        stopped = stopped_members(pid)  # the server's process leads its group
         self.since = {m.pid: self.since.get(m.pid, now) for m in stopped}
         long_stopped = [m for m in stopped if now - self.since[m.pid] >= STOPPED_S]
         if not long_stopped:
@@ -660,13 +660,18 @@ def _server_state(rec: Registration, members: list[psutil.Process]) -> tuple[str
             f"{len(members)} engine process(es) orphaned, still holding memory: "
             f"{'; '.join(describe(m) for m in members[:4])}; run `servebook stop --port {rec.port}`"
         )
-    stopped = [m for m in members if _status_of(m) == psutil.STATUS_STOPPED]
+    stopped = [m for m in members if _status_of(m) == psutil.STATUS_STOPPED]  # the members already listed
     if stopped:
         return "hung", (
             f"{'; '.join(describe(m) for m in stopped)} stopped (SIGSTOP or a debugger): /health answers 200, but no "
             f"token will come; `kill -CONT {stopped[0].pid}` or `servebook stop --port {rec.port}`"
         )
     return health(rec.url), ""
+
+
+def stopped_members(pgid: int) -> list[psutil.Process]:
+    """The group's processes that are stopped (SIGSTOP, a debugger): a server that will serve no token."""
+    return [m for m in group_members(pgid) if _status_of(m) == psutil.STATUS_STOPPED]
 
 
 def _status_of(proc: psutil.Process) -> str:

@@ -64,3 +64,18 @@ def test_a_launch_record_says_its_shape_also_from_before_it_was_written():
     assert topology.machines(params.validate({})) is None
     assert topology.machines(params.validate(NODES)).nodes[1].address == "10.0.0.2"
     assert Parallelism(tp=2) == ServerConfig.from_params(params.validate(NODES), "cuda", model_path="/m").layout
+
+
+def test_servebook_launch_starts_the_params_shape_not_one_server_whatever_they_say():
+    """`servebook launch` with replicas goes through the replica set: its preflight refuses two CUDA replicas on a
+    machine without GPUs, by name, before anything starts (it used to start one server and ignore replicas)."""
+    from typer.testing import CliRunner
+
+    from servebook.cli import app
+
+    params_file = str(Path(__file__).resolve().parents[2] / "params" / "default.yaml")
+    out = CliRunner().invoke(app, ["launch", params_file, "--set", "replicas=2", "--set", "device=cuda",
+                                   "--set", "ab_variants=[]"])  # fmt: skip
+    assert out.exit_code != 0
+    assert "launching independent replicas behind vllm-router" in out.output
+    assert "replicas 2 x TP=1 need GPUs up to index 1" in out.output, out.output

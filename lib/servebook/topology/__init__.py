@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from servebook import server
+from servebook import remote, server, ui
 from servebook.errors import CleanupError, ParamsError
 from servebook.multinode import NodeProbe, NodeSet
 from servebook.params import Params
@@ -122,6 +122,14 @@ class Topology(abc.ABC):
 
     @abc.abstractmethod
     def _start(self) -> Started: ...
+
+    def _launch(self, workers: list[remote.WorkerRecord] | None = None) -> server.Launch:
+        """The server here (the head, on several nodes, with the other nodes' ``workers``), its load shown as it
+        goes."""
+        return server.launch(
+            self.cfg, self.run_dir, stop_leftovers=self.p.stop_leftovers,
+            on_progress=ui.load_progress(self.p.interactive), workers=workers or [],
+        )  # fmt: skip
 
     def ports(self) -> list[int]:
         """The ports of everything this shape registers on this machine (a router's, each server's)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from servebook import router, server, ui
+from servebook import router, server
 from servebook.errors import LaunchError
 from servebook.multinode import NodeProbe
 from servebook.replicas import ReplicaRecord
@@ -29,10 +29,7 @@ class HybridServer(MultiNodeServer):
 
     def _start(self) -> Started:
         p, cfg = self.p, self.cfg
-        launch = server.launch(
-            cfg, self.run_dir, stop_leftovers=p.stop_leftovers, on_progress=ui.load_progress(p.interactive),
-            workers=self.workers,
-        )  # fmt: skip
+        launch = self._launch(self.workers)
         started = server.registered(cfg.port)
         nodes = started.workers if started else []
         urls = [launch.url] + [f"http://{w.address}:{cfg.port}" for w in nodes]

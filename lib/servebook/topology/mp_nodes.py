@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from servebook import multinode, remote, server, ui
+from servebook import multinode, remote
 from servebook.multinode import NodeProbe
 from servebook.topology import Shape, Started, Topology
 
@@ -29,8 +29,4 @@ class MultiNodeServer(Topology):
         return probes
 
     def _start(self) -> Started:
-        launch = server.launch(
-            self.cfg, self.run_dir, stop_leftovers=self.p.stop_leftovers, on_progress=ui.load_progress(self.p.interactive),
-            workers=self.workers,
-        )  # fmt: skip
-        return Started(launch, probes=self.preflight())
+        return Started(self._launch(self.workers), probes=self.preflight())
