@@ -13,6 +13,7 @@ import httpx
 from pydantic import BaseModel
 
 from servebook.errors import SmokeTestFailed
+from servebook.json_types import JsonObject
 
 SMOKE_PROMPT = "The server is ready to serve the model"
 SMOKE_CHAT = [{"role": "user", "content": "Say something about expert parallel serving."}]
@@ -270,7 +271,7 @@ def reset_prefix_cache(target: Target) -> str:
     return "; ".join(sorted(said))
 
 
-def _answered(r: httpx.Response, what: str) -> dict[str, Any]:
+def _answered(r: httpx.Response, what: str) -> JsonObject:
     if r.status_code == 401:
         raise SmokeTestFailed(
             f"{what} answered 401: the server wants an API key this client did not send or that differs; export the "
@@ -281,11 +282,11 @@ def _answered(r: httpx.Response, what: str) -> dict[str, Any]:
     return r.json()
 
 
-def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+def _post(client: httpx.Client, path: str, body: JsonObject) -> JsonObject:
     return _answered(client.post(path, json=body), f"POST {path}")
 
 
-def _get(client: httpx.Client, path: str) -> dict[str, Any]:
+def _get(client: httpx.Client, path: str) -> JsonObject:
     return _answered(client.get(path), f"GET {path}")
 
 
@@ -362,7 +363,7 @@ def stream_timing(client: httpx.Client, model: str, max_tokens: int, engines: Se
     before = engine_metrics()
     sent = time.perf_counter()
     first = last = None
-    usage: dict[str, Any] = {}
+    usage: JsonObject = {}
     chunks = 0
     with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -414,7 +415,7 @@ def answer_check(what: str, text: str, usage: dict | None) -> Check:
 
 
 def _deterministic_pair(
-    client: httpx.Client, what: str, path: str, body: dict[str, Any], text_of: Any
+    client: httpx.Client, what: str, path: str, body: JsonObject, text_of: Any
 ) -> tuple[Answer, list[Check]]:
     """The same request twice at temperature 0: did it generate, did it answer alike, did it report usage?"""
     answers = [_post(client, path, body) for _ in range(2)]

@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from servebook.errors import DownloadError, InsufficientDisk
+from servebook.json_types import JsonObject
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 
@@ -308,7 +309,7 @@ def fetch(
     )
 
 
-def safetensors_tensor_bytes(path: Path) -> tuple[int, dict[str, Any]]:
+def safetensors_tensor_bytes(path: Path) -> tuple[int, JsonObject]:
     """Tensor bytes a safetensors file declares; raises ValueError when the header and the data disagree."""
     size = path.stat().st_size
     with open(path, "rb") as fh:

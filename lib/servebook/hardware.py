@@ -16,6 +16,7 @@ import pynvml
 
 from servebook import nvml
 from servebook.errors import NvmlUnavailable
+from servebook.json_types import JsonObject
 from servebook.units import MiB, gib
 
 VLLM_TITLE_PREFIX = "VLLM::"
@@ -82,7 +83,7 @@ class Inventory:
     gpus: list[Gpu] = field(default_factory=list)
     pairs: list[GpuPair] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
     @property

@@ -33,6 +33,7 @@ import yaml
 
 from servebook import download, gpus, models, multinode, planner, router, startplan
 from servebook.errors import ServebookError
+from servebook.json_types import JsonObject
 from servebook.params import Params
 from servebook.server_config import SERVER_KEY_VAR, ServerConfig, load_budget_s
 
@@ -61,7 +62,7 @@ class Manifests:
     device: planner.Device
     notes: list[str] = field(default_factory=list)
 
-    def objects(self) -> list[dict[str, Any]]:
+    def objects(self) -> list[JsonObject]:
         return [doc for name, text in self.files.items() if name.endswith(".yaml") and name != "kustomization.yaml"
                 for doc in yaml.safe_load_all(text) if doc]  # fmt: skip
 
@@ -138,8 +139,8 @@ def readiness_script(port: int, served_model_name: str) -> str:
     )
 
 
-def _env(p: Params, cfg: ServerConfig, budget_s: int) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
+def _env(p: Params, cfg: ServerConfig, budget_s: int) -> list[JsonObject]:
+    env: list[JsonObject] = [
         # vLLM's own address for this node, the pod's IP (what the other pods reach; a wrong one is the classic
         # multi-node hang)
         {"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -167,13 +168,13 @@ def _container(
     p: Params,
     command: list[str],
     per_pod_gpus: int,
-    env: list[dict[str, Any]],
+    env: list[JsonObject],
     mount: str,
     *,
     leader: bool,
     shell: bool,
-) -> dict[str, Any]:
-    c: dict[str, Any] = {"name": "vllm-leader" if leader else "vllm-worker", "image": p.k8s_image}
+) -> JsonObject:
+    c: JsonObject = {"name": "vllm-leader" if leader else "vllm-worker", "image": p.k8s_image}
     if shell:
         c["command"] = ["/bin/sh", "-c", "exec " + " ".join(_sh(a) for a in command)]
     else:
@@ -192,7 +193,7 @@ def _sh(arg: str) -> str:
     return arg if arg.startswith(("$(", "$$((")) else shlex.quote(arg)
 
 
-def _leader_probes(port: int, served_name: str, budget: int) -> dict[str, Any]:
+def _leader_probes(port: int, served_name: str, budget: int) -> JsonObject:
     """The leader's port and probes: started within the load budget, ready while a token comes back, alive while
     ``/health`` answers."""
     return {
@@ -238,7 +239,7 @@ def render(p: Params, plan: planner.Plan, layout: planner.Layout) -> Manifests:
         )},
     ]  # fmt: skip
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "servebook"}
-    template: dict[str, Any] = {
+    template: JsonObject = {
         "size": nodes,
         "restartPolicy": "RecreateGroupOnPodRestart",  # a lost node breaks the engine: the group starts again
         "leaderTemplate": {"metadata": {"labels": {**labels, "role": "leader"}},
@@ -315,9 +316,7 @@ def multinode_strategy(strategy: str) -> str:
     return planner.MULTINODE_STRATEGIES.get(strategy, strategy)
 
 
-def _router_objects(
-    p: Params, name: str, ns: str, labels: dict[str, str], leaders: dict[str, str]
-) -> list[dict[str, Any]]:
+def _router_objects(p: Params, name: str, ns: str, labels: dict[str, str], leaders: dict[str, str]) -> list[JsonObject]:
     """vllm-router with Kubernetes discovery of the leaders: its account may list and watch pods in the namespace."""
     rname = f"{name}-router"
     rlabels = {**labels, "app.kubernetes.io/component": "router"}
@@ -388,16 +387,16 @@ def _block_strings(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _block_strings)
 
 
-def _dump(objects: list[dict[str, Any]]) -> str:
+def _dump(objects: list[JsonObject]) -> str:
     return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=120)
 
 
 # validation -------------------------------------------------------------------------------------------------------
 
 
-def lws_schema() -> dict[str, Any]:
+def lws_schema() -> JsonObject:
     text = resources.files("servebook").joinpath("k8s_schemas/leaderworkerset-v1.json").read_text()
-    schema: dict[str, Any] = json.loads(text)
+    schema: JsonObject = json.loads(text)
     return schema
 
 
@@ -413,7 +412,7 @@ def validate(m: Manifests, version: str = KUBERNETES_VERSION) -> list[str]:
         ) from exc
     problems: list[str] = []
 
-    def core(obj: dict[str, Any], what: str) -> None:
+    def core(obj: JsonObject, what: str) -> None:
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:

@@ -17,6 +17,8 @@ from typing import Any
 from ipykernel.ipkernel import IPythonKernel
 from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
 
+from servebook.json_types import JsonObject
+
 KERNEL = "servebook"  # the kernel setup.sh registers for the project's virtualenv
 
 
@@ -41,7 +43,7 @@ class WorkbookContentsManager(AsyncLargeFileManager):
             notebook.metadata["language_info"] = copy.deepcopy(IPythonKernel.language_info)
         return model
 
-    async def save(self, model: dict[str, Any], path: str = "") -> Any:
+    async def save(self, model: JsonObject, path: str = "") -> Any:
         notebook = model.get("content") if model.get("type") == "notebook" else None
         if isinstance(notebook, dict) and _ours(notebook):
             model = {**model, "content": {**notebook, "metadata": dict(notebook.get("metadata", {}))}}

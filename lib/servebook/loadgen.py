@@ -25,6 +25,7 @@ import numpy as np
 
 from servebook.client import STALL, Target
 from servebook.datasets import Prompt
+from servebook.json_types import JsonObject
 
 READ_BUFFER = 16 * 1024 * 1024
 Endpoint = Literal["completions", "chat"]
@@ -223,7 +224,7 @@ def _record(
     )
 
 
-def _body(workload: Workload, model: str, prompt: PromptLike) -> tuple[str, dict[str, Any]]:
+def _body(workload: Workload, model: str, prompt: PromptLike) -> tuple[str, JsonObject]:
     text, output_len = (prompt.text, prompt.output_len) if isinstance(prompt, Prompt) else (prompt, workload.output_len)
     common = {
         "model": model,
@@ -239,7 +240,7 @@ def _body(workload: Workload, model: str, prompt: PromptLike) -> tuple[str, dict
     return "/v1/completions", {**common, "prompt": text}
 
 
-def apply_event(rec: RequestRecord, event: dict[str, Any], now: float) -> None:
+def apply_event(rec: RequestRecord, event: JsonObject, now: float) -> None:
     """Fold one streamed event into a request's timeline, as vLLM's benchmark times it.
 
     A chunk that carries ``choices`` is a token event even when its text is empty (a special token, or bytes the
@@ -330,7 +331,7 @@ class _Client:
     async def send(
         self,
         path: str,
-        body: dict[str, Any],
+        body: JsonObject,
         rec: RequestRecord,
         keep_text: bool = False,
         extra_headers: dict[str, str] | None = None,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from servebook.errors import ModelConfigError, ServebookError
+from servebook.json_types import JsonObject
 
 KNOWN_FAMILIES = {
     "minimax_m2": "MiniMax-M2",
@@ -45,7 +46,7 @@ class Quantization:
     actorder: str | None = None
     fmt: str = ""
     experts_only: bool = False  # attention and shared experts left in bf16
-    raw: dict[str, Any] = field(default_factory=dict)
+    raw: JsonObject = field(default_factory=dict)
 
     def weight_bytes_per_param(self, quantized: bool) -> float:
         if not quantized or self.method == "none":
@@ -100,18 +101,18 @@ class ModelSpec:
     def dense_layers(self) -> int:
         return self.layers - self.moe_layers
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
 
-def _need(cfg: dict[str, Any], name: str, source: str, *alts: str) -> Any:
+def _need(cfg: JsonObject, name: str, source: str, *alts: str) -> Any:
     for key in (name, *alts):
         if cfg.get(key) is not None:
             return cfg[key]
     raise ModelConfigError(source, name)
 
 
-def _quantization(q: dict[str, Any] | None) -> Quantization:
+def _quantization(q: JsonObject | None) -> Quantization:
     if not q:
         return Quantization()
     method = str(q.get("quant_method", "")).lower()
@@ -122,7 +123,7 @@ def _quantization(q: dict[str, Any] | None) -> Quantization:
         return Quantization("mxfp4", experts_only=True, raw=q)
     if method == "compressed-tensors":
         groups = q.get("config_groups") or {}
-        weights: dict[str, Any] = (
+        weights: JsonObject = (
             q.get("weights") or next((g.get("weights") for g in groups.values() if g.get("weights")), {}) or {}
         )
         ignore = " ".join(str(i) for i in (q.get("ignore") or q.get("ignore_patterns_reported") or []))
@@ -143,7 +144,7 @@ def _quantization(q: dict[str, Any] | None) -> Quantization:
     return Quantization("other", raw=q)
 
 
-def from_config(config: dict[str, Any], source: str = "config.json", index: dict[str, Any] | None = None) -> ModelSpec:
+def from_config(config: JsonObject, source: str = "config.json", index: JsonObject | None = None) -> ModelSpec:
     """Describe a model from its config (and optionally its safetensors index)."""
     outer = config
     cfg = config.get("text_config") or config  # Kimi-K2.5, Llama-4: the language model is nested
@@ -230,7 +231,7 @@ def _cached_config(model: str, revision: str | None) -> ModelSpec | None:
     return from_config(_read_json(Path(found)), model, _read_json(Path(index)) if isinstance(index, str) else None)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> JsonObject:
     """A JSON object from a checkpoint's file, or a ServebookError naming the file and what is wrong with it."""
     try:
         data = json.loads(path.read_text())

@@ -14,6 +14,7 @@ import nbformat
 from nbconvert import HTMLExporter
 
 from servebook import files
+from servebook.json_types import JsonObject
 from servebook.results import Manifest
 from servebook.secrets import mask
 
@@ -21,7 +22,7 @@ PLOTLY_MIME = "application/vnd.plotly.v1+json"
 TEMPLATE = Path(__file__).parent / "report_template" / "servebook_report.html.j2"  # lab, minus CDN scripts
 
 
-def _figure_html(fig: dict[str, Any]) -> str:
+def _figure_html(fig: JsonObject) -> str:
     import plotly.io as pio
 
     return pio.to_html(fig, include_plotlyjs=False, full_html=False, config={"displaylogo": False})

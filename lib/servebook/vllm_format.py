@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from servebook import files, metrics
 from servebook.errors import ServebookError
+from servebook.json_types import JsonObject
 from servebook.loadgen import RequestRecord
 
 PERCENTILES = (50, 90, 99)  # vllm bench serve's default --metric-percentiles are "99"; these three cover it
@@ -63,13 +63,13 @@ def result_json(
     burstiness: float = 1.0,
     label: str = "",
     objectives: metrics.Objectives | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """One run's measured requests as ``vllm bench serve --save-result`` writes them."""
     measured = [r for r in records if not r.warmup]
     ok = [r for r in measured if r.ok]
     s = metrics.summarize(measured, objectives)
     max_tokens_per_s, max_concurrent = _peaks(ok)
-    out: dict[str, Any] = {
+    out: JsonObject = {
         "date": time.strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": "openai-chat" if endpoint == "chat" else "openai",
         "backend": "servebook",
@@ -99,12 +99,12 @@ def result_json(
     return out
 
 
-def write(result: dict[str, Any], path: Path) -> None:
+def write(result: JsonObject, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     files.write_text(path, json.dumps(result, indent=1))
 
 
-def read(path: Path) -> dict[str, Any]:
+def read(path: Path) -> JsonObject:
     """A result file of ``vllm bench serve --save-result`` (or servebook's copy), checked for what compare needs."""
     try:
         data = json.loads(path.read_text())
@@ -121,7 +121,7 @@ def read(path: Path) -> dict[str, Any]:
     return data
 
 
-def levels(results: list[dict[str, Any]]) -> pd.DataFrame:
+def levels(results: list[JsonObject]) -> pd.DataFrame:
     """vLLM results as servebook's per-level table (the columns compare plots), one row per concurrency."""
     rows = []
     for r in results:

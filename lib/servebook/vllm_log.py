@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel
 
+from servebook.json_types import JsonObject
 from servebook.secrets import mask
 
 UNRECOGNISED = "the server exited without a recognised error; read the log tail"
@@ -155,7 +155,7 @@ class LoadProgress:
         self.values = self.values.model_copy(update=values)
         return message if first or name == "shards" else ""
 
-    def _accumulated(self, name: str, g: tuple[str, ...]) -> dict[str, Any]:
+    def _accumulated(self, name: str, g: tuple[str, ...]) -> JsonObject:
         """Values that gather over many lines: one per rank, one per capture mode; the miss wins a mix."""
         v = self.values
         if name == "weights_loaded":
@@ -174,7 +174,7 @@ def _num(text: str) -> int:
 
 
 # phase -> (values to record, progress message), from the regex groups
-_PHASE_READERS: dict[str, Callable[[tuple[str, ...]], tuple[dict[str, Any], str]]] = {
+_PHASE_READERS: dict[str, Callable[[tuple[str, ...]], tuple[JsonObject, str]]] = {
     "version": lambda g: ({"vllm_version": g[0]}, f"vLLM {g[0]} starting"),
     "engine_start": lambda g: ({}, "engine process started"),
     "loading_model": lambda g: ({}, "loading model"),

@@ -1,0 +1,296 @@
+"""What a layout holds per GPU: weights, the reserve, the KV cache, and the decode rate its memory traffic allows."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from servebook.modelspec import ModelSpec
+from servebook.planner.layout import BLOCK_SIZE, Device, Layout, Reserve, Weights, default_max_num_seqs, pp_split
+from servebook.units import GiB
+
+# the KV tokens of all seven launched layouts (TP, EP, DP, PP, bf16 and FP8) come within 0.11 %.
+CUDA_HIDDEN_BYTES = 0.60 * GiB  # NVML's total (140.40 GiB on an H200) minus what CUDA reports (139.80 GiB)
+NON_TORCH_BYTES = 0.25 * GiB  # CUDA context, cuBLAS workspaces (logged 0.23 GiB at TP=1; 0.08 per DP engine)
+NON_TORCH_COLLECTIVE_BYTES = 0.30 * GiB  # NCCL and custom all-reduce buffers at TP > 1 (logged 0.56; PP=2: 0.07)
+ACTIVATION_FACTOR = 2.06  # logged profile peak / the tensors the profile run must hold at once (below)
+GRAPH_TP_EXPONENT = 0.65  # TP=2 needed 0.224 GiB: graphs shrink with the activations they hold
+
+
+def max_num_batched_tokens(device: Device) -> int:
+    """vLLM's default for its API server: 8192 on GPUs of 70 GiB or more (except A100), else 2048
+    (vllm/engine/arg_utils.py, _set_default_max_num_seqs_and_batched_tokens_args)."""
+    return 8192 if device.memory_bytes >= 70 * GiB and "A100" not in device.name else 2048
+
+
+def capture_sizes(max_num_seqs: int, max_capture: int = 0) -> list[int]:
+    """vLLM's default CUDA-graph capture sizes: 1, 2, 4, then every 8 to 256, then every 16, up to the largest,
+    min(2 x max_num_seqs, 512) (vllm/config/vllm.py, _set_cudagraph_sizes)."""
+    largest = max_capture or min(2 * max_num_seqs, 512)
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16)]
+    return [n for n in sizes if n <= largest]
+
+
+# The dummy sampler run's logits, min(max_num_seqs, tokens) requests x vocabulary, on top of the forward's peak:
+# Kimi-shaped, 163,840 tokens of vocabulary, 1,024 requests against 128 logged 0.41 GiB more (3.0 bytes per logit)
+SAMPLER_BYTES_PER_LOGIT = 3.0
+# MLA's profile forward (DeepSeek-V3 / Kimi shapes, FLASH_ATTN_MLA, Marlin INT4 MoE), fitted on the Kimi-shaped
+# mini at 4,096, 8,192 and 16,384 batched tokens (docs/examples/h200-vllm/README.md): a fixed part (MLA's absorbed
+# weights and the Marlin workspace) and, beside the MoE term every model has, bytes per token and head
+MLA_FIXED_BYTES = 1.995 * GiB
+MLA_BYTES_PER_TOKEN_HEAD = 933.0
+# vLLM's CUDA-graph estimate captures the two largest graphs of each mode and extrapolates: the first capture's
+# pool, plus one MiB (its floor) per further graph (gpu_model_runner.py, profile_cudagraph_memory); the pool is
+# the larger of the two modes'. The first FULL capture of N requests (at min(max_model_len, tokens // N) tokens
+# each, which moved nothing measurable): MLA (FLASH_ATTN_MLA) logged 4,130 MiB at N = 512 with 8,192 and with
+# 16,384 batched tokens, 1,082 at 256, 514 at 128, 264 at 64: the larger of a term in N² and one per request.
+# GQA (FlashAttention 3): 384 MiB at 512 requests for hidden 3,072, and 0.35 GiB in all for hidden 2,048
+GRAPH_MLA_BYTES_PER_REQUEST_SQUARED = 0.015755 * 2**20
+GRAPH_MLA_BYTES_PER_REQUEST = 4.1 * 2**20
+GRAPH_GQA_BYTES_PER_REQUEST_HIDDEN = 256.0
+GRAPH_PIECEWISE_BYTES_PER_HIDDEN = 144 * 2**20 / 7168  # Kimi 144 MiB, MiniMax 96 MiB (first PIECEWISE capture)
+GRAPH_EXTRA_BYTES = 2**20
+# A start that compiles (a torch.compile cache miss) profiles with Inductor's compile-time buffers still in torch's
+# peak: the Kimi-shaped mini at vLLM's defaults logged 5.30 GiB on a miss, 4.21 GiB on a hit (warm relaunch and
+# dummy-weight start), 1.2 % of its KV cache. Measured on MLA only; the GQA rows were all misses, their fit holds it.
+MLA_COMPILE_MISS_BYTES = 1.09 * GiB
+
+
+def graph_estimate(
+    spec: ModelSpec, serving: Serving, seqs: int, tokens: int, max_model_len: int, tp: int
+) -> tuple[float, int]:
+    """(bytes, graphs captured) of vLLM's CUDA-graph estimate: FULL decode graphs up to max_num_seqs requests,
+    PIECEWISE graphs up to the largest capture size, as vLLM 0.25's default FULL_AND_PIECEWISE mode does."""
+    if serving.enforce_eager:
+        return 0.0, 0
+    piecewise = capture_sizes(seqs, serving.max_capture_size)
+    full = [n for n in piecewise if n <= seqs]
+    largest = full[-1] if full else 0
+    if spec.mla:
+        first_full = max(GRAPH_MLA_BYTES_PER_REQUEST_SQUARED * largest**2, GRAPH_MLA_BYTES_PER_REQUEST * largest)
+    else:
+        first_full = GRAPH_GQA_BYTES_PER_REQUEST_HIDDEN * largest * spec.hidden
+    first_piecewise = GRAPH_PIECEWISE_BYTES_PER_HIDDEN * spec.hidden
+    pool = max(first_full, first_piecewise) / tp**GRAPH_TP_EXPONENT
+    return pool + GRAPH_EXTRA_BYTES * (max(len(full) - 1, 0) + max(len(piecewise) - 1, 0)), len(full) + len(piecewise)
+
+
+def reserve_for(
+    spec: ModelSpec,
+    layout: Layout,
+    device: Device,
+    gpu_memory_utilization: float,
+    serving: Serving | None = None,
+    max_model_len: int = 4096,
+) -> Reserve:
+    """What vLLM will keep per GPU for this layout, term by term as its memory profile logs them."""
+    serving = serving or Serving()
+    tokens = serving.max_num_batched_tokens or max_num_batched_tokens(device)
+    seqs = serving.max_num_seqs or default_max_num_seqs(device)
+    tp, dp = layout.tp, layout.dp
+    # The profile run's peak sits in a MoE layer: fused_moe's shared cache for the gate/up and down outputs
+    # (M x top-k x max(2 I, H)) and its activation cache (M x top-k x I), in bf16. DP ranks gather each
+    # other's tokens before the experts, with EP too (vLLM's default all2all backend, allgather-reducescatter:
+    # TP=1+DP=2+EP logged 1.34 GiB, as much as without EP); without EP the experts are TP-sliced over TP x DP.
+    if spec.is_moe and spec.expert_intermediate:
+        moe_tokens = tokens * dp
+        inter = spec.expert_intermediate // max(layout.moe_tp, 1)
+        moe = moe_tokens * spec.experts_per_token * (max(2 * inter, spec.hidden) + inter) * 2
+    else:
+        moe = tokens * (2 * max(spec.dense_intermediate // tp, 1) + spec.hidden) * 2
+    if spec.mla:
+        forward = ACTIVATION_FACTOR * moe + MLA_FIXED_BYTES + tokens * spec.heads / tp * MLA_BYTES_PER_TOKEN_HEAD
+        if serving.compile_cache_hit:
+            forward -= MLA_COMPILE_MISS_BYTES
+    else:
+        attention = tokens * (spec.heads + 2 * spec.kv_heads) * spec.head_dim * 2 / tp
+        forward = ACTIVATION_FACTOR * (moe + attention)
+    sampler = min(seqs, tokens) * (spec.vocab / tp) * SAMPLER_BYTES_PER_LOGIT
+    collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 else 0.0
+    graphs, captures = graph_estimate(spec, serving, seqs, tokens, max_model_len, tp)
+    return Reserve(
+        cuda_hidden=gpu_memory_utilization * CUDA_HIDDEN_BYTES,
+        non_torch=NON_TORCH_BYTES + collective,
+        activation=forward + sampler,
+        cuda_graphs=graphs,
+        tokens=tokens,
+        forward=forward,
+        sampler=sampler,
+        graph_captures=captures,
+        max_num_seqs=seqs,
+    )
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The engine settings the reserve moves with; 0 means vLLM's default for the device."""
+
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    enforce_eager: bool = False
+    max_capture_size: int = 0  # compilation_config's max_cudagraph_capture_size; 0: vLLM's rule
+    compile_cache_hit: bool = False  # a relaunch that loads its torch.compile artefacts profiles a smaller peak
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What every layout of one plan is sized against: the checkpoint's bytes and the serving settings."""
+
+    weights: Weights
+    max_model_len: int
+    gpu_memory_utilization: float
+    kv_dtype_bytes: int
+    reserve_bytes: float | None  # a fixed reserve per GPU; None models it per layout
+    batch: int
+    serving: Serving = Serving()
+
+
+def size(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing) -> None:
+    """Memory per GPU, KV capacity, communication and a bandwidth ceiling for decode."""
+    stage_layers = max(pp_split(spec.layers, layout.pp))
+    moe_share = spec.moe_layers / spec.layers if spec.layers else 0
+    moe_stage = stage_layers * moe_share
+    parts = _weights_per_gpu(spec, layout, sizing.weights, stage_layers, moe_stage)
+    layout.weight_breakdown = parts
+    layout.weight_bytes_per_gpu = sum(parts.values())
+    _size_kv_cache(spec, layout, device, sizing, stage_layers)
+    _rate_decode(spec, layout, device, sizing, stage_layers, moe_stage)
+
+
+def _expert_fraction(spec: ModelSpec, layout: Layout) -> float:
+    """The share of each MoE layer's experts one GPU holds."""
+    if layout.ep and spec.experts:
+        return layout.experts_per_gpu / spec.experts
+    return 1 / (layout.tp * layout.dp) if spec.is_moe else 0
+
+
+def _weights_per_gpu(
+    spec: ModelSpec, layout: Layout, weights: Weights, stage_layers: int, moe_stage: float
+) -> dict[str, float]:
+    """The bytes of each part of the model one GPU of the largest pipeline stage holds."""
+    tp, pp = layout.tp, layout.pp
+    dense_stage = stage_layers - moe_stage
+    emb = (weights.embedding + weights.lm_head) / tp if pp == 1 else max(weights.embedding, weights.lm_head) / tp
+    return {
+        "attention": stage_layers * (weights.attention / tp + weights.attention_replicated),
+        "experts": moe_stage * weights.experts * _expert_fraction(spec, layout),
+        "shared_and_dense": moe_stage * (weights.shared / tp + weights.router) + dense_stage * weights.dense_mlp / tp,
+        "embeddings": emb,
+    }
+
+
+def _size_kv_cache(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, stage_layers: int) -> None:
+    """KV bytes per token, the memory left for them beside weights and vLLM's reserve, the tokens and requests of
+    max_model_len that fit, and vLLM's refusal where not one does."""
+    max_model_len, utilization = sizing.max_model_len, sizing.gpu_memory_utilization
+    if spec.mla:
+        per_layer = (spec.kv_lora_rank + spec.qk_rope_head_dim) * sizing.kv_dtype_bytes
+    else:
+        per_layer = 2 * max(1, spec.kv_heads // layout.tp) * spec.head_dim * sizing.kv_dtype_bytes
+    layout.kv_bytes_per_token_per_gpu = stage_layers * per_layer
+    if device.kind == "cpu":
+        available, reserve_bytes = float(device.cpu_kv_bytes), 0.0
+    else:
+        if sizing.reserve_bytes is None:
+            layout.reserve = reserve_for(spec, layout, device, utilization, sizing.serving, max_model_len)
+        else:
+            layout.reserve = Reserve(
+                cuda_hidden=0.0, non_torch=0.0, activation=sizing.reserve_bytes, cuda_graphs=0.0, tokens=0, flat=True
+            )
+        reserve_bytes = layout.reserve.total
+        available = device.memory_bytes * utilization - layout.weight_bytes_per_gpu - reserve_bytes
+    layout.available_kv_bytes_per_gpu = max(0.0, available)
+    page = BLOCK_SIZE * per_layer
+    blocks = int(layout.available_kv_bytes_per_gpu // page // stage_layers) if page and stage_layers else 0
+    layout.max_kv_tokens = blocks * BLOCK_SIZE
+    layout.max_concurrency = layout.dp * layout.max_kv_tokens / max_model_len if max_model_len else 0.0
+    if not layout.accepted or layout.max_kv_tokens >= max_model_len:
+        return
+    layout.fits = False
+    need = max_model_len * layout.kv_bytes_per_token_per_gpu / GiB
+    if available <= 0:
+        layout.reasons.append(
+            f"ValueError: No available memory for the cache blocks: weights {layout.weight_bytes_per_gpu / GiB:.1f} GiB "
+            f"+ reserve {reserve_bytes / GiB:.1f} GiB exceed {utilization:.0%} of "
+            f"{device.memory_bytes / GiB:.0f} GiB per GPU"
+        )
+    else:
+        layout.reasons.append(
+            f"ValueError: To serve at least one request with the model's max seq len ({max_model_len}), "
+            f"({need:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
+            f"({available / GiB:.2f} GiB)."
+        )
+
+
+def _rate_decode(
+    spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, stage_layers: int, moe_stage: float
+) -> None:
+    """Collectives per token and the decode bandwidth ceiling, at one stream and at the batch the layout holds."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    # Collectives per decode step (per token of one sequence): two all-reduces per layer under TP; MoE layers
+    # spanning DP add an all-gather/reduce-scatter (no EP) or a dispatch/combine all-to-all (EP) each.
+    layout.allreduces_per_token = 2 * spec.layers if tp > 1 else 0
+    layout.all2all_per_token = 2 * spec.moe_layers if spec.is_moe and dp > 1 else 0
+    stage_collectives = (layout.allreduces_per_token + layout.all2all_per_token) * stage_layers / max(spec.layers, 1)
+    # Bandwidth ceiling: bytes each GPU of a stage reads per step (weights of the experts the batch touches,
+    # everything else, the batch's KV), plus a fixed latency per collective. Stages run in sequence for one
+    # sequence; with a batch, vLLM keeps PP micro-batches in flight, so stages overlap.
+    parts = layout.weight_breakdown
+    non_expert = parts["attention"] + parts["shared_and_dense"] + parts["embeddings"]
+    expert_per_layer_gpu = sizing.weights.experts * _expert_fraction(spec, layout)
+    context = min(sizing.max_model_len, 2048)
+    network = _network_seconds(spec, layout, device, stage_layers, moe_stage)
+
+    def step_seconds(b: float) -> float:
+        experts = 0.0
+        if spec.is_moe:
+            # distinct experts a batch of b sequences touches in a layer (uniform routing)
+            touched = spec.experts * (1 - (1 - spec.experts_per_token / spec.experts) ** max(b, 1))
+            experts = moe_stage * expert_per_layer_gpu * touched / spec.experts
+        read = non_expert + experts + b * context * layout.kv_bytes_per_token_per_gpu
+        return read / device.bandwidth_bytes_s + stage_collectives * device.collective_latency_s + network(b)
+
+    batch = sizing.batch
+    layout.batch = batch
+    # a layout is ranked at the batch it can hold at full context: one whose KV cache takes 20 requests of
+    # max_model_len serves a batch of 64 long ones 20 at a time, however fast its steps
+    layout.batch_fit = max(1, min(batch, int(layout.max_concurrency))) if layout.max_concurrency else batch
+    if device.bandwidth_bytes_s:
+        layout.decode_tok_s_single = 1 / (pp * step_seconds(1))
+        fit = layout.batch_fit
+        per_micro = max(fit / (dp * pp), 1)
+        layout.decode_tok_s_batch = min(fit, dp * pp * per_micro) / (pp * step_seconds(per_micro))
+        layout.decode_ceiling = {b: b / (pp * step_seconds(max(b / (dp * pp), 1))) for b in (2**k for k in range(15))}
+
+
+def _network_seconds(
+    spec: ModelSpec, layout: Layout, device: Device, stage_layers: int, moe_stage: float
+) -> Callable[[float], float]:
+    """What a stage's step pays beyond the in-node collectives it is already charged, for ``b`` sequences, when
+    its collectives cross nodes: the link's latency and the bytes at its bandwidth (bf16 activations)."""
+    link = device.link
+    if link is None or not layout.crosses:
+        return lambda b: 0.0
+    tp, pp = layout.tp, layout.pp
+    activation = spec.hidden * 2
+    allreduces = 2 * stage_layers if "TP" in layout.crosses else 0
+    all2all = 2 * moe_stage if "DP" in layout.crosses and spec.is_moe else 0.0
+    # pipeline boundaries that cross nodes, per stage (a stage's step is 1/pp of a token's pass)
+    boundaries = (math.ceil(tp * pp / device.per_node) - 1) / pp if "PP" in layout.crosses else 0.0
+    layout.network_collectives_per_token = round(
+        (allreduces + all2all) * spec.layers / max(stage_layers, 1) + boundaries * pp
+    )
+    away = 1 - 1 / max(device.nodes, 1)  # share of an all-to-all's tokens bound for other nodes
+
+    def seconds(b: float) -> float:
+        ring = b * activation * 2 * (tp - 1) / tp
+        extra = allreduces * (link.latency_s - device.collective_latency_s + ring / link.bandwidth_bytes_s)
+        extra += all2all * (
+            link.latency_s
+            - device.collective_latency_s
+            + b * spec.experts_per_token * activation * away / link.bandwidth_bytes_s
+        )
+        return extra + boundaries * (link.latency_s + b * activation / link.bandwidth_bytes_s)
+
+    return seconds
