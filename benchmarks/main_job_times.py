@@ -1,4 +1,5 @@
-"""Wall time of README's main job, per stage: runs `servebook run PARAMS` and prints the manifest's timings.
+"""Wall time of README's main job, per stage: runs `servebook run PARAMS` and prints the manifest's timings,
+then one bare start of the same server (launch to /health, then stop) and the job's time in such starts.
 
 .venv/bin/python benchmarks/main_job_times.py [params/default.yaml] [--set KEY=VALUE ...]
 .venv/bin/python benchmarks/main_job_times.py --run-dir outputs/<run>   # the figures of a run already made
@@ -13,6 +14,22 @@ import time
 from pathlib import Path
 
 from servebook.results import Manifest
+
+
+def bare_start_s(params_path: str, sets: list[str]) -> float:
+    """Seconds from launch to a ready server for the params' own server, alone; stopped after."""
+    import tempfile
+
+    from servebook import hardware, params, server
+
+    p = params.load(params_path, sets)
+    cfg = server.ServerConfig.from_params(p, hardware.resolve_device(p.device, hardware.inventory()))
+    with tempfile.TemporaryDirectory() as logs:
+        started = time.monotonic()
+        server.launch(cfg, logs, log=lambda _line: None)
+        ready = time.monotonic() - started
+        server.stop(port=cfg.port)
+    return ready
 
 
 def main() -> None:
@@ -38,6 +55,10 @@ def main() -> None:
     print(f"{'stages together':29} {manifest.seconds:8.1f}")
     if wall is not None:
         print(f"{'whole command':29} {wall:8.1f}  (with Python start-up, validation and the report)")
+    if wall is not None:
+        bare = bare_start_s(args.params, args.set)
+        print(f"{'one bare vLLM start':29} {bare:8.1f}  (the same server, launched and stopped alone)")
+        print(f"{'the job in bare starts':29} {wall / bare:8.1f}")
     report = run_dir / "report.html"
     if report.is_file():
         print(f"report: {report} ({report.stat().st_size / 1e6:.1f} MB)")

@@ -56,8 +56,10 @@
 # start while they load. Every machine is probed before anything starts (software, checkpoint, ports, GPUs), and
 # every replica is registered here, so `servebook stop` and an interrupted run stop them there too.
 #
-# When the plan stage ran in this run with `layout_from_plan: true`, its recommended layout replaces the layout
-# parameters below; when the download stage ran, its verified local folder replaces `model`.
+# When the rehearsal (stage 02) ran in this run, its winner's layout and settings replace the parameters below
+# (`rehearse_picks_launch: false` keeps them); else, when the plan stage ran with `layout_from_plan: true`, its
+# recommended layout replaces the layout parameters; when the download stage ran, its verified local folder
+# replaces `model`.
 
 # %% tags=["parameters"]
 params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
@@ -105,6 +107,7 @@ router_policy: str = "cache_aware"  # vllm-router's policy; consistent_hash keys
 replica_base_port: int = 0  # the first replica's port (the rest follow); 0: port + 1, the router on port
 replica_hosts: list[str] = []  # SSH destination of each machine the replicas are spread over, this one first ('local'); empty: every replica on this machine
 replica_addresses: list[str] = []  # each replica machine's IP where the router reaches its replicas; empty means replica_hosts
+rehearse_picks_launch: bool = True  # stage 03 launches the rehearsal's winner (or the one picked in 02_rehearse)
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%
@@ -193,6 +196,14 @@ if check:
     print(f"furthest term: {check.worst_term()}")
 else:
     print("the plan stage did not run in this run")
+
+# %% [markdown]
+# ## The rehearsal, checked against the real start
+# Where stage 02 rehearsed this exact server on dummy weights, the KV cache vLLM sized there must be the one it
+# sizes now (within 0.1 %, with the compile cache in the same state); a difference names its cause.
+
+# %%
+print(stage.rehearsal_text(launched))
 
 # %%
 stage.check(launched, p)

@@ -137,6 +137,7 @@ class _Sweep:
         self.rate_at = 0  # the concurrency that rate was measured at
         self.processes = cfg.client_processes or 1
         self.on_level: Callable[[], None] = lambda: None  # after each level: the sweep so far is written
+        self.drop_when: Callable[[list[Level]], str | None] = lambda _levels: None
 
     def stall_s(self) -> float:
         """How long a window may go without a token: from the level before's slowest first token and gap."""
@@ -268,6 +269,8 @@ class _Sweep:
                 self.processes = min(2 * self.processes, MAX_CLIENT_PROCESSES)
             if stop := stop_rule(self.levels, self.cfg):
                 return stop
+            if dropped := self.drop_when(self.levels):
+                return Stop("dropped", dropped)
         return Stop("max_concurrency", not_saturated([lv.output_throughput for lv in self.levels], self.cfg))
 
 
@@ -280,12 +283,15 @@ def sweep(
     log: Callable[[str], None] = print,
     table_prefix: str = "sweep",
     on_level: Callable[[SweepResult], None] | None = None,
+    drop_when: Callable[[list[Level]], str | None] | None = None,
 ) -> SweepResult:
     """Run the sweep; write per-request, per-run and per-level tables named ``<table_prefix>_*``; return the
     result (also on a fault). After each level the tables are written and ``on_level`` gets the sweep so far,
-    marked interrupted, so an interrupt or a crash keeps every level measured before it."""
+    marked interrupted, so an interrupt or a crash keeps every level measured before it. ``drop_when`` may end
+    the sweep after any level with its reason (a rehearsal's candidate behind the leader)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     state = _Sweep(target, model_path, cfg, log)
+    state.drop_when = drop_when or (lambda _levels: None)
     so_far = Stop(
         "interrupted", "the sweep did not finish (interrupted, or servebook crashed); the levels before are kept"
     )

@@ -195,6 +195,17 @@ def download(
     _run_stages(params_file, set_, "download", suffix="download")
 
 
+@app.command()
+def rehearse(
+    params_file: Path = typer.Argument(..., help="params YAML (the server, rehearse_* and bench_* parameters)"),
+    set_: List[str] = typer.Option([], "--set", help="override one parameter: KEY=VALUE"),
+) -> None:
+    """Start every candidate (the plan's best layouts, each as set and with every rehearse_variants setting) on
+    dummy weights, sweep it briefly, stop it, and rank them by measurement (reconnaissance, plan, then stage 02
+    rehearse); nothing of the checkpoint's weights is read."""
+    _run_stages(params_file, set_, "reconnaissance,plan,rehearse", suffix="rehearse")
+
+
 def _vocabulary_default(name: str) -> Any:
     from servebook.params import Params
 

@@ -174,3 +174,7 @@ class CleanupError(ServebookError):
     """Processes survived a stop, or foreign processes hold our resources."""
 
     exit_code = 5
+
+
+class RehearsalFailed(ServebookError):
+    """No rehearsal candidate started and measured on dummy weights: each one's root cause is in the record."""

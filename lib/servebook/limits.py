@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 from servebook.levels import Level, LimitKind, SweepConfig, off_clock
 
-StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault", "interrupted"]
+# "dropped": a rehearsal stopped a candidate that was behind the leader beyond noise (rehearsal.drop_rule)
+StopReason = Literal["plateau", "decline", "max_concurrency", "objective", "fault", "interrupted", "dropped"]
 CLIENT_BOUND_PCT = 90.0  # one asyncio process near a full core paces the server instead of measuring it
 KV_FULL = 0.95
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
 from servebook import serving
@@ -36,6 +36,7 @@ class AbVariant(BaseModel):
     extra_args: list[str] | None = None  # appended to the baseline's extra_args
     enforce_eager: bool | None = None
     max_num_seqs: int | None = Field(None, ge=0)
+    max_num_batched_tokens: int | None = Field(None, ge=0)
     kv_cache_dtype: KV_CACHE_DTYPES | None = None
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     max_model_len: int | None = Field(None, ge=16)
@@ -54,8 +55,8 @@ class AbVariant(BaseModel):
         return set(self.changes()) <= {"extra_env"}
 
 
-def _variant_problems(variants: Any) -> list[str]:
-    """Problems in ``ab_variants``, each naming the variant, found before pydantic builds them."""
+def _variant_problems(variants: Any, field_name: str = "ab_variants") -> list[str]:
+    """Problems in ``ab_variants`` (or ``rehearse_variants``), each naming the variant, before pydantic builds them."""
     if not isinstance(variants, list):
         return []
     allowed = set(AbVariant.model_fields) - {"name"}
@@ -65,13 +66,13 @@ def _variant_problems(variants: Any) -> list[str]:
             continue
         name = v.get("name")
         if not name:
-            problems.append(f"ab_variants[{i}] has no 'name'")
-        elif name in names or name == "baseline":
-            problems.append(f"ab_variants[{i}]: name '{name}' is used twice (or is 'baseline')")
+            problems.append(f"{field_name}[{i}] has no 'name'")
+        elif name in names or name in ("baseline", "as set"):
+            problems.append(f"{field_name}[{i}]: name '{name}' is used twice (or is 'baseline' or 'as set')")
         names.add(name)
         unknown = set(v) - allowed - {"name"}
         if unknown:
-            problems.append(f"ab_variants[{i}] ({name}): unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+            problems.append(f"{field_name}[{i}] ({name}): unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
     return problems
 
 
@@ -258,6 +259,36 @@ class Params(BaseModel):
         False, description="launch with the plan's recommended layout instead of the params' layout"
     )
 
+    # rehearse (stage 02_rehearse: candidates on dummy weights)
+    rehearse_layouts: int = Field(
+        3, ge=1, le=16,
+        description="layouts the rehearsal starts: the launch's own, then the plan's best others that vLLM accepts",
+    )  # fmt: skip
+    rehearse_variants: list[AbVariant] = Field(
+        default_factory=list,
+        description="settings each rehearsed layout is also tried with: {name, max_num_seqs, max_num_batched_tokens, "
+        "kv_cache_dtype, extra_env...}",
+    )
+    rehearse_routing: Literal["uniform_random", "normal_routing", "none"] = Field(
+        "uniform_random",
+        description="vLLM's MoE routing simulation for dummy weights (VLLM_MOE_ROUTING_SIMULATION_STRATEGY); none: "
+        "the dummy router's own, which sends most tokens to a few experts and rehearses too fast",
+    )
+    rehearse_skewed_routing: Literal["normal_routing", "uniform_random", "none"] = Field(
+        "normal_routing", description="the leader measured again with this routing, for the spread; none: skip"
+    )
+    rehearse_max_concurrency: int = Field(64, ge=1, description="highest concurrency a candidate's sweep may reach")
+    rehearse_min_level_s: float = Field(5.0, gt=0, description="each rehearsal window lasts at least this long, s")
+    rehearse_budget_s: float = Field(
+        1800.0, ge=0, description="seconds the rehearsal may take; the candidates after it are skipped; 0: no limit"
+    )
+    rehearse_picks_launch: bool = Field(
+        True, description="stage 03 launches the rehearsal's winner (or the one picked in 02_rehearse)"
+    )
+    rehearse_during_download: bool = Field(
+        True, description="servebook run rehearses while the download runs, once the config and tokenizer are there"
+    )
+
     # NCCL tuning
     nccl_sets: list[str] = Field(
         default_factory=list, description="environment sets to measure; empty means every known set"
@@ -349,10 +380,10 @@ class Params(BaseModel):
         90.0, gt=0, le=100, description="a rate meets the objectives when this share of its requests meets all"
     )
 
-    @field_validator("ab_variants", mode="before")
+    @field_validator("ab_variants", "rehearse_variants", mode="before")
     @classmethod
-    def _check_variants(cls, value: Any) -> Any:
-        problems = _variant_problems(value)
+    def _check_variants(cls, value: Any, info: ValidationInfo) -> Any:
+        problems = _variant_problems(value, info.field_name or "ab_variants")
         if problems:
             raise ValueError("; ".join(problems))
         return value
@@ -539,8 +570,9 @@ class Params(BaseModel):
     def _flag_problems(self) -> list[str]:
         """vLLM flags in ``extra_args`` (the params' and each A/B variant's) that a parameter owns, or the key."""
         problems = serving.conflicts(self.extra_args)
-        for variant in self.ab_variants:  # a variant sets a parameter by its name, never through extra_args
-            problems += [f"ab_variants {variant.name}: {c}" for c in serving.conflicts(variant.extra_args or [])]
+        for field_name in ("ab_variants", "rehearse_variants"):  # a variant sets a parameter by its name
+            for variant in getattr(self, field_name):
+                problems += [f"{field_name} {variant.name}: {c}" for c in serving.conflicts(variant.extra_args or [])]
         if any(re.search(r"--api-key\b", flag) for flag in self.extra_args):
             problems.append("extra_args must not carry --api-key; set api_key_env to the variable that holds it")
         return problems
@@ -636,7 +668,7 @@ class Params(BaseModel):
 
 FIELDS = tuple(Params.model_fields)
 # Read by the runner itself; no notebook declares them.
-RUN_LEVEL = frozenset({"run_name", "keep_server"})
+RUN_LEVEL = frozenset({"run_name", "keep_server", "rehearse_during_download"})
 # read by a terminal command, not by a stage: `servebook export k8s` (the cluster's image, namespace, volumes)
 COMMAND_ONLY = frozenset({"k8s_image", "k8s_namespace", "k8s_model_pvc", "k8s_router_image"})
 # Set by the runner, never by a params file: name -> (annotation, default, help).
@@ -658,7 +690,7 @@ def _annotation(name: str) -> str:
     text = str(Params.model_fields[name].annotation)
     if text.startswith("typing.Literal") or "Literal[" in text:
         return "str"
-    if name == "ab_variants":
+    if name in ("ab_variants", "rehearse_variants"):
         return "list[dict]"  # papermill passes the variants as plain mappings; Params validates them
     return re.sub(r"<class '(\w+)'>", r"\1", text).replace("typing.", "")
 

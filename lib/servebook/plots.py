@@ -318,3 +318,31 @@ def start_timeline(starts: list[tuple[str, dict[str, float]]], title: str = "Whe
         margin={"l": 140, "r": 70, "t": 60, "b": 40},
     )
     return fig
+
+
+def rehearsal(points: pd.DataFrame, winner: str = "", routing: str = "") -> go.Figure:
+    """Each rehearsed candidate's output tok/s against concurrency, with its repeats' range; the winner drawn
+    thicker. ``points`` has one row per candidate and level (``stages.rehearse.points``)."""
+    fig = go.Figure()
+    if points.empty:
+        fig.update_layout(title="Rehearsal: no candidate measured", height=420)
+        return fig
+    for name, rows in points.groupby("candidate", sort=False):
+        fig.add_trace(
+            go.Scatter(
+                x=rows["concurrency"], y=rows["output_tok_s"], mode="lines+markers", name=str(name),
+                line=dict(width=4 if name == winner else 1.5),
+                error_y=dict(type="data", symmetric=False, array=rows["high"] - rows["output_tok_s"],
+                             arrayminus=rows["output_tok_s"] - rows["low"]),
+                hovertemplate=f"{name}<br>%{{x}} streams: %{{y:,.1f}} tok/s<extra></extra>",
+            )
+        )  # fmt: skip
+    levels = sorted(points["concurrency"].unique())
+    fig.update_xaxes(type="log", title="concurrent streams", tickvals=levels)
+    fig.update_yaxes(title="output tokens/s (dummy weights)", rangemode="tozero")
+    sub = f"winner: {winner}" + (f"; routing simulation {routing}" if routing else "")
+    fig.update_layout(
+        title=dict(text=f"Rehearsal: candidates on dummy weights<br><sup>{sub}</sup>"), height=460,
+        legend=dict(orientation="h", yanchor="top", y=-0.18, x=0),
+    )  # fmt: skip
+    return fig

@@ -25,6 +25,7 @@ from servebook import (
     nccl,
     planner,
     ratesweep,
+    rehearsal,
     remote,
     server,
     serving,
@@ -156,6 +157,78 @@ class PageCacheWarmup(BaseModel):
     why_not: str = ""
 
 
+# ---------------------------------------------------------------- 02 rehearse
+
+
+class RehearsalRecord(Record):
+    """Every candidate server started on dummy weights, swept briefly, stopped; ranked by what it measured."""
+
+    FILE = "02_rehearse"
+
+    model_path: str  # config, tokenizer and index the dummy starts read (the download's folder, or its headers)
+    routing: str  # the routing simulation every candidate ran with ("" where none)
+    routing_note: str = ""  # why none ran
+    ranked_by: Literal["goodput", "output tok/s"]
+    candidates: list[rehearsal.Rehearsed]
+    winner: str = ""  # a candidate's name; "" when none measured
+    picked_by: Literal["measurement", "person"] = "measurement"
+    why: str = ""
+    budget_s: float = 0.0
+    seconds: float = 0.0
+    download_overlap_s: float | None = None  # seconds the rehearsal ran while the download was still running
+    interrupted: str = ""
+
+    def find(self, name: str) -> rehearsal.Rehearsed | None:
+        return next((c for c in self.candidates if c.name == name), None)
+
+    @property
+    def chosen(self) -> rehearsal.Rehearsed | None:
+        return self.find(self.winner) if self.winner else None
+
+    def params_for_launch(self, p: Params) -> Params:
+        """The params stage 03 launches with: the winner's layout and settings over the params."""
+        chosen = self.chosen
+        if chosen is None or not p.rehearse_picks_launch:
+            return p
+        return p.updated(chosen.launch_changes(), source=f"the rehearsal's {self.picked_by} pick ({chosen.name})")
+
+    def matching(self, cfg: server.ServerConfig) -> rehearsal.Rehearsed | None:
+        """The measured candidate whose layout and settings the launched server has."""
+        for c in self.candidates:
+            if c.layout != cfg.layout or c.status not in ("measured", "dropped"):
+                continue
+            if all(getattr(cfg, k, v) == v for k, v in c.changes.items() if k not in ("extra_env", "extra_args")):
+                return c
+        return None
+
+
+class RehearsalCheck(BaseModel):
+    """The real launch against its rehearsal: KV must match (same compile-cache state), throughput is compared by
+    the benchmark."""
+
+    candidate: str
+    rehearsed_kv_tokens: int | None
+    real_kv_tokens: int | None
+    kv_diff_pct: float | None
+    kv_match: bool
+    note: str = ""
+
+    @classmethod
+    def of(cls, rehearsed: rehearsal.Rehearsed, real_kv: int | None, compile_cache: str | None) -> RehearsalCheck:
+        kv = rehearsed.kv_cache_tokens
+        diff = round(100 * (real_kv - kv) / kv, 3) if kv and real_kv else None
+        match = diff is not None and abs(diff) <= 0.1
+        note = ""
+        if diff is not None and not match:
+            note = (
+                f"the real start sized {diff:+.2f} % of the rehearsal's KV"
+                + (" (the compile cache was cold for one of them: a cold compile keeps more in the profile peak)"
+                   if compile_cache == "miss" else "")
+            )  # fmt: skip
+        return cls(candidate=rehearsed.name, rehearsed_kv_tokens=kv, real_kv_tokens=real_kv, kv_diff_pct=diff,
+                   kv_match=match, note=note)  # fmt: skip
+
+
 # ---------------------------------------------------------------- 03 launch
 
 
@@ -272,7 +345,7 @@ class LaunchRecord(Record):
             data["topology"] = topology.shape_of_launch(bool(data.get("router")), roles)
         return data
 
-    layout_source: Literal["plan", "explorer", "params"] = "params"
+    layout_source: Literal["plan", "explorer", "params", "rehearsal"] = "params"
     command: list[str]  # secrets masked
     command_line: str
     environment: dict[str, str]  # what differs from the launching shell, secrets masked
@@ -295,6 +368,7 @@ class LaunchRecord(Record):
     start_prediction: startup.StartPrediction | None = None  # what the plan expected of this start
     load_choice: loadpath.LoadChoice | None = None  # the load options the launch took, and why
     dry_run: DryStart | None = None  # the dummy-weights start before this one (launch_dry_run)
+    rehearsal_check: RehearsalCheck | None = None  # this server against its rehearsal, where one rehearsed it
     # replicas > 1: every replica (the first is the one the fields above describe) and the router in front
     replicas: list[ReplicaRecord] = []
     router: RouterRecord | None = None
@@ -401,6 +475,7 @@ class BenchmarkRecord(Record, bench.SweepResult):
 
     rates: ratesweep.RateSweepResult | None = None  # the open-loop sweep, where bench_request_rates asked for one
     dataset: str = ""  # what the dataset's requests were, where bench_dataset named one; empty: synthetic
+    against_rehearsal: str = ""  # the real server's levels beside its rehearsal's, at the same concurrency
 
 
 # ---------------------------------------------------------------- 06 NCCL tuning

@@ -56,11 +56,25 @@ def _summary_markdown(manifest: Manifest) -> str:
         head += f"**Run failed at stage {failed[0].name}:**\n\n<pre>{html.escape(failed[0].error)}</pre>\n\n"
     elif manifest.status == "ok":
         head += "**All stages completed.**\n\n"
-    rows = ["| stage | status | seconds | answer |", "|---|---|---|---|"]
+    rows = ["| stage | status | began at | seconds | answer |", "|---|---|---|---|---|"]
     for s in manifest.stages:
         answer = s.summary.replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| [{s.name}](#{s.name}) | {s.status} | {s.seconds:.1f} | {answer} |")
-    return head + "\n".join(rows)
+        began = f"+{s.started_s:.0f} s" if s.started_s is not None else ""
+        rows.append(f"| [{s.name}](#{s.name}) | {s.status} | {began} | {s.seconds:.1f} | {answer} |")
+    return head + "\n".join(rows) + _overlap_note(manifest)
+
+
+def _overlap_note(manifest: Manifest) -> str:
+    """Stages that ran at the same time (the download beside the rehearsal), and for how long."""
+    timed = [s for s in manifest.stages if s.started_s is not None]
+    notes = []
+    for i, a in enumerate(timed):
+        for b in timed[i + 1 :]:
+            assert a.started_s is not None and b.started_s is not None
+            both = min(a.started_s + a.seconds, b.started_s + b.seconds) - max(a.started_s, b.started_s)
+            if both >= 1:
+                notes.append(f"{a.name} and {b.name} ran side by side for {both:,.0f} s")
+    return ("\n\n" + "; ".join(notes) + ".") if notes else ""
 
 
 def build(run_dir: str | Path, manifest: Manifest, out_name: str = "report.html") -> Path:

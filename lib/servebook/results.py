@@ -103,6 +103,7 @@ class StageRun(BaseModel):
     name: str  # the stage's file stem, NN_<stage>
     status: Literal["ok", "failed", "skipped", "interrupted"]
     seconds: float = 0.0
+    started_s: float | None = None  # when it began, seconds after the run's first stage did
     error: str = ""
     summary: str = ""  # the stage's one-line answer, from its record
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -28,10 +28,10 @@ import nbformat
 import papermill as pm
 from jupyter_client.manager import AsyncKernelManager
 
-from servebook import environment, errors, report, results, server, stages, topology
+from servebook import beside, environment, errors, models, report, results, server, stages, topology
 from servebook import params as params_mod
 from servebook.errors import ParamsError, ServebookError
-from servebook.records import LaunchRecord, PlanRecord
+from servebook.records import LaunchRecord, PlanRecord, RehearsalRecord
 from servebook.results import Manifest, StageRun, outputs_root, repo_root
 from servebook.secrets import declare as declare_secret
 from servebook.secrets import mask, secret_values
@@ -185,7 +185,7 @@ def signals_deferred() -> Iterator[None]:
 
 
 @dataclass
-class _Pipeline:
+class Pipeline:
     """One run in progress: its params, folder, what each notebook declares, and how it reports."""
 
     params: params_mod.Params
@@ -196,6 +196,7 @@ class _Pipeline:
     log: Callable[[str], None]
     stream_output: bool
     current_start: float = 0.0  # when the stage now running began (an interrupted stage's seconds)
+    run_start: float = field(default_factory=time.monotonic)  # when the run's first stage began
 
     def run_stage(self, n: int, stage: Stage) -> tuple[StageRun, int]:
         """Execute one stage's notebook; (how it ended, its exit code). A stage that finished without writing
@@ -205,7 +206,8 @@ class _Pipeline:
         total = len(self.selected)
         self.log(f"[{n}/{total}] {stage.record.FILE} ...")
         start = self.current_start = time.monotonic()
-        entry, exit_code = StageRun(name=stage.record.FILE, status="ok"), 0
+        entry = StageRun(name=stage.record.FILE, status="ok", started_s=round(start - self.run_start, 1))
+        exit_code = 0
         try:
             pm.execute_notebook(
                 str(notebook_of(stage)), str(out), parameters=values, kernel_name="python3",
@@ -246,6 +248,73 @@ class _Pipeline:
             raise errors.LayoutRejected(why)
 
 
+class _Side:
+    """The download running beside the rehearsal (``rehearse_during_download``): started in its own process where
+    the rehearsal comes next and the checkpoint comes from the hub, waited for once the rehearsal ends."""
+
+    def __init__(self, pipeline: Pipeline, params_path: str, overrides: list[str]) -> None:
+        self.pipeline, self.params_path, self.overrides = pipeline, params_path, overrides
+        self.running: beside.Beside | None = None
+        self.started_s = 0.0
+
+    def starts(self, n: int, stage: Stage) -> bool:
+        p, selected = self.pipeline.params, self.pipeline.selected
+        hub = not models.is_builtin(p.model) and not Path(p.model).expanduser().is_dir()
+        if not (stage.name == "download" and n < len(selected) and selected[n].name == "rehearse"):
+            return False
+        if not (p.rehearse_during_download and hub):
+            return False
+        self.started_s = round(time.monotonic() - self.pipeline.run_start, 1)
+        self.running = beside.Beside.start(
+            stage.name, stage.record.FILE, self.pipeline.run_dir, self.params_path, self.overrides
+        )
+        self.pipeline.log(
+            f"[{n}/{len(selected)}] {stage.record.FILE} ... beside the rehearsal (its output in "
+            f"{self.running.log_path.name})"
+        )
+        return True
+
+    def joins(self, stage: Stage, entry: StageRun, manifest: Manifest) -> int:
+        """After the rehearsal: wait for the download, then both go into the manifest in pipeline order."""
+        if self.running is None or stage.name != "rehearse":
+            manifest.stages.append(entry)
+            return 0
+        if self.running.running():
+            self.pipeline.log(f"waiting for {self.running.name}, still running beside")
+        done, code = self.running.wait()
+        done.started_s = self.started_s
+        self.running = None
+        manifest.stages += [done, entry]
+        self.pipeline.log(
+            f"{done.name} {done.status} in {done.seconds:.1f} s" + (f": {done.error}" if done.error else "")
+        )
+        _note_overlap(self.pipeline.run_dir, done, entry)
+        return code
+
+    def stop(self, manifest: Manifest) -> None:
+        """An interrupted run stops the download too; it resumes on the next run."""
+        if self.running is None:
+            return
+        self.running.stop()
+        done, _ = self.running.wait()
+        done.started_s = self.started_s
+        manifest.stages.append(done.model_copy(update={"status": "interrupted"}) if done.status == "ok" else done)
+        self.running = None
+
+
+def _note_overlap(run_dir: Path, download_run: StageRun, rehearse_run: StageRun) -> None:
+    """How long the rehearsal ran while the download did, into the rehearsal's record."""
+    if download_run.started_s is None or rehearse_run.started_s is None:
+        return
+    both = min(download_run.started_s + download_run.seconds, rehearse_run.started_s + rehearse_run.seconds) - max(
+        download_run.started_s, rehearse_run.started_s
+    )
+    record = results.read(run_dir, RehearsalRecord)
+    if record is not None:
+        record.download_overlap_s = round(max(both, 0.0), 1)
+        results.write(run_dir, record)
+
+
 def _manifest(
     params: params_mod.Params, params_path: str | Path, overrides: list[str] | tuple[str, ...], run_dir: Path
 ) -> Manifest:
@@ -283,19 +352,23 @@ def run(
         topology.shape_of(params, str(params_path))  # a shape servebook's own launch cannot start is refused now
     declared = {stage.name: declared_parameters(notebook_of(stage)) for stage in selected}
     run_dir = new_run_dir(f"{params.run_name}-{suffix}" if suffix else params.run_name)
-    pipeline = _Pipeline(params, run_dir, selected, declared, secret_values(), log, stream_output)
+    pipeline = Pipeline(params, run_dir, selected, declared, secret_values(), log, stream_output)
     manifest = _manifest(params, params_path, overrides, run_dir)
     manifest.write()  # a run that dies at once still says what it was
     exit_code, n = 0, 0
+    side = _Side(pipeline, str(params_path), list(overrides))
     try:
         with interrupt_on_signals():
             for n, stage in enumerate(selected, 1):
+                if side.starts(n, stage):
+                    continue
                 entry, exit_code = pipeline.run_stage(n, stage)
-                manifest.stages.append(entry)
+                exit_code = side.joins(stage, entry, manifest) or exit_code
                 if exit_code:
                     manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
                     break
     except KeyboardInterrupt as exc:
+        side.stop(manifest)
         how, exit_code = (exc.how, exc.exit_code) if isinstance(exc, errors.Interrupted) else ("Ctrl-C (SIGINT)", 130)
         current = selected[n - 1].record.FILE if n else "the start"
         manifest.interrupted = f"{how} during {current}"
@@ -312,7 +385,7 @@ def run(
     return run_dir, exit_code
 
 
-def _finish(pipeline: _Pipeline, manifest: Manifest, exit_code: int) -> int:
+def _finish(pipeline: Pipeline, manifest: Manifest, exit_code: int) -> int:
     """Stop this run's servers (all of them, unless keep_server and the run ended by itself), then write the
     manifest and the report; each step runs even when the one before failed."""
     run_dir, log = pipeline.run_dir, pipeline.log
@@ -325,7 +398,9 @@ def _finish(pipeline: _Pipeline, manifest: Manifest, exit_code: int) -> int:
             exit_code = exit_code or exc.exit_code
     manifest.status = "interrupted" if manifest.interrupted else ("ok" if exit_code == 0 else "failed")
     manifest.ended_at = datetime.now(timezone.utc).isoformat()
-    manifest.seconds = round(sum(s.seconds for s in manifest.stages), 2)
+    # stages side by side (the download beside the rehearsal) count once: the run's span, not the sum
+    ends = [s.started_s + s.seconds for s in manifest.stages if s.started_s is not None]
+    manifest.seconds = round(max(ends) if ends else sum(s.seconds for s in manifest.stages), 2)
     try:
         manifest.write()
         report_path = report.build(run_dir, manifest)

@@ -465,3 +465,55 @@ def compare_runs(runs: list[str]) -> Comparison:
     fig, crossings = plots.compare(loaded)
     warning = plots.workload_warning({label: workload_of(r) for (label, _), r in zip(loaded, runs)}) or ""
     return Comparison(fig, crossings, warning)
+
+
+# ---------------------------------------------------------------- 02 rehearse: the live table and the picker
+
+
+def live_rehearsal(interactive: bool) -> Any:
+    """A table and chart shown now that fill in as each candidate finishes, and the callback that updates them;
+    None headless (the cells below print the same)."""
+    if not interactive:
+        return None
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    from servebook import plots
+    from servebook.stages import rehearse as stage
+
+    chart = go.FigureWidget(plots.rehearsal(stage.points_of([])))
+    table = widgets.HTML("<i>waiting for the first candidate</i>")
+    display(widgets.VBox([chart, table]))
+
+    def update(record: Any) -> None:
+        _redraw(chart, plots.rehearsal(stage.points(record), record.winner, record.routing))
+        table.value = stage.table(record).to_html(index=False, na_rep="", float_format=lambda v: f"{v:,.1f}")
+
+    return update
+
+
+def rehearsal_picker(run_dir: str | Path) -> Any:
+    """A candidate other than the measured winner, picked for stage 03 (written to the rehearsal record)."""
+    import ipywidgets as widgets
+
+    from servebook.records import RehearsalRecord
+    from servebook.stages import rehearse as stage
+
+    record = results.read(results.run_folder(run_dir), RehearsalRecord)
+    measured = [c.name for c in record.candidates if c.status in ("measured", "dropped")] if record else []
+    if not record or not measured:
+        return widgets.HTML("No candidate was measured: nothing to pick.")
+    box = widgets.Dropdown(options=measured, value=record.winner or measured[0], description="launch",
+                           layout=widgets.Layout(width="32em"), style={"description_width": "initial"})  # fmt: skip
+    button = widgets.Button(description="use this candidate", button_style="primary")
+    said = widgets.HTML(html.escape(f"stage 03 launches {record.winner} ({record.picked_by})"))
+
+    def picked(_button: Any) -> None:
+        try:
+            now = stage.pick(run_dir, box.value)
+            said.value = html.escape(f"stage 03 launches {now.winner} (picked by a person)")
+        except ServebookError as exc:
+            said.value = html.escape(str(exc))
+
+    button.on_click(picked)
+    return widgets.VBox([widgets.HBox([box, button]), said])

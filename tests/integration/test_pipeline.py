@@ -54,6 +54,7 @@ def test_pipeline_runs_every_stage_against_a_keyed_server_and_stops_it(tmp_path)
         "00_reconnaissance",
         "01_plan",
         "02_download",
+        "02_rehearse",
         "03_launch",
         "04_smoke_test",
         "05_benchmark",
@@ -64,6 +65,11 @@ def test_pipeline_runs_every_stage_against_a_keyed_server_and_stops_it(tmp_path)
     launch = json.loads((run_dir / "03_launch.json").read_text())
     assert launch["started_by_this_run"] and launch["vllm_reported"]["kv_cache_tokens"] == 2_097_152
     assert launch["plan_check"]["kv_tokens_error_pct"] == 0  # the plan predicted vLLM's KV cache exactly
+    # the rehearsal started the candidate on dummy weights against the same key, and the launch is its winner
+    rehearsed = json.loads((run_dir / "02_rehearse.json").read_text())
+    assert rehearsed["winner"] == "TP=1" and rehearsed["candidates"][0]["points"][0]["output_tok_s"] > 0
+    assert "--load-format dummy" in rehearsed["candidates"][0]["command_line"]
+    assert launch["layout_source"] == "rehearsal" and launch["rehearsal_check"]["kv_match"]
     download = json.loads((run_dir / "02_download.json").read_text())
     assert download["source"] == "builtin" and download["verification"]["ok"]
     assert launch["config"]["model_path"] == download["local_path"] and launch["layout"]["name"] == "TP=1"

@@ -62,13 +62,26 @@ class Stage:
 
 def _table() -> list[Stage]:
     from servebook import records
-    from servebook.stages import benchmark, deploy, download, launch, nccl_tuning, plan, reconnaissance, smoke_test
+    from servebook.stages import (
+        benchmark,
+        deploy,
+        download,
+        launch,
+        nccl_tuning,
+        plan,
+        reconnaissance,
+        rehearse,
+        smoke_test,
+    )
 
     return [
         Stage(records.ReconRecord, reconnaissance),
         Stage(records.PlanRecord, plan, needs=("reconnaissance",)),
         Stage(records.DownloadRecord, download),
-        Stage(records.LaunchRecord, launch, needs=("reconnaissance", "plan", "download")),
+        # beside the download where servebook run can (rehearse_during_download); it reads the download's
+        # folder when the download has finished, else the checkpoint's config and tokenizer
+        Stage(records.RehearsalRecord, rehearse, needs=("reconnaissance", "plan", "download")),
+        Stage(records.LaunchRecord, launch, needs=("reconnaissance", "plan", "download", "rehearse")),
         Stage(records.SmokeTestRecord, smoke_test, requires=("launch",)),
         Stage(records.BenchmarkRecord, benchmark, requires=("launch",)),
         Stage(records.NcclTuningRecord, nccl_tuning, needs=("reconnaissance",), requires=("launch",)),
@@ -80,14 +93,18 @@ STAGES: list[Stage] = _table()
 
 
 def select(wanted: str | None) -> list[Stage]:
-    """Stages for ``--stages`` (names like ``launch`` or numbers like ``03``), in pipeline order."""
+    """Stages for ``--stages`` (names like ``launch`` or numbers like ``03``; ``02`` is the download and the
+    rehearsal), in pipeline order."""
     if not wanted:
         return list(STAGES)
-    known = {key: stage for stage in STAGES for key in (stage.name, f"{stage.number:02d}", stage.record.FILE)}
+    known: dict[str, list[Stage]] = {}
+    for stage in STAGES:
+        for key in {stage.name, f"{stage.number:02d}", stage.record.FILE}:
+            known.setdefault(key, []).append(stage)
     items = [w.strip() for w in wanted.split(",") if w.strip()]
     unknown = [item for item in items if item not in known]
     if unknown:
         names = ", ".join(stage.name for stage in STAGES)
         raise ParamsError("--stages", [f"unknown stage '{u}'; known stages: {names}" for u in unknown])
-    picked = {known[item].name for item in items}
+    picked = {stage.name for item in items for stage in known[item]}
     return [stage for stage in STAGES if stage.name in picked]

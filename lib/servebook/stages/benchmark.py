@@ -13,7 +13,7 @@ from servebook import bench, datasets, multinode, planner, ratesweep, results, v
 from servebook.errors import ServebookError, SweepAborted
 from servebook.levels import Level, SweepConfig, off_clock
 from servebook.params import Params
-from servebook.records import BenchmarkRecord, LaunchRecord, PlanRecord
+from servebook.records import BenchmarkRecord, LaunchRecord, PlanRecord, RehearsalRecord
 
 
 def sweep_config(p: Params, max_num_seqs: int = 0) -> SweepConfig:
@@ -67,6 +67,7 @@ def run(p: Params, run_dir: str | Path, on_level: Callable[[bench.SweepResult], 
 
     swept = bench.sweep(target, launch.model_path, cfg, run_dir, table_prefix=BenchmarkRecord.FILE, on_level=keep)
     record = BenchmarkRecord(**dict(swept), dataset=dataset.summary() if dataset else "")
+    record.against_rehearsal = against_rehearsal(record, launch, results.read(run_dir, RehearsalRecord))
     if record.fault and launch.workers:  # a multi-node server: which node took it down, in that node's words
         gone = multinode.Workers(launch.workers).gone()
         record.fault += ("; vLLM is gone on " + "; ".join(gone)) if gone else "; every worker node still runs"
@@ -80,6 +81,28 @@ def run(p: Params, run_dir: str | Path, on_level: Callable[[bench.SweepResult], 
         record.fault = record.rates.fault
         results.write(run_dir, record)
     return record
+
+
+def against_rehearsal(record: BenchmarkRecord, launch: LaunchRecord, rehearsed: RehearsalRecord | None) -> str:
+    """The real server against its rehearsal on dummy weights, level by level where both measured one."""
+    found = rehearsed.matching(launch.config) if rehearsed else None
+    if found is None or rehearsed is None:
+        return ""
+    pairs = [
+        (lv.concurrency, lv.output_throughput, pt.output_tok_s)
+        for lv in record.levels
+        for pt in found.points
+        if pt.concurrency == lv.concurrency and pt.output_tok_s
+    ]
+    if not pairs:
+        return ""
+    said = ", ".join(f"{c} streams {real:,.0f} against {dummy:,.0f} ({100 * (real - dummy) / dummy:+.0f} %)"
+                     for c, real, dummy in pairs)  # fmt: skip
+    routing = f"with {rehearsed.routing} routing" if rehearsed.routing else "with the dummy router"
+    text = f"real weights against the rehearsal of {found.name} ({routing}), output tok/s: {said}"
+    if found.layout.ep:
+        text += "; expert parallelism: a trained router's skew loads some ranks more than the simulation did"
+    return text
 
 
 def gpus_of(run_dir: str | Path) -> list[int]:
@@ -156,6 +179,8 @@ def summary_lines(record: BenchmarkRecord, p: Params) -> list[str]:
             f"- workload: synthetic, {p.bench_input_len} prompt and {p.bench_output_len} output tokens per request{mix}"
         ]
     lines.append(f"- stopped: {record.stop_reason}")
+    if record.against_rehearsal:
+        lines.append(f"- {record.against_rehearsal}")
     if record.best:
         levels_off = (
             f"; levels off from concurrency {record.plateau_concurrency}"

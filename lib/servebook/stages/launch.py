@@ -13,6 +13,7 @@ from servebook import (
     loadpath,
     models,
     planner,
+    rehearsal,
     results,
     router,
     server,
@@ -34,19 +35,28 @@ from servebook.records import (
     PlanRecord,
     ProcessMemory,
     ReconRecord,
+    RehearsalCheck,
+    RehearsalRecord,
 )
 
 
 def config_for(p: Params, run_dir: Path) -> server.ServerConfig:
-    """The server this run launches: the params, with the plan's layout and the download's folder where they ran."""
+    """The server this run launches: the params, with the rehearsal's winner (else the plan's layout) and the
+    download's folder where they ran."""
     found = results.read(run_dir, ReconRecord)
     device = found.device if found and p.device == "auto" else hardware.resolve_device(p.device, hardware.inventory())
     plan = results.read(run_dir, PlanRecord)
     downloaded = results.read(run_dir, DownloadRecord)
-    cfg = server.ServerConfig.from_params(
-        p, device, plan.layout_for_launch if plan else None, model_path=downloaded.local_path if downloaded else None
-    )
+    winner = rehearsed_winner(p, run_dir)
+    layout = winner.layout if winner else (plan.layout_for_launch if plan else None)
+    cfg = server.ServerConfig.from_params(p, device, layout, model_path=downloaded.local_path if downloaded else None)
     return startplan.with_load_choice(cfg, load_choice_for(p, cfg, plan))
+
+
+def rehearsed_winner(p: Params, run_dir: Path) -> rehearsal.Rehearsed | None:
+    """The rehearsal's winner (measured, or a person's pick), when there is one and the params let it choose."""
+    rehearsed = results.read(run_dir, RehearsalRecord)
+    return rehearsed.chosen if rehearsed and p.rehearse_picks_launch else None
 
 
 def gpus_for(p: Params, run_dir: str | Path) -> list[int]:
@@ -136,7 +146,9 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, LaunchRecord)  # a rerun never leaves the last attempt's record looking current
     plan = results.read(run_dir, PlanRecord)
+    rehearsed = results.read(run_dir, RehearsalRecord)
     p = plan.params_for_launch(p) if plan else p
+    p = rehearsed.params_for_launch(p) if rehearsed else p
     cfg = config_for(p, run_dir)
     check_load_options(cfg)
     predicted = plan.find(cfg.layout) if plan else None
@@ -154,9 +166,7 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         dry.real_adds = real_adds(dry, launch)
     record = LaunchRecord.of(
         launch,
-        layout_source=("explorer" if plan.launch_layout == "chosen" else "plan")
-        if plan and plan.layout_for_launch
-        else "params",
+        layout_source=layout_source(p, run_dir, plan),
         memory_after_load=memory_after_load(launch),
         plan_check=PlanCheck.of(predicted, launch.values) if predicted else None,
         nodes=started.probes,
@@ -168,11 +178,43 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
         replicas=started.replicas,
         router=started.router,
         topology=topo.shape,
+        rehearsal_check=rehearsal_check(rehearsed, launch),
     )
     if launch.timeline and not launch.reused:
         remember_start(cfg, launch, cached_share, kernels_cached)
     results.write(run_dir, record)
     return record
+
+
+def layout_source(p: Params, run_dir: Path, plan: PlanRecord | None) -> str:
+    if rehearsed_winner(p, run_dir):
+        return "rehearsal"
+    if plan and plan.layout_for_launch:
+        return "explorer" if plan.launch_layout == "chosen" else "plan"
+    return "params"
+
+
+def rehearsal_check(rehearsed: RehearsalRecord | None, launch: server.Launch) -> RehearsalCheck | None:
+    """The real start against the rehearsal of the same server: the KV cache must be the same."""
+    found = rehearsed.matching(launch.config) if rehearsed else None
+    if found is None or launch.reused:
+        return None
+    compile_cache = launch.timeline.compile_cache if launch.timeline else None
+    return RehearsalCheck.of(found, launch.values.kv_cache_tokens, compile_cache)
+
+
+def rehearsal_text(record: LaunchRecord) -> str:
+    """This start against its rehearsal on dummy weights, in words."""
+    c = record.rehearsal_check
+    if c is None:
+        return "no rehearsal of this server in this run"
+    if c.rehearsed_kv_tokens is None or c.real_kv_tokens is None:
+        return f"rehearsal of {c.candidate}: vLLM logged no KV size for one of the two starts"
+    verdict = "the same KV cache" if c.kv_match else c.note
+    return (
+        f"rehearsal of {c.candidate}: {c.rehearsed_kv_tokens:,} KV tokens on dummy weights, {c.real_kv_tokens:,} "
+        f"with the real ones ({c.kv_diff_pct:+.3f} %): {verdict}"
+    )
 
 
 def real_adds(dry: DryStart, launch: server.Launch) -> str:

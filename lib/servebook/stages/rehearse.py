@@ -1,0 +1,304 @@
+"""Stage 02 (rehearse): the candidate servers started on dummy weights, swept briefly, stopped and ranked by what
+they measured, recorded in ``02_rehearse.json``; stage 03 launches the winner with real weights."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+
+from servebook import bench, download, hardware, models, modelspec, rehearsal, results, server, ui
+from servebook.errors import LaunchError, RehearsalFailed
+from servebook.levels import SweepConfig
+from servebook.params import Params
+from servebook.records import DownloadRecord, PlanRecord, ReconRecord, RehearsalRecord
+
+# what a dummy-weight start reads: the config, the tokenizer, the index (quantization, tied weights), templates
+HEADER_PATTERNS = ["*.json", "tokenizer*", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
+
+
+def model_folder(p: Params, run_dir: Path) -> str:
+    """What the dummy starts read: the download's folder when it finished, the embedded or local model, else the
+    hub checkpoint's config and tokenizer fetched into the run folder (megabytes, while the weights download)."""
+    downloaded = results.read(run_dir, DownloadRecord)
+    if downloaded:
+        return downloaded.local_path
+    if models.is_builtin(p.model) or Path(p.model).expanduser().is_dir():
+        return models.resolve(p.model)
+    listing = download.list_files(p.model, p.download_revision, allow=HEADER_PATTERNS)
+    target = run_dir / RehearsalRecord.FILE / "headers"
+    download.fetch(listing, target, workers=4)
+    print(f"{listing.repo}: config and tokenizer ({len(listing.files)} files) in {target}; no weights read")
+    return str(target)
+
+
+def gpus() -> list[int]:
+    """Every GPU of this machine (the live panel's): the candidates' layouts use different ones."""
+    return [g.index for g in hardware.inventory().gpus]
+
+
+def rehearsal_sweep(p: Params) -> SweepConfig:
+    """A short sweep with the params' workload and objectives: two windows per level (their range is the noise
+    band), doubling to the plateau."""
+    return SweepConfig(
+        workload=bench.workload_for(p),
+        max_concurrency=min(p.rehearse_max_concurrency, p.bench_max_concurrency),
+        repeats=2,
+        prompts_per_level=p.bench_prompts_per_level,
+        min_level_s=p.rehearse_min_level_s,
+        max_spread_pct=p.bench_max_spread_pct,
+        max_repeats=2,
+        plateau_gain=p.bench_plateau_gain,
+        objectives=bench.objectives_for(p),
+        request_timeout_s=p.bench_request_timeout_s,
+        client_processes=p.bench_client_processes,
+    )
+
+
+def candidates(p: Params, run_dir: Path, model_path: str) -> list[rehearsal.CandidateSpec]:
+    """The launch's layout and the plan's best others, each as set and with every rehearse_variants setting."""
+    recon, plan = results.read(run_dir, ReconRecord), results.read(run_dir, PlanRecord)
+    device = recon.device if recon and p.device == "auto" else hardware.resolve_device(p.device, hardware.inventory())
+    launch_p = plan.params_for_launch(p) if plan else p
+    base = server.ServerConfig.from_params(
+        launch_p, device, plan.layout_for_launch if plan else None, model_path=model_path
+    )
+    return rehearsal.candidates(base, plan, p.rehearse_variants, p.rehearse_layouts)
+
+
+def run(
+    p: Params,
+    run_dir: str | Path,
+    on_candidate: Callable[[RehearsalRecord], None] | None = None,
+    download_running: Callable[[], bool] = lambda: False,
+) -> RehearsalRecord:
+    """Rehearse every candidate within the budget; the record is written after each one, so an interrupt keeps the
+    finished ones. ``on_candidate`` sees the record so far (the notebook's live table); ``download_running`` says
+    whether the download still runs beside it (the runner's), for the overlap."""
+    run_dir = results.run_folder(run_dir)
+    results.retire(run_dir, RehearsalRecord)
+    started = time.monotonic()
+    model_path = model_folder(p, run_dir)
+    specs = candidates(p, run_dir, model_path)
+    moe = modelspec.load(model_path).is_moe
+    device = specs[0].config.device if specs else "cpu"
+    routing, routing_note = rehearsal.routing_for(moe, p.rehearse_routing, device)
+    record = RehearsalRecord(
+        model_path=model_path, routing=routing, routing_note=routing_note, candidates=[],
+        ranked_by="goodput" if bench.objectives_for(p) else "output tok/s", budget_s=p.rehearse_budget_s,
+    )  # fmt: skip
+    runner = rehearsal.Runner(
+        rehearsal_sweep(p), run_dir / RehearsalRecord.FILE, routing, moe, stop_leftovers=p.stop_leftovers,
+        on_progress=ui.load_progress(p.interactive, "dummy start"),
+    )  # fmt: skip
+    overlap = _Overlap(download_running)
+    print(
+        f"{len(specs)} candidates: "
+        + "; ".join(s.name for s in specs)
+        + (f"; routing simulation {routing}" if routing else "")
+    )
+    try:
+        for spec in specs:
+            elapsed = time.monotonic() - started
+            if p.rehearse_budget_s and elapsed > p.rehearse_budget_s:
+                record.candidates.append(_skipped(spec, f"over the rehearsal budget ({p.rehearse_budget_s:.0f} s)"))
+                continue
+            with overlap:
+                found = runner.rehearse(spec, leader(record))
+            record.candidates.append(found)
+            _decide(record)
+            _keep(run_dir, record, started, overlap, on_candidate)
+        _skewed(p, record, specs, runner, overlap)
+    except KeyboardInterrupt:
+        record.interrupted = "interrupted; the candidates finished before it are kept"
+        _keep(run_dir, record, started, overlap, on_candidate)
+        raise
+    _keep(run_dir, record, started, overlap, on_candidate)
+    return record
+
+
+class _Overlap:
+    """Seconds of rehearsal while the download was still running."""
+
+    def __init__(self, download_running: Callable[[], bool]) -> None:
+        self.download_running, self.seconds, self._since = download_running, 0.0, 0.0
+
+    def __enter__(self) -> None:
+        self._since = time.monotonic()
+        self._during = self.download_running()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._during:
+            self.seconds += time.monotonic() - self._since
+
+
+def leader(record: RehearsalRecord) -> rehearsal.Rehearsed | None:
+    by_goodput = record.ranked_by == "goodput"
+    ranked = rehearsal.rank(list(record.candidates), by_goodput)
+    return ranked[0] if ranked else None
+
+
+def _skipped(spec: rehearsal.CandidateSpec, why: str) -> rehearsal.Rehearsed:
+    return rehearsal.Rehearsed(
+        name=spec.name, layout=spec.layout, setting=spec.setting, changes=spec.changes, status="skipped", error=why
+    )
+
+
+def _decide(record: RehearsalRecord) -> None:
+    """Rank what was measured; the leader wins unless a person picked another."""
+    by_goodput = record.ranked_by == "goodput"
+    ranked = rehearsal.rank(record.candidates, by_goodput)
+    if not ranked:
+        record.winner, record.why = "", "no candidate started and measured"
+        return
+    best = ranked[0]
+    if record.picked_by != "person" or not record.find(record.winner):
+        record.winner, record.picked_by = best.name, "measurement"
+    top, band = best.best, best.band(by_goodput)
+    tied = [r.name for r in ranked[1:] if rehearsal.within_noise(best, r, by_goodput)]
+    unit = "requests/s within the objectives" if by_goodput else "output tok/s"
+    record.why = (
+        f"{best.name}: {best.score(by_goodput):,.1f} {unit}"
+        + (f" at {top.concurrency} streams" if top and not by_goodput else "")
+        + (f" (repeats {band[0]:,.1f}-{band[1]:,.1f})" if band else "")
+        + (f"; within noise of it: {', '.join(tied)}" if tied else "; every other candidate is behind beyond noise"
+           if len(ranked) > 1 else "")
+    )  # fmt: skip
+
+
+def _skewed(
+    p: Params,
+    record: RehearsalRecord,
+    specs: list[rehearsal.CandidateSpec],
+    runner: rehearsal.Runner,
+    overlap: _Overlap,
+) -> None:
+    """The leader again with the skewed routing: how much a trained router's skew may cost it."""
+    other = p.rehearse_skewed_routing
+    best = leader(record)
+    if not record.routing or other in ("none", record.routing) or best is None:
+        return
+    spec = next(s for s in specs if s.name == best.name)
+    with overlap:
+        best.skewed = runner.skewed(spec, best, other)
+
+
+def _keep(
+    run_dir: Path,
+    record: RehearsalRecord,
+    started: float,
+    overlap: _Overlap,
+    on_candidate: Callable[[RehearsalRecord], None] | None,
+) -> None:
+    record.seconds = round(time.monotonic() - started, 1)
+    record.download_overlap_s = round(overlap.seconds, 1) if overlap.seconds else None
+    results.write(run_dir, record)
+    if on_candidate:
+        on_candidate(record)
+
+
+def pick(run_dir: str | Path, name: str) -> RehearsalRecord:
+    """A person's choice of winner (the notebook's picker): stage 03 launches it, the record says who chose."""
+    run_dir = results.run_folder(run_dir)
+    record = results.require(run_dir, RehearsalRecord, "the rehearsal's picker")
+    found = record.find(name)
+    if found is None or found.status not in ("measured", "dropped"):
+        measured = [c.name for c in record.candidates if c.status in ("measured", "dropped")]
+        raise RehearsalFailed(f"'{name}' was not measured in this rehearsal; pick one of: {', '.join(measured)}")
+    record.winner, record.picked_by = name, "person"
+    record.why = f"{name}: picked by a person over the measurement's leader"
+    results.write(run_dir, record)
+    return record
+
+
+def check(record: RehearsalRecord, p: Params) -> None:
+    if record.interrupted:
+        raise KeyboardInterrupt
+    if not record.winner:
+        causes = [f"{c.name}: {c.status}: {c.error.splitlines()[0] if c.error else ''}" for c in record.candidates]
+        raise RehearsalFailed("no candidate started and measured on dummy weights:\n  - " + "\n  - ".join(causes))
+
+
+def summary(record: RehearsalRecord) -> str:
+    measured = sum(c.status in ("measured", "dropped") for c in record.candidates)
+    failed = sum(c.status == "failed" for c in record.candidates)
+    parts = [f"{measured} of {len(record.candidates)} candidates measured on dummy weights"]
+    if failed:
+        parts.append(f"{failed} did not start")
+    if record.winner:
+        parts.append(f"winner {record.winner} ({record.picked_by})")
+    chosen = record.chosen
+    if chosen and chosen.skewed and chosen.skewed.change_pct is not None:
+        parts.append(f"{chosen.skewed.change_pct:+.0f} % with {chosen.skewed.routing} routing")
+    return "; ".join(parts)
+
+
+def table(record: RehearsalRecord) -> pd.DataFrame:
+    """One row per candidate: its start, KV against the plan, best level with its band, and rank."""
+    rows = []
+    for c in record.candidates:
+        best = c.best
+        rows.append({
+            "rank": c.rank, "candidate": c.name, "status": c.status,
+            "ready s": c.seconds_to_ready, "KV tokens": c.kv_cache_tokens, "plan KV tokens": c.predicted_kv_tokens,
+            "plan KV error %": c.kv_error_pct,
+            "best tok/s": best.output_tok_s if best else None,
+            "band": f"{best.low:,.1f}-{best.high:,.1f}" if best else "",
+            "at streams": best.concurrency if best else None,
+            "plan ceiling tok/s": c.predicted_ceiling_tok_s,
+            "skewed routing %": c.skewed.change_pct if c.skewed else None,
+            "seconds": c.seconds,
+            "why": (c.error.splitlines()[0][:160] if c.error else c.stop_reason),
+        })  # fmt: skip
+    frame = pd.DataFrame(rows)
+    return frame.sort_values("rank", na_position="last", kind="stable") if not frame.empty else frame
+
+
+def points(record: RehearsalRecord) -> pd.DataFrame:
+    """Every rehearsed level of every candidate, for the chart."""
+    return points_of(record.candidates)
+
+
+def points_of(found: list[rehearsal.Rehearsed]) -> pd.DataFrame:
+    columns = ["candidate", *rehearsal.Point.model_fields]
+    return pd.DataFrame([{"candidate": c.name, **pt.model_dump()} for c in found for pt in c.points], columns=columns)
+
+
+def launch_wait(record: RehearsalRecord) -> str:
+    """What a person reads under the table: who wins, why, and what stage 03 does with it."""
+    if not record.winner:
+        return "No candidate was measured: stage 03 launches what the plan and params say."
+    lines = [f"**Winner:** {record.why}."]
+    if record.routing:
+        lines.append(
+            f"Every candidate ran with vLLM's `{record.routing}` routing simulation: dummy weights' own router sends "
+            "most tokens to a few experts and would rehearse too fast."
+        )
+    elif record.routing_note:
+        lines.append(f"No routing simulation: {record.routing_note}.")
+    chosen = record.chosen
+    if chosen and chosen.skewed:
+        s = chosen.skewed
+        lines.append(
+            f"With `{s.routing}` routing (a skew closer to a trained router's) it measured "
+            + (f"{s.output_tok_s:,.1f} tok/s at {s.concurrency} streams ({s.change_pct:+.1f} %)." if s.output_tok_s
+               else f"nothing: {s.error}")
+        )  # fmt: skip
+    if chosen and chosen.layout.ep:
+        lines.append(
+            "Expert parallelism: uniform routing balances the experts' ranks perfectly; a trained router does not, "
+            "so this layout may rehearse optimistic (stage 05 measures the real gap)."
+        )
+    if record.download_overlap_s:
+        lines.append(f"{record.download_overlap_s:,.0f} s of the rehearsal ran while the download was running.")
+    return "\n\n".join(lines)
+
+
+def failed_start(record: RehearsalRecord) -> list[str]:
+    """Each candidate that did not start, with vLLM's root cause."""
+    return [f"{c.name}: {c.error}" for c in record.candidates if c.status == "failed"]
+
+
+__all__ = ["LaunchError", "RehearsalFailed", "check", "pick", "run", "summary", "table"]

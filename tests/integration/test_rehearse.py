@@ -1,0 +1,108 @@
+"""The rehearsal against real vLLM on the CPU: candidates on dummy weights, a failing one, an interrupted
+rehearsal, and the rehearsal beside a download from the local hub mirror."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import vllm_titles
+from .test_download import HUB_REPO, hub  # noqa: F401  (the session's hub mirror fixture)
+from .test_faults import Run, manifest_of, nothing_left
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+TWO = "rehearse_variants=[{name: two-seqs, max_num_seqs: 2}]"
+
+
+def rehearse(tmp_path, *sets, env=None):
+    args = [x for s in sets for x in ("--set", s)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "rehearse", str(REPO / "params" / "ci.yaml"), *args],
+        capture_output=True, text=True, cwd=REPO, timeout=900,
+        env={**os.environ, "SERVEBOOK_OUTPUTS": str(tmp_path / "outputs"), **(env or {})},
+    )  # fmt: skip
+    print(proc.stdout[-4000:], proc.stderr[-3000:])
+    return proc, Path(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_candidate_that_fails_to_start_is_a_result_and_the_others_are_ranked(tmp_path):
+    before = set(vllm_titles())
+    proc, run_dir = rehearse(
+        tmp_path, "port=8181", "rehearse_variants=[{name: bogus, extra_args: [--no-such-flag]}, "
+        "{name: two-seqs, max_num_seqs: 2}]", "rehearse_skewed_routing=none",
+    )  # fmt: skip
+    assert proc.returncode == 0
+    record = json.loads((run_dir / "02_rehearse.json").read_text())
+    by_name = {c["name"]: c for c in record["candidates"]}
+    assert list(by_name) == ["TP=1", "TP=1 · bogus", "TP=1 · two-seqs"]
+    bogus = by_name["TP=1 · bogus"]
+    assert bogus["status"] == "failed" and "no-such-flag" in bogus["error"] and bogus["rank"] is None
+    measured = [c for c in record["candidates"] if c["status"] == "measured"]
+    assert len(measured) == 2 and all(c["kv_cache_tokens"] == 1_048_576 * 2 for c in measured)
+    assert all("--load-format dummy" in c["command_line"] for c in record["candidates"])
+    assert by_name["TP=1 · two-seqs"]["changes"] == {"max_num_seqs": 2}
+    assert record["winner"] in ("TP=1", "TP=1 · two-seqs") and {c["rank"] for c in measured} == {1, 2}
+    assert "no routing simulation" in proc.stdout and "int32" in record["routing_note"]
+    assert "1 did not start" in json.loads((run_dir / "manifest.json").read_text())["stages"][-1]["summary"]
+    nothing_left(8181, before)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM to servebook"])
+def test_an_interrupted_rehearsal_keeps_the_finished_candidates_and_leaves_nothing(tmp_path, sig):
+    before = set(vllm_titles())
+    run = Run(tmp_path, "--set", "port=8182", "--set", TWO, "--stages", "plan,rehearse")
+    run.wait_for("rehearsing TP=1 · two-seqs")
+    end = time.monotonic() + 120
+    while sum("phase imports took" in line for line in run.lines) < 2:  # the second candidate's server loads
+        assert time.monotonic() < end and run.proc.poll() is None, "\n".join(run.lines[-30:])
+        time.sleep(0.2)
+    run.proc.send_signal(sig)
+    assert run.finish() == 143
+    manifest = manifest_of(run)
+    assert manifest["status"] == "interrupted" and "02_rehearse" in manifest["interrupted"]
+    record = json.loads((run.run_dir / "02_rehearse.json").read_text())
+    assert [c["name"] for c in record["candidates"]][:1] == ["TP=1"]
+    assert record["candidates"][0]["status"] == "measured" and record["candidates"][0]["points"]
+    assert record["interrupted"]
+    nothing_left(8182, before)
+
+
+def test_the_rehearsal_runs_beside_a_download_from_the_hub(hub, tmp_path):  # noqa: F811
+    before = set(vllm_titles())
+    params = tmp_path / "params.yaml"
+    ci = (REPO / "params" / "ci.yaml").read_text()
+    params.write_text(ci.replace("model: builtin:tiny-qwen3-moe", f"model: {HUB_REPO}") +
+                      f"model_store: {tmp_path / 'store'}\nport: 8183\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env |= {"HF_ENDPOINT": hub["endpoint"], "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1",
+            "SERVEBOOK_OUTPUTS": str(tmp_path / "outputs")}  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "run", str(params), "--stages", "plan,download,rehearse,launch"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=900,
+    )  # fmt: skip
+    print(proc.stdout[-4000:], proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = Path(proc.stdout.strip().splitlines()[-1])
+    assert "02_download ... beside the rehearsal" in proc.stdout
+    stages = {s["name"]: s for s in json.loads((run_dir / "manifest.json").read_text())["stages"]}
+    assert [*stages] == ["01_plan", "02_download", "02_rehearse", "03_launch"]
+    download, rehearsal = stages["02_download"], stages["02_rehearse"]
+    assert download["status"] == rehearsal["status"] == "ok"
+    assert download["started_s"] <= rehearsal["started_s"] < download["started_s"] + download["seconds"]
+    record = json.loads((run_dir / "02_rehearse.json").read_text())
+    headers = Path(record["model_path"])
+    assert headers.is_relative_to(run_dir) and (headers / "config.json").is_file()
+    assert not list(headers.glob("*.safetensors"))  # the rehearsal read no weights
+    assert record["download_overlap_s"] > 0 and "ran side by side" in (run_dir / "report.html").read_text()
+    launch = json.loads((run_dir / "03_launch.json").read_text())
+    assert launch["config"]["model_path"] == str(tmp_path / "store" / HUB_REPO)  # real weights, downloaded
+    assert launch["rehearsal_check"]["kv_match"]
+    assert time.monotonic() - started < 900
+    nothing_left(8183, before)

@@ -1,0 +1,147 @@
+"""The rehearsal's candidates, ranking, early drop and hand-over to the launch, without starting vLLM (the
+integration tests start it)."""
+
+from pathlib import Path
+
+import pytest
+
+from servebook import gpus, levels, modelspec, planner, rehearsal, stages
+from servebook.params import AbVariant, Params
+from servebook.planner import Parallelism
+from servebook.records import RehearsalCheck, RehearsalRecord
+from servebook.results import Manifest, StageRun
+from servebook.server_config import ServerConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+
+
+def minimax_plan(count=2):
+    g = gpus.lookup("H200")
+    spec = modelspec.load(str(CONFIGS / "minimax-m2.5-shapes-2l-fp8.json"))
+    return planner.plan(spec, planner.Device(g.name, count, g.memory_bytes, g.bandwidth_bytes_s), max_model_len=4096)
+
+
+def base_config(layout=None):
+    return ServerConfig(
+        model="m", model_path="/m", served_model_name="m", device="cuda", layout=layout or Parallelism()
+    )
+
+
+def found(name, points, stopped_by="plateau", status="measured", layout=None, changes=None):
+    return rehearsal.Rehearsed(
+        name=name, layout=layout or Parallelism(), setting=rehearsal.AS_SET, changes=changes or {}, status=status,
+        stopped_by=stopped_by,
+        points=[rehearsal.Point(concurrency=c, output_tok_s=t, low=lo, high=hi) for c, t, lo, hi in points],
+    )  # fmt: skip
+
+
+def test_candidates_are_the_launch_layout_then_the_plans_best_each_with_every_setting():
+    plan = minimax_plan(8)
+    launch_layout = Parallelism(tp=8, ep=True)
+    specs = rehearsal.candidates(base_config(launch_layout), plan, [AbVariant(name="s64", max_num_seqs=64)], 3)
+    names = [s.name for s in specs]
+    assert names[:2] == ["TP=8+EP", "TP=8+EP · s64"]  # the launch's own layout first
+    assert len(specs) == 6  # three layouts, each as set and with the setting
+    refused = {lay.name for lay in plan.layouts if not lay.usable}
+    assert "TP=8" in refused  # MiniMax's FP8 blocks: 1536 / 8 = 192, no multiple of 128 (the story's refusal)
+    assert not refused & {s.layout.name for s in specs}  # a refused layout never starts
+    assert specs[1].config.max_num_seqs == 64 and specs[0].config.max_num_seqs == 0
+    assert all(s.predicted is not None for s in specs)
+
+
+def test_the_leader_is_the_best_measured_and_its_band_decides_ties():
+    a = found("A", [(1, 100, 95, 105), (2, 190, 180, 200)])
+    b = found("B", [(1, 90, 85, 95), (2, 185, 170, 195)])
+    c = found("C", [(1, 50, 45, 55), (2, 60, 55, 65)])
+    failed = found("D", [], status="failed")
+    ranked = rehearsal.rank([c, failed, b, a], by_goodput=False)
+    assert [r.name for r in ranked] == ["A", "B", "C"] and failed.rank is None
+    assert rehearsal.within_noise(a, b, False)  # B's best reaches into A's band: the measurement cannot part them
+    assert not rehearsal.within_noise(a, c, False)
+
+
+def test_a_candidate_behind_a_levelled_leader_beyond_noise_is_dropped():
+    leader = found("A", [(1, 100, 95, 105), (2, 190, 180, 200), (4, 195, 185, 205)], stopped_by="plateau")
+    behind = rehearsal.drop_rule(leader)
+    slow = [levels.Level(concurrency=c, repeats=2, output_throughput=t, output_throughput_min=t - 5,
+                         output_throughput_max=t + 5, spread_pct=5) for c, t in ((1, 50), (2, 80), (4, 100))]  # fmt: skip
+    assert behind(slow[:2]) is None  # the leader had not levelled off by 2 streams
+    reason = behind(slow)
+    assert reason and "dropped at 4 streams" in reason and "A" in reason
+    still_rising = leader.model_copy(update={"stopped_by": "max_concurrency"})
+    assert rehearsal.drop_rule(still_rising)(slow) is None  # a leader still rising proves nothing yet
+    close = [lv.model_copy(update={"output_throughput_max": 186.0}) for lv in slow]
+    assert behind(close) is None  # within the leader's band: kept
+
+
+def test_routing_simulation_where_vllm_can_run_it_and_why_not_elsewhere():
+    assert rehearsal.routing_for(True, "uniform_random", "cuda") == ("uniform_random", "")
+    assert rehearsal.routing_for(False, "uniform_random", "cuda")[0] == ""
+    routing, why = rehearsal.routing_for(True, "uniform_random", "cpu")
+    assert routing == "" and "int32" in why
+    cfg = rehearsal.routing_env(base_config(), "normal_routing", moe=True)
+    assert cfg.load_format == "dummy" and cfg.extra_env[rehearsal.ROUTING_ENV] == "normal_routing"
+    assert "--load-format" in cfg.serve_args() and "dummy" in cfg.serve_args()
+
+
+def test_the_winner_goes_to_the_launch_with_its_layout_and_settings():
+    ep = Parallelism(tp=2, ep=True)
+    winner = found("TP=2+EP · s64", [(8, 900, 880, 920)], layout=ep, changes={"max_num_seqs": 64})
+    record = RehearsalRecord(model_path="/m", routing="uniform_random", ranked_by="output tok/s",
+                             candidates=[winner], winner=winner.name)  # fmt: skip
+    p = Params(gpu_ids=[0, 1], tensor_parallel_size=1, data_parallel_size=2)
+    launched = record.params_for_launch(p)
+    assert (launched.tensor_parallel_size, launched.data_parallel_size, launched.enable_expert_parallel) == (2, 1, True)
+    assert launched.max_num_seqs == 64
+    assert record.params_for_launch(p.updated({"rehearse_picks_launch": False})) == p.updated(
+        {"rehearse_picks_launch": False}
+    )
+    real = base_config(ep)
+    real.max_num_seqs = 64
+    assert record.matching(real) is winner
+    real.max_num_seqs = 32
+    assert record.matching(real) is None
+
+
+def test_a_person_can_pick_another_measured_candidate(tmp_path):
+    from servebook import results
+    from servebook.errors import RehearsalFailed
+    from servebook.stages import rehearse
+
+    a, b = found("A", [(1, 100, 95, 105)]), found("B", [(1, 90, 85, 95)])
+    failed = found("C", [], status="failed")
+    results.write(tmp_path, RehearsalRecord(model_path="/m", routing="", ranked_by="output tok/s",
+                                            candidates=[a, b, failed], winner="A"))  # fmt: skip
+    picked = rehearse.pick(tmp_path, "B")
+    assert picked.winner == "B" and picked.picked_by == "person"
+    with pytest.raises(RehearsalFailed, match="pick one of: A, B"):
+        rehearse.pick(tmp_path, "C")
+
+
+def test_kv_must_match_between_rehearsal_and_real_launch():
+    rehearsed = found("A", [(1, 1, 1, 1)]).model_copy(update={"kv_cache_tokens": 5_387_024})
+    assert RehearsalCheck.of(rehearsed, 5_387_024, "hit").kv_match
+    check = RehearsalCheck.of(rehearsed, 5_306_464, "miss")  # the H200's cold compile kept 1.5 % more
+    assert not check.kv_match and "-1.50 %" in check.note and "cold" in check.note
+
+
+def test_02_names_the_download_and_the_rehearsal_in_pipeline_order():
+    assert [s.name for s in stages.select("02")] == ["download", "rehearse"]
+    assert [s.name for s in stages.select("rehearse,plan")] == ["plan", "rehearse"]
+    names = [s.name for s in stages.STAGES]
+    assert names.index("download") < names.index("rehearse") < names.index("launch")
+
+
+def test_the_report_says_which_stages_ran_side_by_side():
+    from servebook import report
+
+    manifest = Manifest.model_construct(
+        run_name="r", run_dir="/r", started_at="t", versions={}, status="ok", interrupted="",
+        host=type("H", (), {"hostname": "h"})(),
+        stages=[StageRun(name="02_download", status="ok", started_s=10.0, seconds=300.0),
+                StageRun(name="02_rehearse", status="ok", started_s=10.5, seconds=200.0),
+                StageRun(name="03_launch", status="ok", started_s=310.0, seconds=60.0)],
+    )  # fmt: skip
+    text = report._summary_markdown(manifest)
+    assert "02_download and 02_rehearse ran side by side for 200 s" in text
+    assert "03_launch" not in text.split("side by side")[0].split("\n")[-1]
