@@ -122,7 +122,7 @@ with live.resource_panel(p.interactive, stage.gpus(), "GPUs while the candidates
 # forecast), and why it stopped.
 
 # %%
-display(stage.table(rehearsed))
+display(stage.styled(rehearsed))
 display(Markdown(stage.launch_wait(rehearsed)))
 for line in stage.failed_start(rehearsed):
     print(line)

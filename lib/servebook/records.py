@@ -193,13 +193,19 @@ class RehearsalRecord(Record):
         return p.updated(chosen.launch_changes(), source=f"the rehearsal's {self.picked_by} pick ({chosen.name})")
 
     def matching(self, cfg: server.ServerConfig) -> rehearsal.Rehearsed | None:
-        """The measured candidate whose layout and settings the launched server has."""
-        for c in self.candidates:
-            if c.layout != cfg.layout or c.status not in ("measured", "dropped"):
-                continue
-            if all(getattr(cfg, k, v) == v for k, v in c.changes.items() if k not in ("extra_env", "extra_args")):
-                return c
-        return None
+        """The measured candidate the launched server is: the winner when it was launched, else the one of its
+        layout whose settings it has, the most specific first (a candidate "as set" changes nothing, so every
+        server of its layout has its settings)."""
+        chosen = self.chosen
+        if chosen is not None and chosen.layout == cfg.layout and self._has(cfg, chosen):
+            return chosen
+        fits = [c for c in self.candidates if c.layout == cfg.layout and c.status in ("measured", "dropped")]
+        fits = [c for c in fits if self._has(cfg, c)]
+        return max(fits, key=lambda c: len(c.changes), default=None)
+
+    @staticmethod
+    def _has(cfg: server.ServerConfig, c: rehearsal.Rehearsed) -> bool:
+        return all(getattr(cfg, k, v) == v for k, v in c.changes.items() if k not in ("extra_env", "extra_args"))
 
 
 class RehearsalCheck(BaseModel):

@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from servebook import bench, planner, server
-from servebook.errors import LaunchError
+from servebook.errors import LaunchError, PreflightError
 from servebook.levels import Level, SweepConfig
 from servebook.params import AbVariant
 from servebook.planner import Parallelism
@@ -263,8 +263,8 @@ class Runner:
             launch = server.launch(
                 cfg, self.out_dir / spec.slug, stop_leftovers=self.stop_leftovers, on_progress=self.on_progress
             )
-        except LaunchError as exc:
-            found.status, found.error = "failed", exc.cause or str(exc)
+        except (LaunchError, PreflightError) as exc:  # vLLM refused the command, or it died loading
+            found.status, found.error = "failed", getattr(exc, "cause", "") or str(exc)
             found.stopped_clean = server.stop(port=cfg.port).summary
             found.seconds = round(time.monotonic() - started, 1)
             self.log(f"{spec.name}: did not start: {found.error.splitlines()[0] if found.error else ''}")
@@ -311,8 +311,8 @@ class Runner:
         self.log(f"{leader.name} again with {routing} routing, at {best.concurrency} streams")
         try:
             server.launch(cfg, self.out_dir / f"{spec.slug}-{routing}", stop_leftovers=self.stop_leftovers)
-        except LaunchError as exc:
-            result.error = exc.cause or str(exc)
+        except (LaunchError, PreflightError) as exc:
+            result.error = getattr(exc, "cause", "") or str(exc)
             server.stop(port=cfg.port)
             return result
         try:

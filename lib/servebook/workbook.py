@@ -487,7 +487,7 @@ def live_rehearsal(interactive: bool) -> Any:
 
     def update(record: Any) -> None:
         _redraw(chart, plots.rehearsal(stage.points(record), record.winner, record.routing))
-        table.value = stage.table(record).to_html(index=False, na_rep="", float_format=lambda v: f"{v:,.1f}")
+        table.value = stage.styled(record).to_html()
 
     return update
 

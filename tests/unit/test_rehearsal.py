@@ -101,6 +101,12 @@ def test_the_winner_goes_to_the_launch_with_its_layout_and_settings():
     assert record.matching(real) is winner
     real.max_num_seqs = 32
     assert record.matching(real) is None
+    # the H200 run's case: the winner changed one setting; the candidate "as set" of the same layout must not
+    # stand in for it (its empty changes fit every server of its layout)
+    as_set = found("TP=2+EP", [(8, 800, 790, 810)], layout=ep)
+    both = record.model_copy(update={"candidates": [as_set, winner], "winner": ""})
+    real.max_num_seqs = 64
+    assert both.matching(real) is winner
 
 
 def test_a_person_can_pick_another_measured_candidate(tmp_path):

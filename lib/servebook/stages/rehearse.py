@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
+from pandas.io.formats.style import Styler
 
 from servebook import bench, download, hardware, models, modelspec, rehearsal, results, server, ui
 from servebook.errors import LaunchError, RehearsalFailed
@@ -72,11 +73,10 @@ def run(
     p: Params,
     run_dir: str | Path,
     on_candidate: Callable[[RehearsalRecord], None] | None = None,
-    download_running: Callable[[], bool] = lambda: False,
 ) -> RehearsalRecord:
     """Rehearse every candidate within the budget; the record is written after each one, so an interrupt keeps the
-    finished ones. ``on_candidate`` sees the record so far (the notebook's live table); ``download_running`` says
-    whether the download still runs beside it (the runner's), for the overlap."""
+    finished ones. ``on_candidate`` sees the record so far (the notebook's live table). How long it ran beside the
+    download the runner writes into the record afterwards, from both stages' times."""
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, RehearsalRecord)
     started = time.monotonic()
@@ -93,45 +93,25 @@ def run(
         rehearsal_sweep(p), run_dir / RehearsalRecord.FILE, routing, moe, stop_leftovers=p.stop_leftovers,
         on_progress=ui.load_progress(p.interactive, "dummy start"),
     )  # fmt: skip
-    overlap = _Overlap(download_running)
-    print(
-        f"{len(specs)} candidates: "
-        + "; ".join(s.name for s in specs)
-        + (f"; routing simulation {routing}" if routing else "")
-    )
+    print(f"{len(specs)} candidates: " + "; ".join(s.name for s in specs))
+    print(f"routing simulation: {routing}" if routing else f"no routing simulation: {routing_note}")
     try:
         for spec in specs:
             elapsed = time.monotonic() - started
             if p.rehearse_budget_s and elapsed > p.rehearse_budget_s:
                 record.candidates.append(_skipped(spec, f"over the rehearsal budget ({p.rehearse_budget_s:.0f} s)"))
                 continue
-            with overlap:
-                found = runner.rehearse(spec, leader(record))
+            found = runner.rehearse(spec, leader(record))
             record.candidates.append(found)
             _decide(record)
-            _keep(run_dir, record, started, overlap, on_candidate)
-        _skewed(p, record, specs, runner, overlap)
+            _keep(run_dir, record, started, on_candidate)
+        _skewed(p, record, specs, runner)
     except KeyboardInterrupt:
         record.interrupted = "interrupted; the candidates finished before it are kept"
-        _keep(run_dir, record, started, overlap, on_candidate)
+        _keep(run_dir, record, started, on_candidate)
         raise
-    _keep(run_dir, record, started, overlap, on_candidate)
+    _keep(run_dir, record, started, on_candidate)
     return record
-
-
-class _Overlap:
-    """Seconds of rehearsal while the download was still running."""
-
-    def __init__(self, download_running: Callable[[], bool]) -> None:
-        self.download_running, self.seconds, self._since = download_running, 0.0, 0.0
-
-    def __enter__(self) -> None:
-        self._since = time.monotonic()
-        self._during = self.download_running()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._during:
-            self.seconds += time.monotonic() - self._since
 
 
 def leader(record: RehearsalRecord) -> rehearsal.Rehearsed | None:
@@ -173,7 +153,6 @@ def _skewed(
     record: RehearsalRecord,
     specs: list[rehearsal.CandidateSpec],
     runner: rehearsal.Runner,
-    overlap: _Overlap,
 ) -> None:
     """The leader again with the skewed routing: how much a trained router's skew may cost it."""
     other = p.rehearse_skewed_routing
@@ -181,19 +160,16 @@ def _skewed(
     if not record.routing or other in ("none", record.routing) or best is None:
         return
     spec = next(s for s in specs if s.name == best.name)
-    with overlap:
-        best.skewed = runner.skewed(spec, best, other)
+    best.skewed = runner.skewed(spec, best, other)
 
 
 def _keep(
     run_dir: Path,
     record: RehearsalRecord,
     started: float,
-    overlap: _Overlap,
     on_candidate: Callable[[RehearsalRecord], None] | None,
 ) -> None:
     record.seconds = round(time.monotonic() - started, 1)
-    record.download_overlap_s = round(overlap.seconds, 1) if overlap.seconds else None
     results.write(run_dir, record)
     if on_candidate:
         on_candidate(record)
@@ -256,6 +232,17 @@ def table(record: RehearsalRecord) -> pd.DataFrame:
     return frame.sort_values("rank", na_position="last", kind="stable") if not frame.empty else frame
 
 
+def styled(record: RehearsalRecord) -> Styler:
+    """The table as a person reads it: no index column, thousands separated, blanks for what was not measured."""
+    frame = table(record)
+    counts = [c for c in ("rank", "KV tokens", "plan KV tokens", "at streams") if c in frame]
+    return (
+        frame.style.hide(axis="index")
+        .format(na_rep="", precision=1, thousands=",")
+        .format("{:,.0f}", subset=counts, na_rep="")
+    )
+
+
 def points(record: RehearsalRecord) -> pd.DataFrame:
     """Every rehearsed level of every candidate, for the chart."""
     return points_of(record.candidates)
@@ -286,7 +273,7 @@ def launch_wait(record: RehearsalRecord) -> str:
             + (f"{s.output_tok_s:,.1f} tok/s at {s.concurrency} streams ({s.change_pct:+.1f} %)." if s.output_tok_s
                else f"nothing: {s.error}")
         )  # fmt: skip
-    if chosen and chosen.layout.ep:
+    if chosen and chosen.layout.ep and record.routing:
         lines.append(
             "Expert parallelism: uniform routing balances the experts' ranks perfectly; a trained router does not, "
             "so this layout may rehearse optimistic (stage 05 measures the real gap)."
