@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from servebook import server
-from servebook.errors import LayoutRejected, PreflightError
+from servebook.errors import LayoutRejected, RehearsalFailed
 
 from ..support import report_check
 from .conftest import vllm_titles
@@ -118,20 +118,21 @@ def test_pipeline_runs_every_stage_against_a_keyed_server_and_stops_it(tmp_path)
 
 
 def test_a_failing_stage_stops_the_run_and_still_reports(tmp_path):
+    """A flag vLLM's parser refuses: the rehearsal's only candidate fails in seconds, before any real launch."""
     before = set(vllm_titles())
     proc = run(tmp_path, "--set", "port=8142", "--set", "extra_args=['--enable-pcie-oneshot-allreduce']")
-    assert proc.returncode == PreflightError.exit_code  # the failing stage's own exit code
+    assert proc.returncode == RehearsalFailed.exit_code  # the failing stage's own exit code
     run_dir = Path(proc.stdout.strip().splitlines()[-1])
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "failed"
     statuses = {s["name"]: s["status"] for s in manifest["stages"]}
-    assert statuses["00_reconnaissance"] == "ok" and statuses["03_launch"] == "failed"
+    assert statuses["00_reconnaissance"] == "ok" and statuses["02_rehearse"] == "failed"
     assert statuses["01_plan"] == statuses["02_download"] == "ok"
-    assert all(statuses[n] == "skipped" for n in statuses if n > "03_launch")
+    assert all(statuses[n] == "skipped" for n in statuses if n > "02_rehearse")
     failed = next(s for s in manifest["stages"] if s["status"] == "failed")
-    assert "PreflightError" in failed["error"] and "--enable-pcie-oneshot-allreduce" in failed["error"]
+    assert "RehearsalFailed" in failed["error"] and "--enable-pcie-oneshot-allreduce" in failed["error"]
     html = (run_dir / "report.html").read_text()
-    assert "Run failed at stage 03_launch" in html
+    assert "Run failed at stage 02_rehearse" in html
     assert server.registered(8142) is None and set(vllm_titles()) <= before
 
 

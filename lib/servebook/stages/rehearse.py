@@ -193,7 +193,7 @@ def check(record: RehearsalRecord, p: Params) -> None:
     if record.interrupted:
         raise KeyboardInterrupt
     if not record.winner:
-        causes = [f"{c.name}: {c.status}: {c.error.splitlines()[0] if c.error else ''}" for c in record.candidates]
+        causes = [f"{c.name}: {c.status}: {' '.join(c.error.split())[:400]}" for c in record.candidates]
         raise RehearsalFailed("no candidate started and measured on dummy weights:\n  - " + "\n  - ".join(causes))
 
 
