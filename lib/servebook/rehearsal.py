@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from servebook import bench, planner, server
+from servebook.ab import variant_config
 from servebook.errors import LaunchError, PreflightError
 from servebook.levels import Level, SweepConfig
 from servebook.params import AbVariant
@@ -74,19 +75,13 @@ def candidates(
         with_layout = replace(base, layout=layout)
         out.append(CandidateSpec(layout, AS_SET, with_layout, {}, predicted))
         for variant in variants:
-            config = _variant(with_layout, variant)
+            config = variant_config(with_layout, variant)
             out.append(
                 CandidateSpec(
                     config.layout, variant.name, config, variant.changes(), plan.find(config.layout) if plan else None
                 )
             )
     return out
-
-
-def _variant(base: ServerConfig, variant: AbVariant) -> ServerConfig:
-    from servebook.ab import variant_config
-
-    return variant_config(base, variant)
 
 
 class Point(BaseModel):

@@ -11,7 +11,7 @@ import pandas as pd
 from pandas.io.formats.style import Styler
 
 from servebook import bench, download, hardware, models, modelspec, rehearsal, results, server, ui
-from servebook.errors import LaunchError, RehearsalFailed
+from servebook.errors import RehearsalFailed
 from servebook.levels import SweepConfig
 from servebook.params import Params
 from servebook.records import DownloadRecord, PlanRecord, ReconRecord, RehearsalRecord
@@ -286,6 +286,3 @@ def launch_wait(record: RehearsalRecord) -> str:
 def failed_start(record: RehearsalRecord) -> list[str]:
     """Each candidate that did not start, with vLLM's root cause."""
     return [f"{c.name}: {c.error}" for c in record.candidates if c.status == "failed"]
-
-
-__all__ = ["LaunchError", "RehearsalFailed", "check", "pick", "run", "summary", "table"]
