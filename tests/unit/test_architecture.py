@@ -21,10 +21,13 @@ MODULES = sorted(
     ".".join(("servebook", *p.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
     for p in PACKAGE.rglob("*.py")
 )
-# the floor above the core: what may know stages, their records and the pipeline
+# the floor above the core: what may know stages, their records and the pipeline (a topology owns its shape's
+# launch record and systemd units, so it lives here, with the units' shared parts)
 UPPER = {
     "servebook.stages",
     "servebook.records",
+    "servebook.topology",
+    "servebook.service",
     "servebook.runner",
     "servebook.beside",
     "servebook.workbook",

@@ -330,6 +330,7 @@ def test_a_hybrid_server_deploys_as_the_heads_unit_behind_the_routers(tmp_path):
     from servebook import router
     from servebook.records import LaunchRecord, ReplicaRecord
     from servebook.stages import deploy
+    from servebook.topology.hybrid import HybridServer
 
     p = params.load(Path(__file__).parents[2] / "params" / "minimax-m2.5-2x8-hybrid.yaml")
     cfg = server_config.ServerConfig.from_params(p, "cuda")
@@ -343,7 +344,7 @@ def test_a_hybrid_server_deploys_as_the_heads_unit_behind_the_routers(tmp_path):
     launch = LaunchRecord.planned(head_cfg).model_copy(
         update={"workers": workers, "router": routed, "replicas": replicas, "topology": "hybrid"}
     )
-    record = deploy._deploy_hybrid(p.model_copy(update={"deploy_install": False}), tmp_path, launch, "mm", None)
+    record = HybridServer.deploy_units(p.model_copy(update={"deploy_install": False}), tmp_path, launch, "mm", None)
     name = "servebook-mm.service"
     assert record.unit_name == name and [u.unit_name for u in record.replica_units] == ["servebook-mm-dp.service"]
     assert [u.unit_name for u in record.node_units] == ["servebook-mm-dp-node1.service"]

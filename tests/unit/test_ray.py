@@ -139,17 +139,16 @@ def test_deploy_writes_a_unit_per_ray_node_and_the_heads_waits_for_every_node_be
     server unit starts them, waits until Ray counts both alive (`servebook ray-wait`), then runs vLLM on Ray."""
     import re
 
-    from servebook import systemd
+    from servebook import service, systemd
     from servebook.records import LaunchRecord
-    from servebook.stages import deploy
 
     p = params.load(REPO / "params" / "kimi-k2.5-2x8-h100-ray.yaml")
     cluster = raycluster.RayCluster.from_params(p)
     cfg = raycluster.head_config(server_config.ServerConfig.from_params(p, "cuda"), cluster, p.per_node)
     workers = [w.model_copy(update={"pid": 100 + i}) for i, w in enumerate(cluster.records(tmp_path))]
     launch = LaunchRecord.planned(cfg).model_copy(update={"workers": workers, "topology": "ray"})
-    unit = deploy.unit_spec(p.run_name, launch, predicted_load_s=2400)
-    node_units = deploy._node_units(unit, launch, tmp_path)
+    unit = service.unit_spec(p.run_name, launch, predicted_load_s=2400)
+    node_units = service.worker_units(unit, launch, tmp_path)
     names = ["servebook-kimi-k2.5-2x8-h100-ray-ray0.service", "servebook-kimi-k2.5-2x8-h100-ray-ray1.service"]
     assert [u.unit_name for u in node_units] == names
     head = systemd.render_unit(unit)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from servebook import multinode, params, results, runner, server_config, serving, stages, systemd
+from servebook import multinode, params, results, runner, server_config, service, serving, stages, systemd
 from servebook.params import AbVariant, Params
 from servebook.planner import Parallelism
 from servebook.records import LaunchRecord
-from servebook.stages import deploy, launch, plan
+from servebook.stages import launch, plan
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "lib" / "servebook"
@@ -88,7 +88,7 @@ def test_the_key_travels_from_the_variable_the_params_name(monkeypatch):
     cfg = server_config.ServerConfig(model="m", model_path="/m", served_model_name="m", api_key_env="MY_KEY")
     assert cfg.environment()["VLLM_API_KEY"] == "sk-the-right-one"
     assert cfg.target().headers == {"Authorization": "Bearer sk-the-right-one"}
-    unit = deploy.unit_spec("m", LaunchRecord.planned(cfg))
+    unit = service.unit_spec("m", LaunchRecord.planned(cfg))
     assert unit.secret_sources == {"VLLM_API_KEY": "MY_KEY"}
     assert systemd.secret_values(unit) == {"VLLM_API_KEY": "sk-the-right-one"}
     assert "# VLLM_API_KEY= (filled at install from $MY_KEY)" in systemd.render_env_file(unit)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from servebook import modelspec, params, planner, server, server_config, systemd
+from servebook import modelspec, params, planner, server, server_config, service, systemd
 from servebook.errors import DeployFailed
 from servebook.records import Command, DeployRecord, LaunchRecord
 from servebook.stages import deploy
@@ -29,7 +29,7 @@ def story_unit(params_name: str, config_name: str, gpu: str) -> tuple[systemd.Un
     )
     predicted = server_config.load_budget_s(plan.weights_total_bytes)
     cfg = server.ServerConfig.from_params(p, "cuda")
-    unit = deploy.unit_spec(p.run_name, LaunchRecord.planned(cfg), predicted_load_s=predicted)
+    unit = service.unit_spec(p.run_name, LaunchRecord.planned(cfg), predicted_load_s=predicted)
     return unit, systemd.render_unit(unit), plan
 
 
@@ -112,7 +112,7 @@ def test_a_python_without_the_console_script_runs_the_module(tmp_path, monkeypat
 
     monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python3"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert deploy.servebook_command() == [str(tmp_path / "bin" / "python3"), "-m", "servebook.cli"]
+    assert service.servebook_command() == [str(tmp_path / "bin" / "python3"), "-m", "servebook.cli"]
     monkeypatch.undo()
     out = subprocess.run([sys.executable, "-m", "servebook.cli", "gpu-check", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--port" in out.stdout
@@ -130,8 +130,8 @@ def test_a_two_node_server_gets_a_unit_per_node_and_the_heads_starts_and_stops_t
     cfg = server.ServerConfig.from_params(p, "cuda")
     head_cfg, workers = multinode.prepare(cfg, multinode.NodeSet.from_params(p), tmp_path)
     launch = LaunchRecord.planned(head_cfg).model_copy(update={"workers": workers, "topology": "nodes"})
-    unit = deploy.unit_spec(p.run_name, launch, predicted_load_s=2400)
-    node_units = deploy._node_units(unit, launch, tmp_path)
+    unit = service.unit_spec(p.run_name, launch, predicted_load_s=2400)
+    node_units = service.worker_units(unit, launch, tmp_path)
     head = systemd.render_unit(unit)
     worker = (tmp_path / node_units[0].unit_name).read_text()
     worker_unit = "servebook-kimi-k2.5-2x8-h100-node1.service"

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from servebook.errors import PlanInputError
@@ -269,12 +269,20 @@ class LayoutFields(Protocol):
 class Parallelism(BaseModel):
     """A parallel layout as vLLM takes it; the one owner of its name and its serving flags."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")  # Parallelism(tensor_parallel_size=2) is no TP=1
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ep: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_its_name(cls, data: object) -> object:
+        """A saved layout carries its computed ``name``; it is read back from the sizes, not taken."""
+        if isinstance(data, dict) and "name" in data:
+            return {k: v for k, v in data.items() if k != "name"}
+        return data
 
     @property
     def world_size(self) -> int:

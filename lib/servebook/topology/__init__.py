@@ -7,7 +7,8 @@ vllm-router (some of them on other machines).
 (:meth:`Topology.preflight`), the start of everything it needs in order, each part ready (:meth:`Topology.start`;
 what it started is stopped again when a later part fails), the ports it holds, :meth:`Topology.stop` (verified
 gone), :meth:`Topology.running` (a context manager whose exit stops everything), and the shape of its launch record
-and its units (``stages/deploy.py`` asks :func:`shape_of_launch`). One file per shape: ``single.py``,
+and its systemd units (:meth:`Topology.deploy_units`, which ``stages/deploy.py`` calls for the shape a launch
+record names, :func:`kind`). One file per shape: ``single.py``,
 ``mp_nodes.py``, ``ray_nodes.py``, ``hybrid.py``, ``replica_set.py``.
 """
 
@@ -18,7 +19,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from servebook import remote, server, ui
 from servebook.errors import CleanupError, ParamsError
@@ -27,6 +28,9 @@ from servebook.params import Params
 from servebook.replicas import ReplicaRecord
 from servebook.router import RouterRecord
 from servebook.server_config import ServerConfig
+
+if TYPE_CHECKING:  # the records name the shape: they import this module
+    from servebook.records import DeployRecord, LaunchRecord
 
 Shape = Literal["single", "nodes", "ray", "hybrid", "replicas"]
 SHAPES: dict[Shape, str] = {
@@ -161,9 +165,20 @@ class Topology(abc.ABC):
     def describe(self) -> str:
         return SHAPES[self.shape]
 
+    @classmethod
+    def deploy_units(
+        cls, p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
+    ) -> DeployRecord:
+        """This shape's service, from what its launch started: the units rendered beside the records, verified,
+        proven where one process can be started as systemd would, installed only when ``deploy_install`` asks.
+        One server (and one across nodes, whose head unit starts and stops each other node's) by default."""
+        from servebook import service
 
-def of(p: Params, cfg: ServerConfig, run_dir: Path) -> Topology:
-    """The topology the params describe, for this server configuration."""
+        return service.one_server(p, run_dir, launch, name, nccl_env)
+
+
+def kind(shape: Shape) -> type[Topology]:
+    """The topology class of a shape (a launch record's ``topology``, or :func:`shape_of`'s answer)."""
     from servebook.topology import hybrid, mp_nodes, ray_nodes, replica_set, single
 
     shapes: dict[Shape, type[Topology]] = {
@@ -173,4 +188,9 @@ def of(p: Params, cfg: ServerConfig, run_dir: Path) -> Topology:
         "hybrid": hybrid.HybridServer,
         "replicas": replica_set.ReplicaSet,
     }
-    return shapes[shape_of(p)](p, cfg, run_dir)
+    return shapes[shape]
+
+
+def of(p: Params, cfg: ServerConfig, run_dir: Path) -> Topology:
+    """The topology the params describe, for this server configuration."""
+    return kind(shape_of(p))(p, cfg, run_dir)

@@ -4,11 +4,14 @@ of all of them here; ready when every node's API answers and the router lists th
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
-from servebook import router, server
-from servebook.errors import LaunchError
+from servebook import client, models, router, server, server_config, service, systemd
+from servebook.errors import DeployFailed, LaunchError
 from servebook.multinode import NodeProbe
+from servebook.params import Params
+from servebook.records import DeployRecord, LaunchRecord, NodeUnitRecord
 from servebook.replicas import ReplicaRecord
 from servebook.topology import Shape, Started
 from servebook.topology.mp_nodes import MultiNodeServer
@@ -63,3 +66,75 @@ class HybridServer(MultiNodeServer):
             for i, (w, url, s) in enumerate(zip(nodes, urls[1:], ready_s[1:], strict=True), start=1)
         ]  # fmt: skip
         return Started(launch, served, routed, self.preflight())
+
+    @classmethod
+    def deploy_units(
+        cls, p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
+    ) -> DeployRecord:
+        """vLLM's hybrid data parallelism as a service: the head node's ``vllm serve`` (one unit, which starts and
+        stops every other node's over SSH, as a multi-node server's does), and vllm-router's unit in front, requiring
+        the head's, so the router starts once every node's API server answers. Installed (the other nodes' units
+        first) only when asked; no dry run across nodes."""
+        size, _ = models.checkpoint_bytes(launch.model_path)
+        head = service.unit_spec(f"{name}-dp", launch, nccl_env, server_config.load_budget_s(size), p.deploy_user)
+        head.description = f"vLLM serving {launch.served_model_name}, hybrid data parallel (servebook)"
+        head.part_of = f"servebook-{name}.service"
+        node_units = service.worker_units(head, launch, run_dir)
+        head_text, head_path, _, _ = service.write_unit_files(head, run_dir)
+        routed = launch.router
+        assert routed is not None
+        front = systemd.UnitSpec(
+            name=name,
+            description=f"vllm-router ({routed.policy}) in front of {len(launch.replicas)} nodes' API servers (servebook)",
+            command=list(routed.command),
+            environment={},
+            secret_sources={},  # it forwards each client's key to the API servers and holds none
+            url=routed.url,
+            port=routed.port,
+            gpu_ids=[],
+            device="cpu",
+            load_seconds=routed.seconds_to_ready,
+            load_source=head.load_source,
+            servebook=head.servebook,
+            user=p.deploy_user,
+            requires=[head.unit_name],
+            wait_urls=[rep.url for rep in launch.replicas[1:]],
+        )
+        unit_text, unit_path, env_path, watchdog = service.write_unit_files(front, run_dir)
+        as_unit_user, run_as_user = service.run_as(front.user)
+        reach = {"the router": front.command[0], **service.unit_paths(launch, head)}
+        record = service.record_of(
+            front,
+            (unit_path, env_path, watchdog),
+            load_seconds=head.load_seconds,
+            load_source="measured" if head.load_source == "measured" else "predicted",
+            replica_units=[
+                NodeUnitRecord(
+                    node=f"node 0's API server on port {head.port}",
+                    unit_name=head.unit_name,
+                    unit_file=str(head_path),
+                    verify=systemd.verify(head_path),
+                )
+            ],  # fmt: skip
+            node_units=node_units,
+            run_as=run_as_user,
+            access_problems=systemd.access_problems(front.user, reach) if as_unit_user else [],
+            dry_run_skipped=(
+                "a hybrid data-parallel server runs a unit per node behind the router's; they are rendered, verified "
+                "and checked for what their user must reach here, and proven by installing them (deploy_install: true)"
+            ),
+        )
+        if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
+            stopped = [f"port {port}: {server.stop(port=port).summary}" for port in (front.port, head.port)]
+            record.ad_hoc_server_stopped = "; ".join(stopped)  # the head's stop reaches every node's vLLM
+        if p.deploy_install and not record.access_problems:
+            service.install_node_units(launch, node_units)
+            started = systemd.install(head, head_text)
+            if not started.enabled:
+                raise DeployFailed(f"{head.unit_name} did not start: {started.output[-300:]}")
+            record.installed = systemd.install(front, unit_text)
+            ok, message, _ = server.wait_ready(front.url, front.timeout_start_s)
+            record.service_ready = message
+            if ok:
+                record.smoke_test = client.smoke_test(launch.target(timeout_s=120), 8)
+        return record

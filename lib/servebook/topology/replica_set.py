@@ -5,13 +5,17 @@ them and starts the ones elsewhere)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+from pathlib import Path
 from typing import ClassVar
 
-from servebook import hardware, replicas, router, server, ui
-from servebook.errors import PreflightError
+from servebook import client, hardware, replicas, router, server, service, systemd, ui
+from servebook.errors import DeployFailed, PreflightError
 from servebook.multinode import NodeProbe
+from servebook.params import Params
+from servebook.records import DeployRecord, LaunchRecord, NodeUnitRecord
 from servebook.replicas import Placement, ReplicaRecord
 from servebook.topology import Shape, Started, Topology
 
@@ -99,6 +103,62 @@ class ReplicaSet(Topology):
                   f"after {seconds:.1f} s")  # fmt: skip
         return ready_s
 
+    @classmethod
+    def deploy_units(
+        cls, p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
+    ) -> DeployRecord:
+        """A router and its replicas: a unit each, verified, the replicas' reach checked as the unit's user; installed
+        (replicas first) only when asked. No dry run: it would start every replica as its unit; installing proves them."""
+        front, replicas = router_units(name, launch, nccl_env, p.deploy_user)
+        replica_records: list[NodeUnitRecord] = []
+        for spec, rep in zip(replicas, launch.replicas, strict=True):
+            path = run_dir / spec.unit_name
+            path.write_text(systemd.render_unit(spec))
+            (run_dir / f"{spec.name}.env").write_text(systemd.render_env_file(spec))
+            where = f" on {rep.node}" if rep.node else ""
+            replica_records.append(
+                NodeUnitRecord(node=f"replica {rep.index} on port {spec.port}{where}",
+                               unit_name=spec.unit_name, unit_file=str(path), verify=systemd.verify(path))
+            )  # fmt: skip
+        unit_text, unit_path, env_path, watchdog = service.write_unit_files(front, run_dir)
+        as_unit_user, run_as_user = service.run_as(front.user)
+        reach = {"the router": front.command[0], **service.unit_paths(launch, replicas[0])}
+        record = service.record_of(
+            front,
+            (unit_path, env_path, watchdog),
+            load_seconds=max(r.load_seconds for r in replicas),
+            load_source="measured" if all(r.load_source == "measured" for r in replicas) else "predicted",
+            replica_units=replica_records,
+            run_as=run_as_user,
+            access_problems=systemd.access_problems(front.user, reach) if as_unit_user else [],
+            dry_run_skipped=(
+                "a router and its replicas start as several units (the router's requires the replicas'); they are "
+                "rendered, verified and checked for what their user must reach here, and proven by installing them "
+                "(deploy_install: true)"
+            ),
+        )
+        if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
+            stopped = [
+                f"port {port}: {server.stop(port=port).summary}" for port in [front.port, *(r.port for r in replicas)]
+            ]
+            record.ad_hoc_server_stopped = "; ".join(stopped)  # the units replace the router and every replica
+        if p.deploy_install and not record.access_problems:
+            for spec, rep in zip(replicas, launch.replicas, strict=True):
+                if not rep.ssh:
+                    systemd.install(spec, systemd.render_unit(spec))
+                    continue
+                done = systemd.install_remote(spec, systemd.render_unit(spec), rep.ssh, rep.ssh_config)
+                if not done.enabled:
+                    raise DeployFailed(
+                        f"replica {rep.index} on {rep.node}: could not install {spec.unit_name}: {done.output}"
+                    )
+            record.installed = systemd.install(front, unit_text)
+            ok, message, _ = server.wait_ready(front.url, front.timeout_start_s)
+            record.service_ready = message
+            if ok:
+                record.smoke_test = client.smoke_test(launch.target(timeout_s=120), 8)
+        return record
+
 
 def _records(
     placed: list[Placement], launches: dict[int, server.Launch], elsewhere: Elsewhere, ready_s: dict[int, float]
@@ -125,3 +185,52 @@ def _records(
                           node=pl.node.name, ssh=pl.node.ssh, ssh_config=worker.ssh_config)
         )  # fmt: skip
     return records
+
+
+def router_units(
+    name: str, launch: LaunchRecord, nccl_env: dict[str, str] | None, user: str
+) -> tuple[systemd.UnitSpec, list[systemd.UnitSpec]]:
+    """The router's unit and one per replica, each replica with exactly the command and cores it ran with here;
+    the router's requires them all, so `systemctl start` of the router brings them up first."""
+    assert launch.router is not None
+    base = service.unit_spec(name, launch, nccl_env, user=user)
+    replicas = []
+    elsewhere = []  # the router's unit starts and stops these over SSH (systemd's dependencies end at the machine)
+    for rep in launch.replicas:
+        spec = dataclasses.replace(
+            base,
+            name=f"{name}-replica{rep.index}",
+            description=f"vLLM serving {launch.config.served_model_name}, replica {rep.index} (servebook)",
+            command=list(rep.command),
+            environment=service.unit_environment(rep.environment, nccl_env),
+            url=rep.url,
+            port=rep.port,
+            gpu_ids=list(rep.gpu_ids),
+            load_seconds=rep.seconds_to_ready or base.load_seconds,
+            part_of="" if rep.ssh else f"servebook-{name}.service",
+        )
+        spec.environment["VLLM_ENGINE_READY_TIMEOUT_S"] = str(spec.timeout_start_s)
+        replicas.append(spec)
+        if rep.ssh:
+            elsewhere.append((systemd.NodeUnit(node=rep.node, ssh=rep.ssh, unit_name=spec.unit_name), rep))
+    routed = launch.router
+    front = systemd.UnitSpec(
+        name=name,
+        description=f"vllm-router ({routed.policy}) in front of {len(replicas)} vLLM replicas (servebook)",
+        command=list(routed.command),
+        environment={},
+        secret_sources={},  # it forwards each client's key to the replicas and holds none
+        url=routed.url,
+        port=routed.port,
+        gpu_ids=[],
+        device="cpu",
+        # its ExecStartPre starts the other machines' replicas one after another, inside its own start timeout
+        load_seconds=routed.seconds_to_ready + sum(r.load_seconds for r in replicas if not r.part_of),
+        load_source="measured" if all(r.load_source == "measured" for r in replicas if not r.part_of) else "predicted",
+        servebook=base.servebook,
+        user=user,
+        requires=[r.unit_name for r, rep in zip(replicas, launch.replicas, strict=True) if not rep.ssh],
+        remote_units=[unit for unit, _ in elsewhere],
+        ssh_config=next((rep.ssh_config for _, rep in elsewhere), ""),
+    )
+    return front, replicas
