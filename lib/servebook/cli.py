@@ -242,7 +242,7 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
     """
     from servebook import gpus as gpu_specs
     from servebook import params, planner
-    from servebook.stages.plan import make_plan, node_commands_text, table
+    from servebook.stages.plan import defaults_text, make_plan, node_commands_text, table
 
     if model.endswith((".yaml", ".yml")):
         _fail(
@@ -281,6 +281,7 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
         if layout.reasons:
             typer.echo(f"{layout.name}: {layout.reasons[0]}")
     typer.echo(f"recommended: {result.why}")
+    typer.echo(defaults_text(result))
     best = result.recommended
     for warning in best.warnings if best and nodes > 1 else []:
         typer.echo(f"  note: {warning}")

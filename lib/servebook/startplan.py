@@ -24,8 +24,15 @@ def plan(p: Params, device: planner.Device, model: str = "") -> planner.Plan:
         kv_cache_dtype=p.kv_cache_dtype,
         reserve_gib=p.plan_reserve_gib or None,
         batch=p.plan_batch,
-        serving=planner.Serving(p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager),
+        serving=planner.Serving(
+            p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager, vllm_version=planned_vllm_version(p)
+        ),
     ).rank_by(p.plan_rank_by)
+
+
+def planned_vllm_version(p: Params) -> str:
+    """The vLLM the plan is for: the one the params name (``plan_vllm_version``), else the installed one."""
+    return p.plan_vllm_version or vllm_compat.vllm_version() or ""
 
 
 def chosen_layout(p: Params, planned: planner.Plan) -> planner.Layout | None:

@@ -223,6 +223,9 @@ def test_cli_unknown_gpu_lists_the_known_ones():
 
 VLLM_LOGS = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-logs"
 H200_NVML_BYTES = 143771 * 2**20  # what NVML reported on those machines
+# every committed H200 launch wrote --gpu-memory-utilization 0.9 (servebook's default then); some logs keep only
+# the lines the replay needs, so the value comes from the log where it says, else from that fact
+LAUNCHED_AT = 0.90
 
 
 def logged_on_h200(log_name: str):
@@ -257,7 +260,10 @@ def assert_kv_and_weights_match(layout, logged) -> None:
 def test_kv_tokens_and_weights_match_vllm_on_h200(log_name, dtype, tp, pp, dp, ep):
     """Planned against logged, per GPU: KV tokens within 0.3 %, weights within 1.5 % (issue #13's goals)."""
     logged = logged_on_h200(log_name)
-    planned = planner.plan(spec(f"q3moe-30b-a3b-shapes-8l-{dtype}"), h200s(tp * pp * dp), max_model_len=4096)
+    planned = planner.plan(
+        spec(f"q3moe-30b-a3b-shapes-8l-{dtype}"), h200s(tp * pp * dp), max_model_len=4096,
+        gpu_memory_utilization=logged.gpu_memory_utilization or LAUNCHED_AT,
+    )  # fmt: skip
     layout = planned.find(planner.Parallelism(tp=tp, pp=pp, dp=dp, ep=ep))
     assert layout is not None and layout.usable
     assert_kv_and_weights_match(layout, logged)
@@ -295,7 +301,10 @@ def test_the_story_architectures_match_vllm_term_by_term(log_name, config, max_m
     or 10 % of the line vLLM logged for it, so a miss names its term."""
     logged = logged_on_h200(log_name)
     serving = planner.Serving(max_num_seqs=seqs, max_num_batched_tokens=tokens, compile_cache_hit=hit)
-    layout = planner.plan(spec(config), h200s(1), max_model_len=max_model_len, serving=serving).layouts[0]
+    share = logged.gpu_memory_utilization or LAUNCHED_AT
+    layout = planner.plan(
+        spec(config), h200s(1), max_model_len=max_model_len, serving=serving, gpu_memory_utilization=share
+    ).layouts[0]
     assert layout.usable and layout.reserve is not None
     assert logged.compile_cache == ("hit" if hit else "miss") and logged.activation_peak_gib is not None
     assert_kv_and_weights_match(layout, logged)
@@ -316,8 +325,11 @@ def test_a_compile_cache_hit_admits_more_kv_than_a_first_start():
     """The same settings give a relaunch that loads its compiled graphs about 1 % more KV cache on MLA: the plan
     sizes a first start (the fewer tokens) unless it is told the cache will hit."""
     kimi = spec("kimi-k2.5-shapes-3l-int4")
-    cold = planner.plan(kimi, h200s(1), max_model_len=8192).layouts[0]
-    warm = planner.plan(kimi, h200s(1), max_model_len=8192, serving=planner.Serving(compile_cache_hit=True)).layouts[0]
+    cold = planner.plan(kimi, h200s(1), max_model_len=8192, gpu_memory_utilization=LAUNCHED_AT).layouts[0]
+    warm = planner.plan(
+        kimi, h200s(1), max_model_len=8192, serving=planner.Serving(compile_cache_hit=True),
+        gpu_memory_utilization=LAUNCHED_AT,
+    ).layouts[0]  # fmt: skip
     assert 1.005 < warm.max_kv_tokens / cold.max_kv_tokens < 1.03
 
 
@@ -326,7 +338,9 @@ def test_the_fp8_tp2_refusal_is_vllms_own():
     message vLLM 0.25 died with on the H200s, and the launch names the same cause from that log."""
     from servebook.vllm_log import root_cause
 
-    planned = planner.plan(spec("q3moe-30b-a3b-shapes-8l-fp8"), device("H200", 2), max_model_len=4096)
+    planned = planner.plan(
+        spec("q3moe-30b-a3b-shapes-8l-fp8"), device("H200", 2), max_model_len=4096, gpu_memory_utilization=LAUNCHED_AT
+    )
     refused = planned.find(planner.Parallelism(tp=2))
     assert refused is not None and not refused.accepted
     log = (VLLM_LOGS / "gpu-0.25.0-h200-fp8-tp2-refused.log").read_text()
@@ -400,3 +414,71 @@ def test_rules_lists_every_numbered_rule_in_order():
 
     numbers = [int(re.match(r"(\d+)\. ", rule.__doc__ or "").group(1)) for rule in planner.RULES]
     assert numbers == list(range(1, len(planner.RULES) + 1)) and len(numbers) == 8
+
+
+def _deepseek_mini_with_mtp(folder: Path) -> tuple[int, int]:
+    """A DeepSeek-V3-shaped mini (MLA, one dense layer, one MoE layer) whose files carry one MTP layer after its
+    decoder's, named as DeepSeek ships it; (all tensor bytes, the MTP layer's)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    h, heads, nope, rope, v, q_lora, kv_lora, inter, moe_inter, experts, vocab = 64, 4, 16, 8, 16, 32, 32, 128, 32, 4, 512
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": h,
+        "num_hidden_layers": 2, "num_nextn_predict_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": heads, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v,
+        "q_lora_rank": q_lora, "kv_lora_rank": kv_lora, "intermediate_size": inter, "moe_intermediate_size": moe_inter,
+        "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "vocab_size": vocab, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+
+    def w(*shape: int) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float16)
+
+    def layer(i: int, moe: bool) -> dict[str, np.ndarray]:
+        at = f"model.layers.{i}."
+        t = {
+            at + "input_layernorm.weight": w(h), at + "post_attention_layernorm.weight": w(h),
+            at + "self_attn.q_a_proj.weight": w(q_lora, h), at + "self_attn.q_a_layernorm.weight": w(q_lora),
+            at + "self_attn.q_b_proj.weight": w(heads * (nope + rope), q_lora),
+            at + "self_attn.kv_a_proj_with_mqa.weight": w(kv_lora + rope, h),
+            at + "self_attn.kv_a_layernorm.weight": w(kv_lora),
+            at + "self_attn.kv_b_proj.weight": w(heads * (nope + v), kv_lora),
+            at + "self_attn.o_proj.weight": w(h, heads * v),
+        }  # fmt: skip
+        mlps = [f"mlp.experts.{e}." for e in range(experts)] + ["mlp.shared_experts."] if moe else ["mlp."]
+        width = moe_inter if moe else inter
+        for mlp in mlps:
+            t |= {at + mlp + "gate_proj.weight": w(width, h), at + mlp + "up_proj.weight": w(width, h),
+                  at + mlp + "down_proj.weight": w(h, width)}  # fmt: skip
+        if moe:
+            t[at + "mlp.gate.weight"] = w(experts, h)
+        return t
+
+    main = {"model.embed_tokens.weight": w(vocab, h), "lm_head.weight": w(vocab, h), "model.norm.weight": w(h)}
+    main |= layer(0, moe=False) | layer(1, moe=True)
+    mtp = layer(2, moe=True) | {
+        "model.layers.2.embed_tokens.weight": w(vocab, h), "model.layers.2.shared_head.head.weight": w(vocab, h),
+        "model.layers.2.shared_head.norm.weight": w(h), "model.layers.2.eh_proj.weight": w(h, 2 * h),
+        "model.layers.2.enorm.weight": w(h), "model.layers.2.hnorm.weight": w(h),
+    }  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(main, str(folder / "model-00001-of-00002.safetensors"))
+    save_file(mtp, str(folder / "model-00002-of-00002.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    size = lambda tensors: sum(a.nbytes for a in tensors.values())  # noqa: E731
+    return size(main) + size(mtp), size(mtp)
+
+
+def test_weights_are_what_vllm_loads_not_the_mtp_layer_it_skips(tmp_path):
+    total, mtp = _deepseek_mini_with_mtp(tmp_path / "ds-mini")
+    spec = modelspec.load(str(tmp_path / "ds-mini"))
+    assert (spec.mtp_layers, spec.checkpoint_bytes, spec.skipped_bytes) == (1, total, mtp)
+    assert mtp / (total - mtp) > 0.2  # the files say a fifth more than vLLM loads
+    loaded = total - mtp
+    predicted = planner.weight_bytes(spec).total(spec)
+    assert abs(predicted - loaded) / loaded < 0.015, (predicted, loaded, total)
+    assert any("MTP" in note for note in spec.notes)
+    unscaled = modelspec.from_config(json.loads((tmp_path / "ds-mini" / "config.json").read_text()))
+    assert abs(planner.weight_bytes(unscaled).total(unscaled) - loaded) / loaded < 0.015  # the shapes agree

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from servebook import vllm_defaults
 from servebook.errors import PlanInputError
 from servebook.gpus import GpuModel
 from servebook.modelspec import ModelSpec
@@ -104,6 +105,8 @@ class Plan(BaseModel):
     max_model_len: int
     gpu_memory_utilization: float
     kv_cache_dtype: str
+    vllm_version: str = ""  # the vLLM whose defaults the plan sized with (servebook.vllm_defaults)
+    vllm_defaults_row: str = ""  # the table's row it used: the version's own, or the nearest older one known
     activation_reserve_bytes: float | None  # a fixed reserve from the params; None: modelled per layout
     weights_total_bytes: float
     weights_scaled_to_checkpoint: float
@@ -131,13 +134,19 @@ def plan(
     device: Device,
     *,
     max_model_len: int = 4096,
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    gpu_memory_utilization: float | None = None,
     kv_cache_dtype: str = "auto",
     reserve_gib: float | None = None,
     batch: int = 64,
     serving: Serving | None = None,
 ) -> Plan:
-    """Every TP x PP x DP = G layout, with and without expert parallelism, checked, sized and ranked."""
+    """Every TP x PP x DP = G layout, with and without expert parallelism, checked, sized and ranked; what is
+    not given (``gpu_memory_utilization`` None, zeros in ``serving``) is vLLM's default for
+    ``serving.vllm_version``."""
+    serving = serving or Serving()
+    defaults = vllm_defaults.for_version(serving.vllm_version)
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = defaults.gpu_memory_utilization
     if max_model_len > spec.max_position_embeddings > 0:
         raise PlanInputError(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
@@ -150,7 +159,7 @@ def plan(
         kv_dtype_bytes=1 if kv_cache_dtype.startswith("fp8") else 2,
         reserve_bytes=reserve_gib * GiB if reserve_gib is not None and device.kind != "cpu" else None,
         batch=batch,
-        serving=serving or Serving(),
+        serving=serving,
     )
     layouts = []
     for tp, pp, dp in enumerate_layouts(device.count):
@@ -180,6 +189,8 @@ def plan(
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
         kv_cache_dtype=kv_cache_dtype,
+        vllm_version=serving.vllm_version or defaults.version,
+        vllm_defaults_row=defaults.version,
         activation_reserve_bytes=sizing.reserve_bytes,
         weights_total_bytes=sizing.weights.total(spec),
         weights_scaled_to_checkpoint=sizing.weights.scaled_to_checkpoint,

@@ -10,6 +10,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from servebook import vllm_defaults
 from servebook.errors import PlanInputError
 from servebook.gpus import GpuModel
 from servebook.modelspec import ModelSpec
@@ -22,7 +23,7 @@ MARLIN_GROUPS = (-1, 32, 64, 128)
 # less inside vLLM's custom all-reduce.
 PCIE_COLLECTIVE_S = 45e-6
 NVLINK_COLLECTIVE_S = 30e-6
-GPU_MEMORY_UTILIZATION = 0.90  # vLLM's default (CacheConfig.gpu_memory_utilization); the params' default too
+GPU_MEMORY_UTILIZATION = vllm_defaults.NEWEST.gpu_memory_utilization  # the params' default: vLLM's own
 
 
 # One small collective between two nodes: nccl-tests' small-message all-reduce across two nodes is some tens of
@@ -157,7 +158,8 @@ class Weights:
 
 
 def weight_bytes(spec: ModelSpec) -> Weights:
-    """Bytes per component from the shapes and the quantization; scaled to the index's exact total when known."""
+    """Bytes per component from the shapes and the quantization; scaled to the exact total vLLM loads when known
+    (the files less the MTP layers it skips: counting them overstated a mini with one such layer by 21 %)."""
     q = spec.quant
     quantized_linear = q.weight_bytes_per_param(not q.experts_only)
     expert_b = q.weight_bytes_per_param(True)
@@ -188,9 +190,9 @@ def weight_bytes(spec: ModelSpec) -> Weights:
         lm_head=0.0 if spec.tie_embeddings else spec.vocab * h * 2.0,
         router=h * spec.experts * 2.0,
     )
-    if spec.checkpoint_bytes:
-        scale = spec.checkpoint_bytes / w.total(spec)
-        if 0.8 < scale < 1.25:  # a checkpoint carrying MTP layers or a vision tower differs more: keep the estimate
+    if loaded := spec.loaded_bytes:
+        scale = loaded / w.total(spec)
+        if 0.8 < scale < 1.25:  # a checkpoint carrying a vision tower differs more: keep the estimate
             for name in (
                 "attention",
                 "attention_replicated",
@@ -215,12 +217,13 @@ def pp_split(layers: int, pp: int) -> list[int]:
     return sizes
 
 
-def default_max_num_seqs(device: Device, world_size: int = 1) -> int:
-    """Sequences one vLLM engine runs at once by default for its API server: 1024 on GPUs of 70 GiB or more
-    (except A100), 256 on other GPUs, 128 per CPU rank (vllm/engine/arg_utils.py, as for the batched tokens)."""
+def default_max_num_seqs(device: Device, world_size: int = 1, vllm_version: str = "") -> int:
+    """Sequences one vLLM engine runs at once by default for its API server, by that vLLM's table
+    (:mod:`servebook.vllm_defaults`): 1024 on H100/H200-class GPUs, 256 on smaller ones and A100s, 128 per CPU rank."""
+    row = vllm_defaults.for_version(vllm_version)
     if device.kind == "cpu":
-        return 128 * world_size
-    return 1024 if device.memory_bytes >= 70 * GiB and "A100" not in device.name else 256
+        return row.cpu_max_num_seqs_per_rank * world_size
+    return row.batch_limits(device.memory_bytes, device.name)[0]
 
 
 class Reserve(BaseModel):

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from servebook import vllm_defaults
 from servebook.modelspec import ModelSpec
 from servebook.planner.layout import BLOCK_SIZE, Device, Layout, Reserve, Weights, default_max_num_seqs, pp_split
 from servebook.units import GiB
@@ -18,10 +19,13 @@ ACTIVATION_FACTOR = 2.06  # logged profile peak / the tensors the profile run mu
 GRAPH_TP_EXPONENT = 0.65  # TP=2 needed 0.224 GiB: graphs shrink with the activations they hold
 
 
-def max_num_batched_tokens(device: Device) -> int:
-    """vLLM's default for its API server: 8192 on GPUs of 70 GiB or more (except A100), else 2048
-    (vllm/engine/arg_utils.py, _set_default_max_num_seqs_and_batched_tokens_args)."""
-    return 8192 if device.memory_bytes >= 70 * GiB and "A100" not in device.name else 2048
+def max_num_batched_tokens(device: Device, vllm_version: str = "") -> int:
+    """vLLM's default for its API server, by that vLLM's table (:mod:`servebook.vllm_defaults`): 8192 on
+    H100/H200-class GPUs, 2048 on smaller ones and A100s (16384 from 160 GiB in 0.32), 2048 per CPU rank."""
+    row = vllm_defaults.for_version(vllm_version)
+    if device.kind == "cpu":
+        return row.cpu_max_num_batched_tokens_per_rank
+    return row.batch_limits(device.memory_bytes, device.name)[1]
 
 
 def capture_sizes(max_num_seqs: int, max_capture: int = 0) -> list[int]:
@@ -86,8 +90,8 @@ def reserve_for(
 ) -> Reserve:
     """What vLLM will keep per GPU for this layout, term by term as its memory profile logs them."""
     serving = serving or Serving()
-    tokens = serving.max_num_batched_tokens or max_num_batched_tokens(device)
-    seqs = serving.max_num_seqs or default_max_num_seqs(device)
+    tokens = serving.max_num_batched_tokens or max_num_batched_tokens(device, serving.vllm_version)
+    seqs = serving.max_num_seqs or default_max_num_seqs(device, vllm_version=serving.vllm_version)
     tp, dp = layout.tp, layout.dp
     # The profile run's peak sits in a MoE layer: fused_moe's shared cache for the gate/up and down outputs
     # (M x top-k x max(2 I, H)) and its activation cache (M x top-k x I), in bf16. DP ranks gather each
@@ -131,6 +135,7 @@ class Serving:
     enforce_eager: bool = False
     max_capture_size: int = 0  # compilation_config's max_cudagraph_capture_size; 0: vLLM's rule
     compile_cache_hit: bool = False  # a relaunch that loads its torch.compile artefacts profiles a smaller peak
+    vllm_version: str = ""  # whose defaults fill the zeros (servebook.vllm_defaults); empty: the newest known
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,20 @@ def summary(record: PlanRecord) -> str:
     used = f"; launch uses {launch.name}" if launch else ""
     dev = record.device
     where = f"{dev.nodes} nodes of {dev.per_node} × {dev.name}" if dev.nodes > 1 else f"{dev.count} × {dev.name}"
-    return f"{usable} of {len(record.layouts)} layouts accepted and fit on {where}; {rec}{used}"
+    return (
+        f"{usable} of {len(record.layouts)} layouts accepted and fit on {where}; {rec}{used}; {defaults_text(record)}"
+    )
+
+
+def defaults_text(record: planner.Plan) -> str:
+    """Which vLLM the plan sized for, and whose table of defaults filled what the params left unset."""
+    row = record.vllm_defaults_row
+    borrowed = (
+        f" (its defaults from vLLM {row}'s row, the nearest known)"
+        if row and not record.vllm_version.startswith(row)
+        else ""
+    )
+    return f"sized for vLLM {record.vllm_version or row}{borrowed}, gpu_memory_utilization {record.gpu_memory_utilization:g}"
 
 
 def reserve_text(record: planner.Plan) -> str:
