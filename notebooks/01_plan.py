@@ -130,6 +130,7 @@ display(Markdown(
     + f"\n\n{stage.device_text(planned)}, {dev.memory_bytes / GiB:.1f} GiB each"
     + (f", {dev.bandwidth_bytes_s / 1e12:.2f} TB/s" if dev.bandwidth_bytes_s else "")
     + f"; {stage.reserve_text(planned)}. {dev.source}"
+    + f"\n\n{stage.defaults_text(planned)}. {stage.bands_text(planned)}"
     + "".join(f"\n\n⚠️ {n}" for n in m.notes)))
 
 # %% [markdown]

@@ -242,7 +242,7 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
     """
     from servebook import gpus as gpu_specs
     from servebook import params, planner
-    from servebook.stages.plan import defaults_text, make_plan, node_commands_text, table
+    from servebook.stages.plan import bands_text, defaults_text, make_plan, node_commands_text, table
 
     if model.endswith((".yaml", ".yml")):
         _fail(
@@ -282,6 +282,8 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
             typer.echo(f"{layout.name}: {layout.reasons[0]}")
     typer.echo(f"recommended: {result.why}")
     typer.echo(defaults_text(result))
+    if bands := bands_text(result):
+        typer.echo(bands)
     best = result.recommended
     for warning in best.warnings if best and nodes > 1 else []:
         typer.echo(f"  note: {warning}")

@@ -30,6 +30,7 @@ from servebook.levels import Level, SweepConfig
 from servebook.params import AbVariant
 from servebook.planner import Parallelism
 from servebook.server_config import ServerConfig
+from servebook.vllm_log import LogValues
 
 ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 ROUTINGS = ("uniform_random", "normal_routing")  # RoutingSimulator's registered strategies (vLLM 0.25, 0.32)
@@ -243,10 +244,12 @@ class Runner:
     stop_leftovers: bool = False
     log: Callable[[str], None] = print
     on_progress: Callable[[str, float], None] | None = None
+    last_values: LogValues | None = None  # what vLLM logged at the last candidate's start (None: it did not start)
 
     def rehearse(self, spec: CandidateSpec, leader: Rehearsed | None) -> Rehearsed:
         """Start ``spec`` on dummy weights, sweep, stop; a failed start is a result with its root cause."""
         started = time.monotonic()
+        self.last_values = None
         cfg = routing_env(spec.config, self.routing, self.moe)
         found = Rehearsed(
             name=spec.name, layout=spec.layout, setting=spec.setting, changes=spec.changes,
@@ -288,7 +291,7 @@ class Runner:
         return found
 
     def _logged(self, found: Rehearsed, launch: server.Launch, spec: CandidateSpec) -> None:
-        v = launch.values
+        v = self.last_values = launch.values
         found.seconds_to_ready = round(launch.seconds_to_ready, 1)
         found.phases = {ph.name: round(ph.seconds, 1) for ph in launch.timeline.phases} if launch.timeline else {}
         found.kv_cache_tokens, found.weights_gib = v.kv_cache_tokens, v.model_memory_gib

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from servebook import loadpath, models, modelspec, planner, server_config, startup, vllm_compat
 from servebook.params import Params
+from servebook.vllm_log import LogValues
 
 # a probe that could not run: a Gen4 NVMe drive's sequential read, the datasheet figure the plan falls back to
 DATASHEET_DISK_GB_S = 7.0
@@ -27,6 +28,7 @@ def plan(p: Params, device: planner.Device, model: str = "") -> planner.Plan:
         serving=planner.Serving(
             p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager, vllm_version=planned_vllm_version(p)
         ),
+        history=planner.truth.history() if device.kind != "cpu" else (),
     ).rank_by(p.plan_rank_by)
 
 
@@ -95,3 +97,16 @@ def with_load_choice(cfg: server_config.ServerConfig, choice: loadpath.LoadChoic
         if cfg.ep_weight_filter == "auto"
         else cfg.ep_weight_filter,
     )
+
+
+def learn(plan: planner.Plan, planned: planner.Layout | None, values: LogValues, source: str) -> None:
+    """Keep what a GPU start of a planned layout showed in the plan history (:mod:`servebook.planner.truth`), so
+    the next plan of the same signature on this GPU and vLLM starts from it; CPU plans size no reserve."""
+    if planned is None or plan.device.kind == "cpu" or not values.kv_cache_tokens or not planned.signature:
+        return
+    planner.truth.remember(
+        planner.truth.learned(
+            planned, plan.device.name, values.vllm_version or plan.vllm_version, source,  # type: ignore[arg-type]
+            values.kv_cache_tokens, weight_gib=values.model_memory_gib,
+        )
+    )  # fmt: skip

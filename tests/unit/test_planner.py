@@ -243,6 +243,10 @@ def assert_kv_and_weights_match(layout, logged) -> None:
     assert logged.kv_cache_tokens and logged.model_memory_gib
     assert abs(layout.max_kv_tokens / logged.kv_cache_tokens - 1) < 0.003
     assert abs(layout.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.015
+    # the stated bands hold vLLM's figures, and none is wider than issue #40's ±3 %
+    kv, weights = layout.bands["kv_tokens"], layout.bands["weights_gib"]
+    assert kv.contains(logged.kv_cache_tokens) and kv.band <= 0.03, kv
+    assert weights.contains(logged.model_memory_gib), weights
 
 
 @pytest.mark.parametrize(
@@ -422,7 +426,19 @@ def _deepseek_mini_with_mtp(folder: Path) -> tuple[int, int]:
     import numpy as np
     from safetensors.numpy import save_file
 
-    h, heads, nope, rope, v, q_lora, kv_lora, inter, moe_inter, experts, vocab = 64, 4, 16, 8, 16, 32, 32, 128, 32, 4, 512
+    h, heads, nope, rope, v, q_lora, kv_lora, inter, moe_inter, experts, vocab = (
+        64,
+        4,
+        16,
+        8,
+        16,
+        32,
+        32,
+        128,
+        32,
+        4,
+        512,
+    )
     config = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": h,
         "num_hidden_layers": 2, "num_nextn_predict_layers": 1, "num_attention_heads": heads,
@@ -482,3 +498,70 @@ def test_weights_are_what_vllm_loads_not_the_mtp_layer_it_skips(tmp_path):
     assert any("MTP" in note for note in spec.notes)
     unscaled = modelspec.from_config(json.loads((tmp_path / "ds-mini" / "config.json").read_text()))
     assert abs(planner.weight_bytes(unscaled).total(unscaled) - loaded) / loaded < 0.015  # the shapes agree
+
+
+KIMI_REHEARSAL = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-kimi-rehearse"
+# the rehearsal's five starts of the Kimi-shaped mini (02_rehearse.json has their commands): as set, two
+# max_num_seqs variants, one max_num_batched_tokens variant, and the real launch of that winner
+KIMI_STARTS = [("vllm-tp-1", 0, 0), ("vllm-tp-1-seqs-32", 32, 0), ("vllm-tp-1-seqs-256", 256, 0),
+               ("vllm-tp-1-batched-2048", 0, 2048), ("vllm-real-launch", 0, 2048)]  # fmt: skip
+
+
+def kimi_rehearsed(seqs: int, batched: int, history=()) -> planner.Layout:
+    serving = planner.Serving(seqs, batched, vllm_version="0.25.0")
+    kimi = spec("kimi-k2.5-shapes-3l-int4")
+    return planner.plan(
+        kimi, h200s(1), max_model_len=8192, gpu_memory_utilization=LAUNCHED_AT, serving=serving, history=history
+    ).layouts[0]
+
+
+def test_every_rehearsed_start_is_inside_its_band_first_and_after_learning_one(tmp_path, monkeypatch):
+    """Issue #40's replay: each start's KV inside the band the plan stated, before any history and after the
+    history holds the first start; the same command again lands on vLLM's figure."""
+    from servebook.vllm_log import read_values
+
+    monkeypatch.setattr(planner.truth, "history_path", lambda: tmp_path / "plans.jsonl")
+    logged = {name: read_values((KIMI_REHEARSAL / f"{name}.log").read_text()) for name, _, _ in KIMI_STARTS}
+    first = kimi_rehearsed(0, 0)
+    planner.truth.remember(
+        planner.truth.learned(first, "H200", "0.25.0", "rehearsal", logged["vllm-tp-1"].kv_cache_tokens)
+    )
+    history = planner.truth.history()
+    assert len(history) == 1 and history[0].signature == first.signature
+    for name, seqs, batched in KIMI_STARTS:
+        kv = logged[name].kv_cache_tokens
+        before, after = kimi_rehearsed(seqs, batched), kimi_rehearsed(seqs, batched, history)
+        assert before.provenance == "calibrated" and before.bands["kv_tokens"].contains(kv), (name, before.bands)
+        assert after.bands["kv_tokens"].contains(kv), (name, after.bands)
+        # the history is used where it makes the figure surer, and the plan says which it did
+        assert after.bands["kv_tokens"].band <= before.bands["kv_tokens"].band <= 0.03
+        assert "rehearsal" in after.kv_basis and (after.provenance == "measured") == ("moved by" in after.kv_basis)
+        print(f"{name}: first contact {before.max_kv_tokens / kv - 1:+.2%} ± {before.bands['kv_tokens'].band:.2%}, "
+              f"after one {after.max_kv_tokens / kv - 1:+.2%} ± {after.bands['kv_tokens'].band:.2%} "
+              f"({after.provenance})")  # fmt: skip
+    again = kimi_rehearsed(0, 0, history)
+    assert abs(again.max_kv_tokens / logged["vllm-tp-1"].kv_cache_tokens - 1) < 0.0005
+    assert again.bands["kv_tokens"].band == planner.truth.SAME_COMMAND_KV_BAND
+
+
+def test_history_is_kept_per_signature_gpu_and_vllm_version(tmp_path, monkeypatch):
+    monkeypatch.setattr(planner.truth, "history_path", lambda: tmp_path / "plans.jsonl")
+    first = kimi_rehearsed(0, 0)
+    planner.truth.remember(planner.truth.learned(first, "H200", "0.25.0", "launch", first.max_kv_tokens + 100_000))
+    (tmp_path / "plans.jsonl").write_text((tmp_path / "plans.jsonl").read_text() + "not json\n")
+    history = planner.truth.history()
+    assert kimi_rehearsed(0, 0, history).max_kv_tokens > first.max_kv_tokens  # learned
+    other_vllm = planner.plan(
+        spec("kimi-k2.5-shapes-3l-int4"), h200s(1), max_model_len=8192, gpu_memory_utilization=LAUNCHED_AT,
+        serving=planner.Serving(vllm_version="0.32.0"), history=history,
+    ).layouts[0]  # fmt: skip
+    assert other_vllm.provenance == "calibrated" and other_vllm.max_kv_tokens == first.max_kv_tokens
+    minimax = planner.plan(spec("minimax-m2.5-shapes-2l-fp8"), h200s(1), history=history).layouts[0]
+    assert minimax.provenance != "measured"
+
+
+def test_an_uncalibrated_shape_says_so_with_a_wider_band():
+    deepseek = planner.plan(spec("deepseek-v3"), h200s(8), max_model_len=4096).recommended
+    kimi = kimi_rehearsed(0, 0)
+    assert deepseek.provenance == "extrapolated" and kimi.provenance == "calibrated"
+    assert deepseek.bands["activation_gib"].band > kimi.bands["activation_gib"].band

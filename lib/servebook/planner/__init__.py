@@ -12,12 +12,15 @@ whole blocks, as ``kv_cache_utils`` does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import BaseModel
 
 from servebook import vllm_defaults
 from servebook.errors import PlanInputError
 from servebook.gpus import GpuModel
 from servebook.modelspec import ModelSpec
+from servebook.planner import truth
 from servebook.planner.layout import (
     _LINK,
     BLOCK_SIZE,
@@ -139,6 +142,7 @@ def plan(
     reserve_gib: float | None = None,
     batch: int = 64,
     serving: Serving | None = None,
+    history: Sequence[truth.Measured] = (),
 ) -> Plan:
     """Every TP x PP x DP = G layout, with and without expert parallelism, checked, sized and ranked; what is
     not given (``gpu_memory_utilization`` None, zeros in ``serving``) is vLLM's default for
@@ -160,6 +164,7 @@ def plan(
         reserve_bytes=reserve_gib * GiB if reserve_gib is not None and device.kind != "cpu" else None,
         batch=batch,
         serving=serving,
+        history=tuple(history),
     )
     layouts = []
     for tp, pp, dp in enumerate_layouts(device.count):

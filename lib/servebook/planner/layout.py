@@ -14,6 +14,7 @@ from servebook import vllm_defaults
 from servebook.errors import PlanInputError
 from servebook.gpus import GpuModel
 from servebook.modelspec import ModelSpec
+from servebook.planner.truth import Band, Measured
 from servebook.units import GiB
 
 BLOCK_SIZE = 16  # vLLM's default KV block size
@@ -380,6 +381,13 @@ class Layout:
     crosses: list[str] = field(default_factory=list)
     strategy: str = ""
     network_collectives_per_token: int = 0
+    # how sure the plan is (planner.truth): each predicted figure with its band, and where the KV figure comes from
+    provenance: str = ""  # measured, calibrated, extrapolated
+    learned_from: Measured | None = None  # the earlier start the KV figure learned from
+    signature: str = ""  # the model's, as the history keys it
+    settings: dict[str, str] = field(default_factory=dict)  # what moves the reserve, as the history keys it
+    kv_basis: str = ""
+    bands: dict[str, Band] = field(default_factory=dict)
 
     @property
     def parallelism(self) -> Parallelism:

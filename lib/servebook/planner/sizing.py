@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from servebook import vllm_defaults
 from servebook.modelspec import ModelSpec
+from servebook.planner import truth
 from servebook.planner.layout import BLOCK_SIZE, Device, Layout, Reserve, Weights, default_max_num_seqs, pp_split
 from servebook.units import GiB
 
@@ -149,6 +150,21 @@ class Sizing:
     reserve_bytes: float | None  # a fixed reserve per GPU; None models it per layout
     batch: int
     serving: Serving = Serving()
+    history: tuple[truth.Measured, ...] = ()  # earlier starts' figures (planner.truth), for a known signature
+
+    def settings(self, layout: Layout, device: Device) -> dict[str, str]:
+        """What moves the reserve besides the layout and the model, as the history keys a start."""
+        s = self.serving
+        seqs = s.max_num_seqs or default_max_num_seqs(device, vllm_version=s.vllm_version)
+        return {
+            "max_model_len": str(self.max_model_len),
+            "max_num_seqs": str(seqs),
+            "max_num_batched_tokens": str(s.max_num_batched_tokens or max_num_batched_tokens(device, s.vllm_version)),
+            "kv_dtype_bytes": str(self.kv_dtype_bytes),
+            "enforce_eager": str(s.enforce_eager),
+            "compile_cache_hit": str(s.compile_cache_hit),
+            "max_capture_size": str(s.max_capture_size),
+        }
 
 
 def size(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing) -> None:
@@ -205,11 +221,13 @@ def _size_kv_cache(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizi
             )
         reserve_bytes = layout.reserve.total
         available = device.memory_bytes * utilization - layout.weight_bytes_per_gpu - reserve_bytes
+        available += _learned(spec, layout, device, sizing, available)
     layout.available_kv_bytes_per_gpu = max(0.0, available)
     page = BLOCK_SIZE * per_layer
     blocks = int(layout.available_kv_bytes_per_gpu // page // stage_layers) if page and stage_layers else 0
     layout.max_kv_tokens = blocks * BLOCK_SIZE
     layout.max_concurrency = layout.dp * layout.max_kv_tokens / max_model_len if max_model_len else 0.0
+    _bands(spec, layout, device)
     if not layout.accepted or layout.max_kv_tokens >= max_model_len:
         return
     layout.fits = False
@@ -226,6 +244,64 @@ def _size_kv_cache(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizi
             f"({need:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
             f"({available / GiB:.2f} GiB)."
         )
+
+
+def _reserve_terms(layout: Layout) -> dict[str, float]:
+    reserve = layout.reserve
+    if reserve is None:
+        return {}
+    if reserve.flat:
+        return {"activation": reserve.activation}
+    return {"activation": reserve.activation, "cuda_graphs": reserve.cuda_graphs, "non_torch": reserve.non_torch}
+
+
+def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, available: float) -> float:
+    """The bytes the history says this plan's KV memory misses by: what the closest earlier start of the same
+    signature, GPU and vLLM version missed by, where that makes the figure surer than the calibration (a start
+    at settings that moved the reserve a lot teaches less); 0 otherwise. Sets the layout's provenance."""
+    vllm = sizing.serving.vllm_version
+    layout.signature, layout.settings = truth.signature(spec), sizing.settings(layout, device)
+    layout.provenance = truth.provenance(spec, device.name)
+    entry, same = truth.measured_entry(
+        list(sizing.history), layout.signature, device.name, vllm, layout.name, layout.settings
+    )
+    if entry is None:
+        return 0.0
+    how = "the same command" if same else f"{entry.layout} at other settings"
+    terms, weights = _reserve_terms(layout), layout.weight_bytes_per_gpu
+    first = truth.kv_band(weights, terms, available, layout.provenance)
+    if truth.kv_band(weights, terms, available, "measured", entry) >= first:
+        layout.kv_basis = (
+            f"the {entry.source} of {how} on {entry.at[:10]} set aside: the reserve moved too much since for it "
+            f"to be surer than the calibration (±{100 * first:.1f} %)"
+        )
+        return 0.0
+    layout.provenance, layout.learned_from = "measured", entry
+    layout.kv_basis = (
+        f"moved by {entry.kv_gap_bytes / GiB:+.2f} GiB: what the {entry.source} of {how} on {entry.at[:10]} "
+        f"showed ({entry.kv_cache_tokens:,} KV tokens against {entry.predicted_kv_tokens:,} planned)"
+    )
+    return entry.kv_gap_bytes
+
+
+def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
+    """Every predicted figure of the layout with its band (planner.truth)."""
+    prov = layout.provenance or truth.provenance(spec, device.name)
+    bands = truth.TERM_BANDS[prov]
+    weights = layout.weight_bytes_per_gpu
+    layout.bands = {"weights_gib": truth.Band(value=weights / GiB, band=bands["weights"], provenance=prov)}
+    if device.kind == "cpu":
+        layout.bands["kv_tokens"] = truth.Band(
+            value=layout.max_kv_tokens, band=truth.CPU_KV_BAND, provenance="calibrated", basis="a fixed KV space"
+        )
+        return
+    terms = _reserve_terms(layout)
+    for name, size_bytes in terms.items():
+        layout.bands[f"{name}_gib"] = truth.Band(value=size_bytes / GiB, band=bands[name], provenance=prov)
+    kv = truth.kv_band(weights, terms, layout.available_kv_bytes_per_gpu, prov, layout.learned_from)
+    layout.bands["kv_tokens"] = truth.Band(
+        value=layout.max_kv_tokens, band=round(min(kv, 9.99), 4), provenance=prov, basis=layout.kv_basis
+    )
 
 
 def _rate_decode(

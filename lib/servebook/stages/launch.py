@@ -164,6 +164,8 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     registered = server.registered(cfg.port)
     if dry and launch.values.kv_cache_tokens and launch.timeline:
         dry.real_adds = real_adds(dry, launch)
+    if plan:
+        startplan.learn(plan, predicted, launch.values, "launch")
     record = LaunchRecord.of(
         launch,
         layout_source=layout_source(p, run_dir, plan),

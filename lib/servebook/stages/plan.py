@@ -209,6 +209,8 @@ def table(record: planner.Plan) -> pd.DataFrame:
                 "reserve GiB/GPU": round(layout.reserve.total / GiB, 2) if layout.reserve else None,
                 "KV bytes/token/GPU": int(layout.kv_bytes_per_token_per_gpu),
                 "KV tokens/engine": layout.max_kv_tokens,
+                "KV ± %": _band_pct(layout, "kv_tokens"),
+                "figures from": layout.provenance or None,
                 "max concurrency": round(layout.max_concurrency, 1),
                 "experts/GPU": layout.experts_per_gpu,
                 "collectives/token": layout.allreduces_per_token + layout.all2all_per_token,
@@ -221,6 +223,25 @@ def table(record: planner.Plan) -> pd.DataFrame:
         )
         rows.append(row)
     return pd.DataFrame(rows).dropna(axis=1, how="all")  # e.g. no reserve or ceilings on the CPU
+
+
+def _band_pct(layout: planner.Layout, figure: str) -> float | None:
+    band = layout.bands.get(figure)
+    return round(100 * band.band, 1) if band and band.band < 9 else None
+
+
+def bands_text(record: planner.Plan) -> str:
+    """How sure the plan is of the launch's layout, in one line: each figure's band and where it comes from."""
+    chosen = record.layout_for_launch if isinstance(record, PlanRecord) else None
+    requested = record.requested if isinstance(record, PlanRecord) else None
+    layout = (record.find(chosen) if chosen else requested) or record.recommended
+    if layout is None or not layout.bands:
+        return ""
+    shown = ", ".join(
+        f"{name.removesuffix('_gib').replace('_', ' ')} ±{100 * band.band:.1f} %" for name, band in layout.bands.items()
+    )
+    basis = f" KV {layout.kv_basis}." if layout.kv_basis else ""
+    return f"{layout.name}: figures {layout.provenance} ({shown}).{basis}"
 
 
 def device_text(record: planner.Plan) -> str:

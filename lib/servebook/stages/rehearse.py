@@ -3,6 +3,7 @@ they measured, recorded in ``02_rehearse.json``; stage 03 launches the winner wi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,8 +11,8 @@ from pathlib import Path
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from servebook import bench, download, hardware, models, modelspec, rehearsal, results, server, ui
-from servebook.errors import RehearsalFailed
+from servebook import bench, download, hardware, models, modelspec, planner, rehearsal, results, server, startplan, ui
+from servebook.errors import RehearsalFailed, ServebookError
 from servebook.levels import SweepConfig
 from servebook.params import Params
 from servebook.records import DownloadRecord, PlanRecord, ReconRecord, RehearsalRecord
@@ -66,7 +67,24 @@ def candidates(p: Params, run_dir: Path, model_path: str) -> list[rehearsal.Cand
     base = server.ServerConfig.from_params(
         launch_p, device, plan.layout_for_launch if plan else None, model_path=model_path
     )
-    return rehearsal.candidates(base, plan, p.rehearse_variants, p.rehearse_layouts)
+    specs = rehearsal.candidates(base, plan, p.rehearse_variants, p.rehearse_layouts)
+    return [dataclasses.replace(s, predicted=planned_as_set(launch_p, plan, s)) for s in specs]
+
+
+SIZING_FIELDS = ("max_model_len", "gpu_memory_utilization", "kv_cache_dtype", "enforce_eager", "max_num_seqs",
+                 "max_num_batched_tokens")  # fmt: skip
+
+
+def planned_as_set(p: Params, plan: PlanRecord | None, spec: rehearsal.CandidateSpec) -> planner.Layout | None:
+    """The plan's figures for a candidate at its own settings: a setting that moves the reserve (max_num_seqs, the
+    batched tokens, eager mode…) is planned again, so its KV is checked against its own prediction."""
+    if plan is None or not spec.changes or plan.device.kind == "cpu":
+        return spec.predicted
+    settings = {name: getattr(spec.config, name) for name in SIZING_FIELDS}
+    try:
+        return startplan.plan(p.updated(settings, source="rehearse_variants"), plan.device).find(spec.layout)
+    except ServebookError:
+        return spec.predicted
 
 
 def run(
@@ -82,6 +100,7 @@ def run(
     started = time.monotonic()
     model_path = model_folder(p, run_dir)
     specs = candidates(p, run_dir, model_path)
+    plan = results.read(run_dir, PlanRecord)
     moe = modelspec.load(model_path).is_moe
     device = specs[0].config.device if specs else "cpu"
     routing, routing_note = rehearsal.routing_for(moe, p.rehearse_routing, device)
@@ -103,6 +122,8 @@ def run(
                 continue
             found = runner.rehearse(spec, leader(record))
             record.candidates.append(found)
+            if plan and runner.last_values:
+                startplan.learn(plan, spec.predicted, runner.last_values, "rehearsal")
             _decide(record)
             _keep(run_dir, record, started, on_candidate)
         _skewed(p, record, specs, runner)

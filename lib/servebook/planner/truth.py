@@ -1,0 +1,210 @@
+"""How sure the plan is, and what it learned: an error band on every predicted figure, from where each term comes
+from, and a local history of what vLLM reported at every launch and rehearsal, which a later plan of the same
+model signature on the same GPU and vLLM version starts from.
+
+Where a figure comes from (its *provenance*):
+
+- **measured**: the history holds a launch or rehearsal of the same signature on the same GPU and vLLM version;
+  the plan moves its KV memory by what that start's KV missed by (bytes), and the band is that of a relaunch.
+- **calibrated**: the reserve's terms were fitted on this attention kind and quantization (GQA in BF16 and block
+  FP8, MLA with INT4 experts; vLLM 0.25 on H200, docs/examples/h200-vllm).
+- **extrapolated**: anything else (another attention kind or quantization, or a GPU with no fit).
+
+A band is one-sided relative half-width: the figure is ``value x (1 +- band)``. The KV band is what the weights'
+and each reserve term's bands leave of the KV memory, added up (the terms' errors are not independent: the
+worst case is the honest one)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel
+
+from servebook import files
+from servebook.modelspec import ModelSpec
+
+if TYPE_CHECKING:
+    from servebook.planner.layout import Layout
+
+Provenance = Literal["measured", "calibrated", "extrapolated"]
+
+# (attention kind, quantization) the reserve's terms were fitted on, and the GPU those fits ran on
+CALIBRATED_KINDS = {("gqa", "none"), ("gqa", "fp8"), ("mla", "int4")}
+CALIBRATED_GPUS = ("H200", "H100")  # the same Hopper kernels and graph sizes
+# one side's relative uncertainty of each term, by provenance: from the replays of every committed H200 log
+# (weights within 1.1 % of what vLLM logs to 0.01 GiB, activation within 8 %, CUDA graphs within 20 % where calibrated; two held-out shapes
+# missed their activation by 25-35 %)
+TERM_BANDS: dict[Provenance, dict[str, float]] = {
+    "measured": {"weights": 0.005, "activation": 0.01, "cuda_graphs": 0.02, "non_torch": 0.05},
+    "calibrated": {"weights": 0.012, "activation": 0.08, "cuda_graphs": 0.20, "non_torch": 0.25},
+    "extrapolated": {"weights": 0.02, "activation": 0.35, "cuda_graphs": 0.50, "non_torch": 0.50},
+}
+# a relaunch of the very command (same layout and settings) lands within vLLM's own run-to-run spread
+SAME_COMMAND_KV_BAND = 0.003
+# what a start at other settings teaches: the gap it measured, less sure by half of what the terms moved since
+# (the Kimi-shaped mini's rehearsals: moving from 1,024 to 32 sequences moved its KV 0.46 % beyond the plan's change)
+MOVED_TERMS_SHARE = 0.5
+CPU_KV_BAND = 0.005  # a fixed KV space (VLLM_CPU_KVCACHE_SPACE): only the block rounding moves it
+
+
+def attention_kind(spec: ModelSpec) -> str:
+    return "mla" if spec.mla else "gqa"
+
+
+def signature(spec: ModelSpec) -> str:
+    """What the reserve depends on in a model, as one key: architecture, attention kind, quantization, hidden
+    size, vocabulary, layers and experts."""
+    quant = spec.quant.method + (f"-{spec.quant.block[0]}x{spec.quant.block[1]}" if spec.quant.block else "")
+    return (
+        f"{spec.model_type or spec.architecture}/{attention_kind(spec)}/{quant}/h{spec.hidden}/v{spec.vocab}"
+        f"/L{spec.layers}/E{spec.experts}"
+    )
+
+
+def provenance(spec: ModelSpec, gpu_name: str) -> Provenance:
+    """Calibrated where the reserve was fitted on this attention kind and quantization on such a GPU."""
+    fitted = (attention_kind(spec), spec.quant.method) in CALIBRATED_KINDS
+    return "calibrated" if fitted and any(g in gpu_name.upper() for g in CALIBRATED_GPUS) else "extrapolated"
+
+
+class Band(BaseModel):
+    """A predicted figure with its band and where it comes from."""
+
+    value: float
+    band: float  # relative half-width: value x (1 +- band)
+    provenance: Provenance
+    basis: str = ""
+
+    @property
+    def low(self) -> float:
+        return self.value * (1 - self.band)
+
+    @property
+    def high(self) -> float:
+        return self.value * (1 + self.band)
+
+    def contains(self, observed: float) -> bool:
+        return self.low <= observed <= self.high
+
+    def text(self, unit: str = "", digits: int = 0) -> str:
+        return f"{self.value:,.{digits}f}{unit} ± {100 * self.band:.1f} % ({self.provenance})"
+
+
+# ---------------------------------------------------------------- the history
+
+
+class Measured(BaseModel):
+    """One start's figures, as the plan predicted them and as vLLM reported them."""
+
+    at: str
+    source: Literal["launch", "rehearsal"]
+    signature: str
+    gpu: str
+    vllm: str  # major.minor
+    layout: str
+    settings: dict[str, str]  # what moves the reserve besides the layout, as text (max_num_seqs, batched tokens…)
+    kv_bytes_per_token: float  # per GPU, exact from the shapes
+    predicted_kv_tokens: int
+    kv_cache_tokens: int
+    predicted_terms: dict[str, float] = {}  # the reserve's terms as the plan predicted them then, bytes
+    predicted_weight_gib: float = 0.0
+    weight_gib: float | None = None
+    throughput: dict[str, float] = {}  # concurrency -> output tok/s measured
+
+    @property
+    def kv_gap_bytes(self) -> float:
+        """What the plan's KV memory missed vLLM's by, in bytes (positive: vLLM had more)."""
+        return (self.kv_cache_tokens - self.predicted_kv_tokens) * self.kv_bytes_per_token
+
+
+def history_path() -> Path:
+    from servebook import models
+
+    return models.cache_root() / "plans.jsonl"
+
+
+def remember(entry: Measured) -> None:
+    """Append one start's figures to the history (one JSON line each, written whole; the last 500 kept)."""
+    path = history_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = path.read_text().splitlines()[-499:] if path.exists() else []
+    files.write_text(path, "\n".join([*lines, entry.model_dump_json()]) + "\n")
+
+
+def history() -> list[Measured]:
+    path = history_path()
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(Measured.model_validate_json(line))
+            except ValueError:
+                continue  # a line from another version: never fail a plan for it
+    return out
+
+
+def version_key(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def measured_entry(
+    at_hand: list[Measured], key: str, gpu: str, vllm: str, layout: str, settings: dict[str, str]
+) -> tuple[Measured | None, bool]:
+    """The history's best match for this figure: same signature, GPU and vLLM version; the same layout and
+    settings first, then the most settings in common, the newest among equals. (entry, same command)."""
+    same = [m for m in at_hand if m.signature == key and m.gpu == gpu and m.vllm == version_key(vllm)]
+    if not same:
+        return None, False
+
+    def closeness(m: Measured) -> tuple[int, int, str]:
+        shared = sum(1 for k, v in settings.items() if m.settings.get(k) == v)
+        return (m.layout == layout, shared, m.at)
+
+    best = max(same, key=closeness)
+    return best, best.layout == layout and best.settings == settings
+
+
+def learned(
+    planned: Layout,
+    gpu: str,
+    vllm: str,
+    source: Literal["launch", "rehearsal"],
+    kv_cache_tokens: int,
+    *,
+    weight_gib: float | None = None,
+    throughput: dict[str, float] | None = None,
+) -> Measured:
+    """What a start of a planned layout showed, as the history keeps it."""
+    reserve = planned.reserve
+    terms = (
+        {"activation": reserve.activation, "cuda_graphs": reserve.cuda_graphs, "non_torch": reserve.non_torch}
+        if reserve else {}
+    )  # fmt: skip
+    return Measured(
+        at=datetime.now(timezone.utc).isoformat(timespec="seconds"), source=source, signature=planned.signature,
+        gpu=gpu, vllm=version_key(vllm), layout=planned.name, settings=planned.settings,
+        kv_bytes_per_token=planned.kv_bytes_per_token_per_gpu,
+        predicted_kv_tokens=planned.max_kv_tokens - round(
+            (planned.learned_from.kv_gap_bytes if planned.learned_from else 0.0) / planned.kv_bytes_per_token_per_gpu
+        ) if planned.kv_bytes_per_token_per_gpu else planned.max_kv_tokens,
+        kv_cache_tokens=kv_cache_tokens, predicted_terms=terms,
+        predicted_weight_gib=planned.weight_bytes_per_gpu / 2**30, weight_gib=weight_gib, throughput=throughput or {},
+    )  # fmt: skip
+
+
+def kv_band(
+    weights: float, terms: dict[str, float], kv_bytes: float, prov: Provenance, learned_from: Measured | None = None
+) -> float:
+    """The KV figure's relative band: each term's bytes times its band, added up, over the KV memory; learned
+    from an earlier start, vLLM's run-to-run spread plus half of what the terms moved since that start."""
+    if kv_bytes <= 0:
+        return math.inf
+    if learned_from is not None:
+        moved = sum(abs(size - learned_from.predicted_terms.get(name, 0.0)) for name, size in terms.items())
+        return SAME_COMMAND_KV_BAND + MOVED_TERMS_SHARE * moved / kv_bytes
+    bands = TERM_BANDS[prov]
+    spread = weights * bands["weights"] + sum(size * bands[name] for name, size in terms.items())
+    return spread / kv_bytes
