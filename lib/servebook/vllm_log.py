@@ -25,7 +25,7 @@ PHASES: list[tuple[str, re.Pattern[str]]] = [
     ("version", re.compile(r"(?:vLLM (?:server |API server )?version|█ +version) (\d[\w.+\-]*)")),
     ("engine_start", re.compile(r"Initializing a V1 LLM engine \(v([\w.+\-]+)\)")),
     ("loading_model", re.compile(r"Starting to load model (\S+)")),
-    ("memory_share", re.compile(r"'gpu_memory_utilization': ([\d.]+)")),
+    ("memory_share", re.compile(r"'gpu_memory_utilization': ([\d.]+)|current --gpu-memory-utilization=([\d.]+)")),
     (
         "filesystem",
         re.compile(
@@ -180,7 +180,7 @@ _PHASE_READERS: dict[str, Callable[[tuple[str, ...]], tuple[JsonObject, str]]] =
     "version": lambda g: ({"vllm_version": g[0]}, f"vLLM {g[0]} starting"),
     "engine_start": lambda g: ({}, "engine process started"),
     "loading_model": lambda g: ({}, "loading model"),
-    "memory_share": lambda g: ({"gpu_memory_utilization": float(g[0])}, ""),
+    "memory_share": lambda g: ({"gpu_memory_utilization": float(g[0] or g[1])}, ""),
     "filesystem": lambda g: ({"filesystem": g[0]}, f"checkpoint on {g[0]}: {g[1]} GiB, {g[2]} GiB RAM available"),
     "prefetch_done": lambda g: ({"prefetch_s": float(g[0])}, f"prefetch into the page cache took {g[0]} s"),
     "ep_filter": lambda g: ({"ep_filter_experts": f"{g[2]}/{g[3]}"}, f"EP weight filter: {g[2]}/{g[3]} experts"),

@@ -35,6 +35,8 @@ SHAPES = {
     # hidden, heads, kv heads, head dim, experts, top-k, expert intermediate, quantized gate
     "qwen3-30b-a3b": dict(H=2048, NH=32, NKV=4, HD=128, E=128, K=8, I=768, gate_fp8=True),
     "minimax-m2.5": dict(H=3072, NH=48, NKV=8, HD=128, E=256, K=8, I=1536, gate_fp8=False),
+    # Qwen3-235B-A22B's: a shape no fit of servebook's reserve has seen (issue #40's held-out GQA shape)
+    "qwen3-235b-a22b": dict(H=4096, NH=64, NKV=4, HD=128, E=128, K=8, I=1536, gate_fp8=False),
 }
 
 
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--moe-inter", type=int, help="expert intermediate size (default: the shape's)")
     ap.add_argument("--experts", type=int, help="number of experts (default: the shape's)")
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--vocab", type=int, help="vocabulary size (default: the tokenizer's; Qwen3's is 151936)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -56,7 +59,7 @@ def main() -> None:
     E = a.experts or s["E"]
     I = a.moe_inter or s["I"]  # noqa: E741 (the config's own letter)
     tok = Path(a.tokenizer)
-    vocab = json.loads((tok / "config.json").read_text())["vocab_size"]
+    vocab = a.vocab or json.loads((tok / "config.json").read_text())["vocab_size"]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     L = a.layers

@@ -1,0 +1,155 @@
+"""A random-weight DeepSeek-V3-shaped checkpoint in block FP8, carrying its next-token-prediction (MTP) layer, built
+where it will be served (issue #40's held-out MLA shape: no fit of servebook's reserve has seen MLA in FP8).
+
+    python3 mkdsv3.py OUT --tokenizer TINY_MODEL_DIR [--layers 2] [--mtp 1] [--device cuda] [--tiny]
+
+DeepSeek-V3's shapes per layer: hidden 7168, 128 heads, MLA (q_lora 1536, kv_lora 512, nope 128, rope 64, v 128),
+the first layer dense (intermediate 18432), the others MoE (256 routed experts of 2048, top-8, one shared expert,
+sigmoid scoring with noaux_tc and 8 groups), vocabulary 129,280. Every linear layer but the router gate and the
+head is block FP8 (float8_e4m3fn, float32 ``weight_scale_inv`` per 128 x 128 block, ceil at the edges, as
+DeepSeek ships it: kv_a_proj_with_mqa's 576 rows have 5 row blocks); norms, embeddings, gate and head bf16.
+The MTP layers follow the decoder's as ``model.layers.{L + i}``: a full MoE layer plus ``enorm``, ``hnorm``,
+``eh_proj``, ``embed_tokens`` and ``shared_head`` (vLLM's DeepSeek loader skips them unless speculative decoding
+uses them). One shard per layer plus one for the embeddings, head and final norm, and an index. ``--tiny``
+shrinks every dimension (a CPU check of names against vLLM's loader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+BLOCK = 128
+DSV3 = dict(H=7168, NH=128, QL=1536, KVL=512, NOPE=128, ROPE=64, V=128, I=18432, MI=2048, E=256, K=8, NS=1,
+            VOCAB=129280, GROUPS=8, TOPK_GROUPS=4)  # fmt: skip
+TINY = dict(H=256, NH=4, QL=128, KVL=512, NOPE=128, ROPE=64, V=128, I=512, MI=128, E=16, K=4, NS=1, VOCAB=4096,
+            GROUPS=4, TOPK_GROUPS=2)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--mtp", type=int, default=1, help="MTP layers after the decoder's (num_nextn_predict_layers)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    t0 = time.time()
+    d = TINY if a.tiny else DSV3
+    H, NH, QL, KVL, NOPE, ROPE, V = (d[k] for k in ("H", "NH", "QL", "KVL", "NOPE", "ROPE", "V"))
+    I, MI, E, K, NS, VOCAB = (d[k] for k in ("I", "MI", "E", "K", "NS", "VOCAB"))  # noqa: E741
+    L, dense = a.layers, 1
+    out, tok = Path(a.out), Path(a.tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0,
+        "first_k_dense_replace": dense, "hidden_act": "silu", "hidden_size": H, "initializer_range": 0.02,
+        "intermediate_size": I, "kv_lora_rank": KVL, "max_position_embeddings": 163840, "moe_intermediate_size": MI,
+        "moe_layer_freq": 1, "n_group": d["GROUPS"], "n_routed_experts": E, "n_shared_experts": NS,
+        "norm_topk_prob": True, "num_attention_heads": NH, "num_experts_per_tok": K, "num_hidden_layers": L,
+        "num_key_value_heads": NH, "num_nextn_predict_layers": a.mtp, "q_lora_rank": QL, "qk_nope_head_dim": NOPE,
+        "qk_rope_head_dim": ROPE, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+        "topk_group": d["TOPK_GROUPS"], "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True,
+        "v_head_dim": V, "vocab_size": VOCAB,
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [BLOCK, BLOCK]},
+    }  # fmt: skip
+    dev = a.device
+    g = torch.Generator(device=dev).manual_seed(a.seed)
+
+    def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * std).to(torch.bfloat16)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16, device=dev)
+
+    def fp8(sd: dict[str, torch.Tensor], name: str, o: int, i: int) -> None:
+        """A linear [o, i] as block FP8: random codes of a weight's spread, one scale per 128 x 128 block."""
+        w = torch.randn(o, i, generator=g, device=dev, dtype=torch.float32).clamp(-4, 4) * 100
+        sd[name] = w.to(torch.float8_e4m3fn)
+        sd[name.replace(".weight", ".weight_scale_inv")] = torch.full(
+            (math.ceil(o / BLOCK), math.ceil(i / BLOCK)), 2e-4, dtype=torch.float32, device=dev
+        )
+
+    def layer(li: int, moe: bool) -> dict[str, torch.Tensor]:
+        sd: dict[str, torch.Tensor] = {}
+        p = f"model.layers.{li}"
+        sd[f"{p}.input_layernorm.weight"] = ones(H)
+        sd[f"{p}.post_attention_layernorm.weight"] = ones(H)
+        s = f"{p}.self_attn"
+        fp8(sd, f"{s}.q_a_proj.weight", QL, H)
+        sd[f"{s}.q_a_layernorm.weight"] = ones(QL)
+        fp8(sd, f"{s}.q_b_proj.weight", NH * (NOPE + ROPE), QL)
+        fp8(sd, f"{s}.kv_a_proj_with_mqa.weight", KVL + ROPE, H)
+        sd[f"{s}.kv_a_layernorm.weight"] = ones(KVL)
+        fp8(sd, f"{s}.kv_b_proj.weight", NH * (NOPE + V), KVL)
+        fp8(sd, f"{s}.o_proj.weight", H, NH * V)
+        m = f"{p}.mlp"
+        if not moe:
+            for proj, (o, i) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                fp8(sd, f"{m}.{proj}.weight", o, i)
+            return sd
+        sd[f"{m}.gate.weight"] = rnd(E, H)
+        sd[f"{m}.gate.e_score_correction_bias"] = torch.zeros(E, dtype=torch.float32, device=dev)
+        shared = MI * NS
+        for proj, (o, i) in (("gate_proj", (shared, H)), ("up_proj", (shared, H)), ("down_proj", (H, shared))):
+            fp8(sd, f"{m}.shared_experts.{proj}.weight", o, i)
+        for proj, (o, i) in (("gate_proj", (MI, H)), ("up_proj", (MI, H)), ("down_proj", (H, MI))):
+            for e in range(E):
+                fp8(sd, f"{m}.experts.{e}.{proj}.weight", o, i)
+        return sd
+
+    total_layers = L + a.mtp
+    files = [f"model-{n:05d}-of-{total_layers + 1:05d}.safetensors" for n in range(1, total_layers + 2)]
+    weight_map: dict[str, str] = {}
+    total = mtp_bytes = 0
+
+    def write(sd: dict[str, torch.Tensor], fname: str, is_mtp: bool = False) -> None:
+        nonlocal total, mtp_bytes
+        sd = {k: v.contiguous().cpu() for k, v in sd.items()}
+        save_file(sd, str(out / fname), metadata={"format": "pt"})
+        size = sum(v.numel() * v.element_size() for v in sd.values())
+        total += size
+        mtp_bytes += size if is_mtp else 0
+        weight_map.update({k: fname for k in sd})
+
+    for li in range(total_layers):
+        sd = layer(li, moe=li >= dense)
+        if li >= L:  # an MTP layer: its own embedding, projection of [embedding; hidden] and head
+            p = f"model.layers.{li}"
+            sd |= {f"{p}.enorm.weight": ones(H), f"{p}.hnorm.weight": ones(H), f"{p}.eh_proj.weight": rnd(H, 2 * H),
+                   f"{p}.embed_tokens.weight": rnd(VOCAB, H), f"{p}.shared_head.norm.weight": ones(H),
+                   f"{p}.shared_head.head.weight": rnd(VOCAB, H)}  # fmt: skip
+        write(sd, files[li], is_mtp=li >= L)
+        del sd
+        print(f"  layer {li} written ({'MTP' if li >= L else 'MoE' if li >= dense else 'dense'}), "
+              f"{time.time() - t0:.1f} s", flush=True)  # fmt: skip
+    write({"model.embed_tokens.weight": rnd(VOCAB, H), "lm_head.weight": rnd(VOCAB, H), "model.norm.weight": ones(H)},
+          files[total_layers])  # fmt: skip
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+    )
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "pad_token_id": 0}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tok / f).is_file():
+            shutil.copy(tok / f, out / f)
+    print(f"{out}: {L} layers + {a.mtp} MTP, {'tiny' if a.tiny else 'DeepSeek-V3'} shapes, block FP8, "
+          f"{total / 1e9:.2f} GB tensors, of which MTP {mtp_bytes / 1e9:.2f} GB, {time.time() - t0:.1f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

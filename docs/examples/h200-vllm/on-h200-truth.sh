@@ -1,0 +1,38 @@
+#!/bin/bash
+# Issue 40's GPU run: held-out shapes started by a plain `vllm serve` at vLLM's defaults and two other settings,
+# the plan's bands against vLLM's log. One step per device call, from the project root there:
+#   bash docs/examples/h200-vllm/on-h200-truth.sh STEP
+#   kit0   carry .gpu/c0 (bins.part0): staged under /tmp
+#   kit1   carry .gpu/c1: the Python tree; build a DeepSeek-V3-shaped block-FP8 mini with its MTP layer (2 layers
+#          + 1) and a Qwen3-235B-shaped block-FP8 mini (4 layers, vocabulary 151,936)
+#   kit2   carry .gpu/c2: the second kernel part
+#   go     carry .gpu/c3: kernels in place, then truth_run.py in a session of its own (it outlives the call)
+#   wait   keep the machine while it runs (WAIT_S, default 560 s), then bring back what is done
+set -uo pipefail
+STEP=$1; EX=docs/examples/h200-vllm; R=/tmp/results
+case $STEP in
+kit0) mkdir -p /tmp/stage && cp .gpu/c0/* /tmp/stage/ && ls -la /tmp/stage; exit 0 ;;
+kit1) source .gpu/c1/kit/unpack.sh ;;
+*) source /tmp/kit/unpack.sh ;;
+esac
+mkdir -p $R
+case $STEP in
+kit1)
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  python3 $EX/mkdsv3.py $MODELS/dsv3-fp8-mtp --tokenizer /tmp/tok --layers 2 --mtp 1 2>&1 | tail -1
+  python3 $EX/../h200x8/mkckpt.py $MODELS/q235-fp8 --tokenizer /tmp/tok --shape qwen3-235b-a22b --layers 4 --fp8 \
+    --vocab 151936 2>&1 | tail -1
+  du -sh $MODELS/*; sync ;;
+kit2) ls $STAGE ;;
+go)
+  pkill -f "vllm serve" ; sleep 1
+  setsid bash -c "cd $PWD && source /tmp/kit/unpack.sh >/dev/null 2>&1 && python3 $EX/truth_run.py $R \
+    $MODELS/dsv3-fp8-mtp $MODELS/q235-fp8; echo '=== done'" > $R/console.log 2>&1 < /dev/null &
+  sleep 30; tail -5 $R/console.log ;;
+wait)
+  end=$((SECONDS + ${WAIT_S:-560}))
+  while [ $SECONDS -lt $end ] && ! grep -q "=== done" $R/console.log; do sleep 5; done
+  tail -30 $R/console.log | cut -c1-400
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  tar czf "$OUT/truth.tgz" -C $R . 2>/dev/null; ls -la "$OUT" ;;
+esac
