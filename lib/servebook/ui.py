@@ -13,12 +13,45 @@ from typing import Any
 from IPython.display import display
 
 from servebook import params as params_mod
-from servebook.errors import ParamsError
+from servebook.errors import ParamsError, ServebookError
+
+
+def errors_as_one_line() -> None:
+    """In a notebook, a :class:`ServebookError` shows as the CLI prints it: its message (what went wrong and the
+    fix) on top, servebook's own traceback folded below it; the cell still fails, so papermill and nbval see the
+    error. Other exceptions keep IPython's full traceback (they are servebook's bugs, or the user's code)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None or getattr(shell, "_servebook_errors_as_one_line", False):
+        return
+
+    def one_line(
+        shell: Any, etype: type[BaseException], value: BaseException, tb: Any, tb_offset: Any = None
+    ) -> list[str]:
+        import traceback
+
+        from IPython.display import HTML, display
+
+        short = [f"{etype.__name__}: {value}"]
+        shell._showtraceback(etype, value, short)  # the cell's error output (papermill's and nbval's), one line
+        folded = html.escape("".join(traceback.format_exception(etype, value, tb)))
+        display(
+            HTML(f"<details><summary>servebook's traceback (for a bug report)</summary><pre>{folded}</pre></details>")
+        )
+        return short
+
+    shell.set_custom_exc((ServebookError,), one_line)
+    shell._servebook_errors_as_one_line = True
 
 
 def notebook_params(namespace: dict[str, Any], target: str = "p") -> params_mod.Params:
     """A notebook's parameters (its cell, filled from ``params_file``); with ``interactive``, a picker over the
-    params files that sets ``params_file`` and ``target`` in the notebook for the cells below."""
+    params files that sets ``params_file`` and ``target`` in the notebook for the cells below. Every notebook
+    calls it first: from here on servebook's errors read as one line (:func:`errors_as_one_line`)."""
+    errors_as_one_line()
     found = params_mod.notebook_params(namespace)
     if not found.params.interactive:
         print(found.describe())

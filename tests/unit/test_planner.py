@@ -565,3 +565,47 @@ def test_an_uncalibrated_shape_says_so_with_a_wider_band():
     kimi = kimi_rehearsed(0, 0)
     assert deepseek.provenance == "extrapolated" and kimi.provenance == "calibrated"
     assert deepseek.bands["activation_gib"].band > kimi.bands["activation_gib"].band
+
+
+HELD_OUT = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-truth"
+# issue #40's held-out starts: plain `vllm serve` (vLLM 0.25's defaults) at three settings each
+HELD_OUT_SETTINGS = {"defaults": (4096, 0, 0), "max_num_seqs 128": (4096, 128, 0),
+                     "batched 2048, 8k context": (8192, 0, 2048)}  # fmt: skip
+HELD_OUT_CONFIGS = {"dsv3-fp8-mtp": "dsv3-shapes-2l-mtp1-fp8", "q235-fp8": "q235-shapes-4l-fp8"}
+
+
+def held_out(model: str, setting: str, history=()) -> planner.Layout:
+    row = next(r for r in json.loads((HELD_OUT / "truth.json").read_text()) if r["start"] == f"{model}, {setting}")
+    shape = spec(HELD_OUT_CONFIGS[model])
+    # the files' sizes as their headers said on the H200 (the checkpoints stayed there)
+    shape.checkpoint_bytes, shape.skipped_bytes = round(row["files_gb"] * 1e9), round(row["mtp_skipped_gb"] * 1e9)
+    max_model_len, seqs, batched = HELD_OUT_SETTINGS[setting]
+    serving = planner.Serving(seqs, batched, vllm_version="0.25.0")
+    return planner.plan(shape, h200s(1), max_model_len=max_model_len, serving=serving, history=history).layouts[0]
+
+
+@pytest.mark.parametrize("model", sorted(HELD_OUT_CONFIGS))
+def test_held_out_shapes_land_inside_their_bands_at_vllms_defaults(model, tmp_path, monkeypatch):
+    """Shapes no fit has seen, started by a plain `vllm serve`: vLLM's memory share is the plan's default, the
+    weights are what vLLM loads (the DeepSeek-V3 mini's MTP layer is half its files), every KV figure is inside
+    its band at first contact and once the history holds the default start."""
+    from servebook.vllm_log import read_values
+
+    logs = {s: read_values((HELD_OUT / f"{model}-{s.replace(' ', '-').replace(',', '')}.log").read_text())
+            for s in HELD_OUT_SETTINGS}  # fmt: skip
+    first = held_out(model, "defaults")
+    history = [planner.truth.learned(first, "H200", "0.25.0", "launch", logs["defaults"].kv_cache_tokens)]
+    for setting, logged in logs.items():
+        assert (
+            logged.gpu_memory_utilization
+            == planner.plan(spec(HELD_OUT_CONFIGS[model]), h200s(1)).gpu_memory_utilization
+        )
+        before, after = held_out(model, setting), held_out(model, setting, history)
+        for layout in (before, after):
+            assert layout.bands["kv_tokens"].contains(logged.kv_cache_tokens), (setting, layout.bands["kv_tokens"])
+        assert abs(before.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.015
+        assert before.bands["weights_gib"].contains(logged.model_memory_gib)
+        print(f"{model}, {setting}: first {before.max_kv_tokens / logged.kv_cache_tokens - 1:+.2%} "
+              f"± {before.bands['kv_tokens'].band:.2%} ({before.provenance}); with history "
+              f"{after.max_kv_tokens / logged.kv_cache_tokens - 1:+.2%} ± {after.bands['kv_tokens'].band:.2%} "
+              f"({after.provenance})")  # fmt: skip

@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-only", action="store_true", help="write config.json alone (for the plan's tests)")
     a = ap.parse_args()
     t0 = time.time()
     d = TINY if a.tiny else DSV3
@@ -67,6 +68,9 @@ def main() -> None:
         "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                 "weight_block_size": [BLOCK, BLOCK]},
     }  # fmt: skip
+    if a.config_only:
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        return
     dev = a.device
     g = torch.Generator(device=dev).manual_seed(a.seed)
 

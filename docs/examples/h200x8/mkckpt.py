@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, help="vocabulary size (default: the tokenizer's; Qwen3's is 151936)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-only", action="store_true", help="write config.json alone (for the plan's tests)")
     a = ap.parse_args()
     t0 = time.time()
     s = dict(SHAPES[a.shape])
@@ -81,6 +82,9 @@ def main() -> None:
         if not s["gate_fp8"]:
             # vLLM's Fp8Config reads modules_to_not_convert as its ignored layers, matched by full prefix
             cfg["quantization_config"]["modules_to_not_convert"] = [f"model.layers.{i}.mlp.gate" for i in range(L)]
+    if a.config_only:
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        return
     dev = a.device
     g = torch.Generator(device=dev).manual_seed(a.seed)
 

@@ -384,6 +384,7 @@ class Layout:
     # how sure the plan is (planner.truth): each predicted figure with its band, and where the KV figure comes from
     provenance: str = ""  # measured, calibrated, extrapolated
     learned_from: Measured | None = None  # the earlier start the KV figure learned from
+    same_command_measured: bool = False  # ... with this very layout and these settings
     signature: str = ""  # the model's, as the history keys it
     settings: dict[str, str] = field(default_factory=dict)  # what moves the reserve, as the history keys it
     kv_basis: str = ""

@@ -270,13 +270,13 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
     how = "the same command" if same else f"{entry.layout} at other settings"
     terms, weights = _reserve_terms(layout), layout.weight_bytes_per_gpu
     first = truth.kv_band(weights, terms, available, layout.provenance)
-    if truth.kv_band(weights, terms, available, "measured", entry) >= first:
+    if truth.kv_band(weights, terms, available, "measured", entry, same) > truth.LEARN_WHEN_BAND_SHRINKS_TO * first:
         layout.kv_basis = (
             f"the {entry.source} of {how} on {entry.at[:10]} set aside: the reserve moved too much since for it "
             f"to be surer than the calibration (±{100 * first:.1f} %)"
         )
         return 0.0
-    layout.provenance, layout.learned_from = "measured", entry
+    layout.provenance, layout.learned_from, layout.same_command_measured = "measured", entry, same
     layout.kv_basis = (
         f"moved by {entry.kv_gap_bytes / GiB:+.2f} GiB: what the {entry.source} of {how} on {entry.at[:10]} "
         f"showed ({entry.kv_cache_tokens:,} KV tokens against {entry.predicted_kv_tokens:,} planned)"
@@ -298,7 +298,9 @@ def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
     terms = _reserve_terms(layout)
     for name, size_bytes in terms.items():
         layout.bands[f"{name}_gib"] = truth.Band(value=size_bytes / GiB, band=bands[name], provenance=prov)
-    kv = truth.kv_band(weights, terms, layout.available_kv_bytes_per_gpu, prov, layout.learned_from)
+    kv = truth.kv_band(
+        weights, terms, layout.available_kv_bytes_per_gpu, prov, layout.learned_from, layout.same_command_measured
+    )
     layout.bands["kv_tokens"] = truth.Band(
         value=layout.max_kv_tokens, band=round(min(kv, 9.99), 4), provenance=prov, basis=layout.kv_basis
     )
