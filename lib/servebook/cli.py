@@ -161,7 +161,8 @@ def launch(
     """Start the server the params describe, in its shape (one server, one across nodes, replicas behind a
     router), or reuse a matching healthy one, and wait until it is ready; each start-up phase is printed as it
     ends, the timeline when it is ready."""
-    from servebook import hardware, params, server, startplan, topology
+    from servebook import checks, hardware, params, server, startplan, topology
+    from servebook.errors import ParamsError
     from servebook.results import outputs_root
     from servebook.stages import launch as launch_stage
 
@@ -170,6 +171,8 @@ def launch(
         cfg = server.ServerConfig.from_params(p, hardware.resolve_device(p.device, hardware.inventory()))
         cfg = startplan.with_load_choice(cfg, launch_stage.load_choice_for(p, cfg, None))
         launch_stage.check_load_options(cfg)
+        if refused := checks.plan_problems(p, cfg):  # the gate `servebook run` applies through its plan stage
+            raise ParamsError(str(params_file), refused)
         if dry_run:
             cfg = cfg.dry()
         shape = topology.of(p, cfg, log_dir or outputs_root() / "servers")

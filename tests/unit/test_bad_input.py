@@ -115,3 +115,35 @@ def test_a_malformed_index_is_a_verification_problem_not_a_traceback(tmp_path):
     (tmp_path / "ckpt" / "model.safetensors.index.json").write_text('{"weight_map": {')
     found = download.verify(tmp_path / "ckpt")
     assert not found.ok and any("model.safetensors.index.json: not readable JSON" in p for p in found.problems)
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("tensor_parallel_size=3", ["layout TP=3", "attention heads (4)", "tensor_parallel_size", "servebook plan"]),
+        ("max_model_len=100000", ["max_model_len 100000", "max_position_embeddings 4096", "max_model_len: 4096"]),
+    ],
+    ids=["TP=3 on 4 heads", "max_model_len past the positions"],
+)
+def test_check_and_launch_refuse_what_the_plan_knows_before_anything_starts(override, words):
+    """Issue #41 point 3: what vLLM would refuse 18 s into a launch, said by `check` and by `launch` at once."""
+    refused(servebook("check", CI, "--set", override), *words)
+    refused(servebook("launch", CI, "--set", override), *words)
+
+
+def test_check_names_a_port_another_program_holds():
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        refused(servebook("check", CI, "--set", f"port={port}"), f"port {port}", "held by", "set port to a free one")
+
+
+def test_check_says_a_hub_model_out_of_reach(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "check", CI, "--set", "model=nobody-here/no-such-model"],
+        capture_output=True, text=True, cwd=REPO, timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    refused(proc, "model:", "nobody-here/no-such-model", "HF_HUB_OFFLINE")

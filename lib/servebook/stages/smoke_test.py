@@ -47,4 +47,6 @@ def summary(record: SmokeTestRecord) -> str:
     if s.delivery_bound:
         decode += f" by vLLM's clock (delivered in bursts: {s.client_decode_tok_s:,.0f} tok/s as the client saw it)"
     verdict = "passed" if record.passed else f"**failed**: {record.failed()[0].check}"
+    if warned := record.warnings():
+        verdict += f", with a warning: {warned[0].check} — no ({warned[0].detail})"
     return f"{verdict}; one stream: TTFT {s.ttft_ms:.0f} ms{decode}"
