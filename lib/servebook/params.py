@@ -11,11 +11,21 @@ from __future__ import annotations
 import difflib
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 
 from servebook import serving
@@ -656,6 +666,29 @@ class Params(BaseModel):
     def world_size(self) -> int:
         return self.layout.world_size
 
+    # what a person typed in a notebook's parameters cell: it wins over a choice made in an earlier notebook
+    _typed_in_notebook: frozenset[str] = PrivateAttr(default_factory=frozenset)
+
+    @property
+    def typed_in_notebook(self) -> frozenset[str]:
+        return self._typed_in_notebook
+
+    def typed(self, names: Iterable[str]) -> Params:
+        """These params, knowing which values a person typed in the notebook's cell (they win, see
+        :meth:`choice_over`)."""
+        self._typed_in_notebook = frozenset(names)
+        return self
+
+    def choice_over(self, changes: dict[str, Any], source: str) -> Params:
+        """``changes`` (the plan's or the rehearsal's choice) over these params, except what a person typed in
+        this notebook's cell: one precedence, the cell over the choice over the params file. Each value kept
+        is said, with the choice it overrode."""
+        kept = {k: v for k, v in changes.items() if k in self._typed_in_notebook and getattr(self, k) != v}
+        for name, chosen in kept.items():
+            print(f"{name} = {getattr(self, name)!r} typed in this notebook wins over {source} ({chosen!r})")
+        new = self.updated({k: v for k, v in changes.items() if k not in kept}, source=source)
+        return new.typed(self._typed_in_notebook)
+
     def updated(self, changes: dict[str, Any], source: str = "params") -> Params:
         """These params with ``changes``, validated as a whole file is (pydantic's ``model_copy(update=...)``
         validates nothing: it would accept a layout that ``Params(...)`` refuses)."""
@@ -829,6 +862,10 @@ class NotebookParams(BaseModel):
         return text + (f"; edited in this notebook: {', '.join(self.edited)}" if self.edited else "")
 
 
+# cell values that are no serving choice an earlier notebook could make
+NOT_SERVING_CHOICES = frozenset({"params_file", "run_dir", "interactive"})
+
+
 def notebook_params(namespace: dict[str, Any]) -> NotebookParams:
     """The parameters a notebook declared (its globals), with ``params_file``'s values where the cell kept its
     default; validated as a whole, so interactive edits are checked too."""
@@ -842,7 +879,9 @@ def notebook_params(namespace: dict[str, Any]) -> NotebookParams:
                 values[key] = value
                 from_file.append(key)
     p = validate(values, source=f"notebook parameters{f' with {name}' if name else ''}")
-    return NotebookParams(params=p, params_file=name, from_file=sorted(from_file), edited=[k for k in edited if name])
+    # a person's notebook (papermill's runs pass interactive False: their values came from a params file)
+    typed = [k for k in edited if k not in NOT_SERVING_CHOICES] if p.interactive else []
+    return NotebookParams(params=p.typed(typed), params_file=name, from_file=sorted(from_file), edited=edited)
 
 
 def from_namespace(namespace: dict[str, Any]) -> Params:

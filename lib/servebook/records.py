@@ -124,7 +124,7 @@ class PlanRecord(Record, planner.Plan):
     def params_for_launch(self, p: Params) -> Params:
         """The params stage 03 launches with: the explorer's choice over the params where one was made."""
         if self.launch_layout == "chosen" and self.chosen:
-            return p.updated(self.chosen.overrides(), source="the layout chosen in 01_plan")
+            return p.choice_over(self.chosen.overrides(), source="the layout chosen in 01_plan")
         return p
 
 
@@ -190,7 +190,7 @@ class RehearsalRecord(Record):
         chosen = self.chosen
         if chosen is None or not p.rehearse_picks_launch:
             return p
-        return p.updated(chosen.launch_changes(), source=f"the rehearsal's {self.picked_by} pick ({chosen.name})")
+        return p.choice_over(chosen.launch_changes(), source=f"the rehearsal's {self.picked_by} pick ({chosen.name})")
 
     def matching(self, cfg: server.ServerConfig) -> rehearsal.Rehearsed | None:
         """The measured candidate the launched server is: the winner when it was launched, else the one of its

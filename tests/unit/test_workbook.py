@@ -187,3 +187,21 @@ def test_an_interrupted_cell_leaves_no_panel_thread(monkeypatch):
             assert any(t.name == "servebook-panel" for t in threading.enumerate())
             raise KeyboardInterrupt
     assert not any(t.name == "servebook-panel" for t in threading.enumerate())
+
+
+def test_a_value_typed_in_the_launch_notebook_wins_over_the_layout_chosen_in_01(tmp_path, capsys):
+    """Issue #41 point 1: one precedence, the notebook's cell over the plan's choice over the params file."""
+    record, p = cpu_plan(tmp_path)
+    workbook.choose(workbook.explore(record, p, planner.Parallelism(), 2048, 0.85, "fp8"), tmp_path)
+    chosen = results.read(tmp_path, PlanRecord)
+    cell = {"params_file": "../params/default.yaml", "interactive": True, "max_model_len": 8192}
+    typed = params.notebook_params(cell).params
+    assert typed.typed_in_notebook == {"max_model_len"}
+    launched = chosen.params_for_launch(typed)
+    assert (launched.max_model_len, launched.kv_cache_dtype) == (8192, "fp8")  # typed wins; the rest is the choice
+    assert "max_model_len = 8192 typed in this notebook wins over the layout chosen in 01_plan (2048)" in (
+        capsys.readouterr().out
+    )
+    # papermill's runs fill the cell from a params file: nothing there is typed, the choice applies
+    headless = params.notebook_params({**cell, "interactive": False}).params
+    assert headless.typed_in_notebook == frozenset() and chosen.params_for_launch(headless).max_model_len == 2048
