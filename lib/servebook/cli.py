@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, List, NoReturn
@@ -384,6 +385,31 @@ def compare(
     if html:
         fig.write_html(html, include_plotlyjs=True)
         typer.echo(str(html))
+
+
+@app.command()
+def lab(
+    port: int = typer.Option(8888, help="the port JupyterLab listens on (127.0.0.1 only)"),
+    prepare_only: bool = typer.Option(False, "--prepare-only", help="make the working copy, print the command"),
+) -> None:
+    """JupyterLab on your own copy of the notebooks (workbook/, ignored by git): what you run, type and save there
+    never changes the project's notebooks/. A copy is made for each notebook you do not have yet; yours are kept."""
+    from servebook import lab as lab_mod
+
+    if not 1 <= port <= 65535:
+        _fail(ServebookError(f"--port {port} is no TCP port: give one from 1 to 65535, e.g. --port 8888"), code=2)
+    work, copied, newer = lab_mod.prepare_workbook()
+    typer.echo(f"working copy: {work}" + (f" (copied now: {', '.join(copied)})" if copied else ""))
+    for name in newer:
+        typer.echo(
+            f"  notebooks/{name} changed since your copy was made; delete workbook/{name} to start again from it"
+        )
+    command = lab_mod.lab_command(work, port)
+    typer.echo(f"on a remote GPU box, from your laptop: ssh -N -L {port}:127.0.0.1:{port} you@this-machine")
+    if prepare_only:
+        typer.echo(" ".join(command))
+        return
+    os.execv(command[0], command)
 
 
 @app.command()

@@ -12,6 +12,10 @@ server extension derives its paired-notebook manager from it.
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 
 from ipykernel.ipkernel import IPythonKernel
@@ -49,3 +53,38 @@ class WorkbookContentsManager(AsyncLargeFileManager):
             model = {**model, "content": {**notebook, "metadata": dict(notebook.get("metadata", {}))}}
             model["content"]["metadata"].pop("language_info", None)
         return await super().save(model, path)
+
+
+# ---------------------------------------------------------------- a person's working copy
+
+
+def workbook_folder() -> Path:
+    """Where a person's notebooks live: ``workbook/`` beside ``notebooks/`` (ignored by git), or
+    ``SERVEBOOK_WORKBOOK``. The same depth as ``notebooks/``, so ``../params/...`` resolves alike."""
+    from servebook.results import repo_root
+
+    return Path(os.environ.get("SERVEBOOK_WORKBOOK", repo_root() / "workbook"))
+
+
+def prepare_workbook() -> tuple[Path, list[str], list[str]]:
+    """Copy every stage notebook that is not in the working copy yet (a copy there is the person's: it is never
+    overwritten); (the folder, the notebooks copied now, those whose template changed since the copy was made)."""
+    from servebook.results import repo_root
+
+    here, work = repo_root() / "notebooks", workbook_folder()
+    work.mkdir(parents=True, exist_ok=True)
+    copied, newer = [], []
+    for template in sorted(here.glob("*.ipynb")):
+        mine = work / template.name
+        if not mine.exists():
+            shutil.copy2(template, mine)
+            copied.append(template.name)
+        elif template.stat().st_mtime > mine.stat().st_mtime and template.read_bytes() != mine.read_bytes():
+            newer.append(template.name)
+    return work, copied, newer
+
+
+def lab_command(work: Path, port: int, host: str = "127.0.0.1") -> list[str]:
+    """JupyterLab on the working copy, reachable on this machine only (an SSH tunnel reaches it from afar)."""
+    return [sys.executable, "-m", "jupyter", "lab", f"--ServerApp.root_dir={work}", "--no-browser",
+            f"--port={port}", f"--ip={host}"]  # fmt: skip
