@@ -286,6 +286,8 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
 
 def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
     """Every predicted figure of the layout with its band (planner.truth)."""
+    if device.kind == "cpu":  # no reserve to model: weights from the files, a KV space of fixed size
+        layout.provenance = "calibrated"
     prov = layout.provenance or truth.provenance(spec, device.name)
     bands = truth.TERM_BANDS[prov]
     weights = layout.weight_bytes_per_gpu

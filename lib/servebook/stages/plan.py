@@ -177,6 +177,8 @@ def defaults_text(record: planner.Plan) -> str:
         if row and not record.vllm_version.startswith(row)
         else ""
     )
+    if record.device.kind == "cpu":
+        return f"sized for vLLM {record.vllm_version or row}{borrowed} on the CPU (a KV space of fixed size)"
     return f"sized for vLLM {record.vllm_version or row}{borrowed}, gpu_memory_utilization {record.gpu_memory_utilization:g}"
 
 
