@@ -5,9 +5,9 @@ Each variant (environment variables and/or serving parameters) is launched throu
 stage's load generator, and compared with the baseline, which is measured before and after
 the variants (across a relaunch) so its own spread is the noise band.  A variant is
 "better" or "worse" only when its median differs from the baseline's by more than that
-band (and by more than 2 %); otherwise "no effect", flagged where every sample of the
-variant lies beyond the baseline's range (one cold baseline window can widen the band:
-worth a longer A/B).  A variant whose server fails to start is reported with the root
+band (and by more than 2 %); "likely better" or "likely worse" where the medians are inside the band yet every
+sample of the variant lies beyond the baseline's range (one cold baseline window can widen the band: worth a
+longer A/B); otherwise "no effect".  A variant whose server fails to start is reported with the root
 cause, and the sweep goes on.
 
 Every variant costs a relaunch, and a relaunch of a 547 GB model is minutes: before the first one the A/B says
@@ -40,7 +40,7 @@ class AbRow(BaseModel):
 
     variant: str
     concurrency: int
-    verdict: Literal["better", "worse", "no effect", "failed to start"]
+    verdict: Literal["better", "worse", "likely better", "likely worse", "no effect", "failed to start"]
     change: float | None  # relative change of the median output throughput (a fraction: 0.05 is 5 %)
     noise: float  # the baseline's own spread at this concurrency (a fraction)
     samples_apart: bool = False  # every variant sample beyond every baseline sample, whatever the band
@@ -134,6 +134,17 @@ def verdict(
     if abs(change) <= max(MIN_NOISE, noise):
         return "no effect", change
     return ("better" if change > 0 else "worse"), change
+
+
+def worded(base: list[float], variant: list[float], noise: float) -> tuple[str, float, bool]:
+    """The verdict as the table words it, its change, and whether every sample lies apart: a change inside the
+    baseline's band with every sample beyond its range (and beyond the 2 % floor) is "likely" so, never "no effect"
+    (the newcomer's −43 %, every sample apart, read "no effect")."""
+    call, change = verdict(base, variant, noise)
+    apart = samples_apart(base, variant, change)
+    if call == "no effect" and apart and abs(change) > MIN_NOISE:
+        return ("likely better" if change > 0 else "likely worse"), change, apart
+    return call, change, apart
 
 
 def samples_apart(base: list[float], variant: list[float], change: float) -> bool:
@@ -310,11 +321,10 @@ def _rows(
                 continue
             if not base_samples.get(c) or not samples.get(v.name, {}).get(c):
                 continue
-            call, change = verdict(base_samples[c], samples[v.name][c], noise)
+            call, change, apart = worded(base_samples[c], samples[v.name][c], noise)
             rows.append(
                 AbRow(
-                    variant=v.name, concurrency=c, verdict=call, change=change, noise=noise,
-                    samples_apart=samples_apart(base_samples[c], samples[v.name][c], change),
+                    variant=v.name, concurrency=c, verdict=call, change=change, noise=noise, samples_apart=apart,
                     baseline_median=statistics.median(base_samples[c]),
                     variant_median=statistics.median(samples[v.name][c]),
                 )

@@ -166,3 +166,18 @@ def test_an_eager_server_pays_no_compile_miss_on_relaunch():
     cost = ab.price(base, [("baseline", base), ("bogus", bogus), ("baseline", base)], (25.0, "measured"), 42.0)
     assert [r.expected_s for r in cost.relaunches] == [25.0, 25.0]
     assert "compile cache" not in cost.describe()
+
+
+@pytest.mark.parametrize(
+    ("base", "variant", "noise", "said"),
+    [
+        ([5397, 16405, 17259, 18513], [3172, 4716], 0.78, "likely worse"),  # -70 %, all apart, in a 78 % band
+        ([100, 140], [150, 170], 0.40, "likely better"),
+        ([100, 101], [99.0, 99.5], 0.02, "no effect"),  # apart, but by less than the 2 % floor
+        ([100, 140], [105, 98], 0.40, "no effect"),  # one sample inside the baseline's range
+        ([100, 101], [80, 82], 0.02, "worse"),
+    ],
+)
+def test_the_words_follow_the_numbers(base, variant, noise, said):
+    """Issue #41 point 5: a change with every sample apart is never called "no effect"."""
+    assert ab.worded(base, variant, noise)[0] == said

@@ -14,7 +14,10 @@ from servebook.params import Params
 from servebook.records import LaunchRecord, NcclTuningRecord
 
 NCCL_PREFIX = ("NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS")
-VERDICT_COLOURS = {"better": "#2ca02c", "worse": "#d62728", "no effect": "#7f7f7f", "failed to start": "#000000"}
+VERDICT_COLOURS = {
+    "better": "#2ca02c", "likely better": "#98df8a", "worse": "#d62728", "likely worse": "#ff9896",
+    "no effect": "#7f7f7f", "failed to start": "#000000",
+}  # fmt: skip
 
 
 def micro(p: Params, log: Callable[[str], None] = print) -> nccl.MicroResult:
@@ -114,7 +117,13 @@ def summary(record: NcclTuningRecord) -> str:
     deploy_with = f"deploy with `{env}`" if env else "deploy with the default environment"
     where = "NCCL" if record.micro.on_gpus else "gloo on the CPU (no NCCL figures)"
     variants = f", {len(record.ab.variants)} server variant(s) compared" if record.ab else ""
-    return f"{deploy_with}; collectives measured with {where}{variants}"
+    likely = (
+        sorted({f"{r.variant} {r.verdict}" for r in record.ab.rows if r.verdict.startswith("likely")})
+        if record.ab
+        else []
+    )
+    unsure = f" ({'; '.join(likely)}: every sample apart inside a wide band, worth a longer A/B)" if likely else ""
+    return f"{deploy_with}; collectives measured with {where}{variants}{unsure}"
 
 
 def bandwidth_table(record: NcclTuningRecord) -> pd.DataFrame:
