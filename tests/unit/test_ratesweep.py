@@ -52,6 +52,14 @@ def test_a_server_that_keeps_up_completes_at_the_offered_rate():
     assert straggler.kept_up  # one slow last request is not a queue
 
 
+def test_completions_that_bunch_never_read_as_more_completed_than_offered():
+    """Issue #41 point 5: 8 requests whose answers came back closer together than they were sent."""
+    sends = [0.0, 0.1, 0.5, 0.6, 0.7, 1.0, 1.1, 1.2]
+    lv = level_for(sends, [1.3 + 0.02 * i for i in range(8)], 6.0)
+    assert lv.kept_up and lv.achieved_rate >= lv.offered_rate
+    assert lv.verdict.startswith("kept up: every request completed as offered") and " of " not in lv.verdict
+
+
 def test_a_server_past_its_capacity_is_recorded_as_falling_behind_not_as_failing():
     sends = [i * 0.1 for i in range(20)]  # 10 requests/s offered, one served every 0.25 s
     lv = level_for(sends, [1.0 + i * 0.25 for i in range(20)], 10.0)
