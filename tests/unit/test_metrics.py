@@ -488,3 +488,16 @@ def test_tokens_delivered_in_one_burst_are_named_as_off_the_engines_clock():
     steady = level.model_copy(update={"client_tpot_mean_ms": 26.0, "tpot_clock_gap_pct": 4.0})
     assert levels.clock_disagreements([steady]) == ""
     assert limits.limit_of(steady, gain=0.0, cfg=levels.SweepConfig())[0] == "server"
+
+
+def test_the_headline_never_shows_a_tpot_the_client_could_not_measure():
+    """Issue #41 point 5: `TPOT p50 0.0 ms` in the report's headline, from tokens that came in one burst."""
+    from servebook.stages.benchmark import headline_tpot
+
+    burst = _level(1, tpot_p50_ms=0.0, vllm_tpot_mean_ms=11.4, tpot_clock_gap_pct=-99.0)
+    assert headline_tpot(burst) == "TPOT 11.4 ms by vLLM's clock (tokens reached the client in bursts)"
+    blind = _level(1, tpot_p50_ms=0.01)
+    assert "not measurable by the client" in headline_tpot(blind) and "0.0" not in headline_tpot(blind)
+    assert headline_tpot(_level(1, tpot_p50_ms=12.34, vllm_tpot_mean_ms=12.1, tpot_clock_gap_pct=2.0)) == (
+        "TPOT p50 12.3 ms"
+    )
