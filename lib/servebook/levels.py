@@ -23,7 +23,18 @@ if TYPE_CHECKING:
 
 
 LimitKind = Literal[
-    "client", "batch", "kv_cache", "api_server", "pcie", "nvlink", "power", "thermal", "server", "decline", "rising"
+    "client",
+    "batch",
+    "kv_cache",
+    "api_server",
+    "pcie",
+    "nvlink",
+    "power",
+    "thermal",
+    "server",
+    "decline",
+    "rising",
+    "noise",
 ]
 TableRow = dict[str, float | int | str | None]  # one row of a parquet/CSV table: only at that boundary
 

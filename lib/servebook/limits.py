@@ -85,6 +85,11 @@ def limit_of(level: Level, gain: float | None, cfg: SweepConfig) -> tuple[LimitK
         return "kv_cache", (
             f"KV cache full: {usage:.0%} used, {waiting:.0f} waiting, {level.preemptions:.0f} preemptions"
         )
+    if inside_noise(level, gain, cfg):
+        return "noise", (
+            f"within noise: {gain:+.0%} over the level before, inside this level's own spread of "
+            f"±{(level.spread_pct or 0) / 2:.0f} %: no limit is named on it (longer windows or more repeats decide)"
+        )
     if off_clock(level) and (gain is None or gain < cfg.plateau_gain):  # binds, as a wall, once the gain stops
         return "api_server", (
             f"API-server-bound: vLLM's engine had the first token after {level.vllm_ttft_mean_ms or 0:.0f} ms and "
@@ -145,13 +150,24 @@ def label_limits(levels: list[Level], cfg: SweepConfig) -> list[Level]:
     return levels
 
 
+def inside_noise(level: Level, gain: float | None, cfg: SweepConfig) -> bool:
+    """Whether the gain a limit would rest on (short of still rising) is inside the level's own repeat spread:
+    the newcomer's "server-bound, the wall" at 2 streams, then +174 % at the next level."""
+    if gain is None or gain >= cfg.plateau_gain or not level.spread_pct or level.repeats < 2:
+        return False
+    half_spread = level.spread_pct / 100 / 2  # a plateau is a gain under plateau_gain: the spread must resolve it
+    return half_spread > max(cfg.plateau_gain, abs(gain))
+
+
 def declined(levels: list[Level], gain: float) -> Level | None:
-    """The best level, when the newest one fell past it by more than ``gain`` in every repeat: past saturation."""
+    """The best level, when the newest one fell past it by more than ``gain`` in every repeat of both: past
+    saturation (the best level's own slowest repeat, so one lucky window there is no decline later)."""
     if len(levels) < 2:
         return None
     best = max(levels[:-1], key=lambda lv: lv.output_throughput)
     newest = levels[-1]
-    return best if newest.output_throughput_max < best.output_throughput * (1 - gain) else None
+    floor = min(best.output_throughput, best.output_throughput_min or best.output_throughput)
+    return best if newest.output_throughput_max < floor * (1 - gain) else None
 
 
 def doubling_gain(throughputs: list[float]) -> float | None:

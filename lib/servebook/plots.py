@@ -31,6 +31,7 @@ LIMIT_LABELS = {
     "thermal": "thermal slowdown",
     "server": "server-bound",
     "decline": "declined",
+    "noise": "within noise",
 }
 
 

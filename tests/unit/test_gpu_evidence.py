@@ -149,6 +149,12 @@ def test_an_nvlink_wall_labels_a_level_once_throughput_stops_rising():
     kind, words = limits.limit_of(level, gain=0.01, cfg=levels.SweepConfig())
     assert kind == "nvlink" and words.startswith("NVLink at 92 % of 450 GB/s (414 GB/s sent)")
     assert limits.limit_of(level, gain=0.5, cfg=levels.SweepConfig())[0] == "rising"
+    # issue #41: the same level with repeats 40 % apart cannot tell a plateau from noise, and says so
+    noisy = level.model_copy(
+        update={"output_throughput_min": 7200.0, "output_throughput_max": 10800.0, "spread_pct": 40.0}
+    )
+    kind, words = limits.limit_of(noisy, gain=0.01, cfg=levels.SweepConfig())
+    assert kind == "noise" and "within noise" in words and "±20 %" in words
 
 
 def test_the_limits_table_is_rounded_under_readable_headers_with_shared_notes_below():
