@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -14,7 +14,7 @@ from servebook import vllm_defaults
 from servebook.errors import PlanInputError
 from servebook.gpus import GpuModel
 from servebook.modelspec import ModelSpec
-from servebook.planner.truth import Band, Measured
+from servebook.planner.truth import Band, Measured, Provenance
 from servebook.units import GiB
 
 BLOCK_SIZE = 16  # vLLM's default KV block size
@@ -382,7 +382,7 @@ class Layout:
     strategy: str = ""
     network_collectives_per_token: int = 0
     # how sure the plan is (planner.truth): each predicted figure with its band, and where the KV figure comes from
-    provenance: str = ""  # measured, calibrated, extrapolated
+    provenance: Provenance | Literal[""] = ""  # measured, calibrated, extrapolated
     learned_from: Measured | None = None  # the earlier start the KV figure learned from
     same_command_measured: bool = False  # ... with this very layout and these settings
     signature: str = ""  # the model's, as the history keys it

@@ -164,12 +164,12 @@ def _figure(value: float | None, unit: str, digits: int = 0) -> str:
     return f"{value:,.{digits}f} {unit}" if value is not None else f"no {unit} (nothing completed)"
 
 
-def headline_tpot(level: Level) -> str:
-    """The one-stream TPOT a headline may show: the client's where it measured the engine's pace, vLLM's own where
-    tokens reached the client in bursts (the client's gaps then read near 0 ms, a figure it could not measure)."""
-    client_tpot = level.tpot_p50_ms
-    bursty = off_clock(level) or (client_tpot is not None and client_tpot < 0.05)
-    if bursty and level.vllm_tpot_mean_ms:
+def headline_tpot(client_tpot: float | None, level: Level | None) -> str:
+    """The one-stream TPOT a headline may show: the client's where it measured the engine's pace, vLLM's own (from
+    the one-stream level) where tokens reached the client in bursts (the client's gaps then read near 0 ms, a
+    figure it could not measure)."""
+    bursty = (level is not None and off_clock(level)) or (client_tpot is not None and client_tpot < 0.05)
+    if bursty and level is not None and level.vllm_tpot_mean_ms:
         return f"TPOT {level.vllm_tpot_mean_ms:,.1f} ms by vLLM's clock (tokens reached the client in bursts)"
     if bursty:
         return "TPOT not measurable by the client (tokens reached it in bursts; vLLM's clock was not available)"
@@ -208,7 +208,7 @@ def summary_lines(record: BenchmarkRecord, p: Params) -> list[str]:
     if single := record.single_stream:
         lines.append(
             f"- one stream: {single.output_throughput:.1f} output tok/s, TTFT p50 {_figure(single.ttft_p50_ms, 'ms')}, "
-            f"{headline_tpot(single)}"
+            f"{headline_tpot(single.tpot_p50_ms, next((lv for lv in record.levels if lv.concurrency == 1), None))}"
         )
     lines += [f"- ⚠️ {w}" for w in record.warnings]
     if record.fault:
