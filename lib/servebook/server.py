@@ -362,6 +362,8 @@ def start(
     env = cfg.environment()
     if pre.reuse:
         rec = pre.reuse
+        if on_progress:  # a view that waits for phases learns there will be none: the server was already up
+            on_progress(f"ready: reusing the healthy server on port {rec.port} (pid {rec.pid}), nothing to load", 0.0)
         return Launch(
             config=cfg, pid=rec.pid, pgid=rec.pgid, url=rec.url, log_path=rec.log_path, reused=True,
             started_by_this_run=False, command=rec.command, environment=environment_record(cfg, env),

@@ -86,16 +86,28 @@ def notebook_params(namespace: dict[str, Any], target: str = "p") -> params_mod.
     return found.params
 
 
+# the start's milestones as vLLM's log and the launch name them (vllm_log.PHASES), in the order they come
 LOAD_STEPS = [
     "vLLM",
     "loading model",
     "checkpoint shards",
-    "weights loaded",
+    "weights read",
+    "model loaded",
+    "torch.compile",
     "KV cache",
+    "graphs captured",
     "engine initialised",
     "API server up",
     "ready",
 ]
+
+
+def load_step(message: str) -> int:
+    """How far a start is, in :data:`LOAD_STEPS`, by one of its progress messages (0: no milestone)."""
+    reached = [i for i, step in enumerate(LOAD_STEPS, 1) if message.startswith(step) or step in message]
+    if message.startswith("ready"):
+        return len(LOAD_STEPS)
+    return max(reached, default=0)
 
 
 def load_progress(interactive: bool, title: str = "launch") -> Callable[[str, float], None]:
@@ -121,9 +133,7 @@ def load_progress(interactive: bool, title: str = "launch") -> Callable[[str, fl
     display(widgets.VBox([widgets.HBox([bar, label]), timeline]))
 
     def update(message: str, elapsed: float) -> None:
-        for i, step in enumerate(LOAD_STEPS, 1):
-            if message.startswith(step) or step in message:
-                bar.value = max(bar.value, i)
+        bar.value = max(bar.value, load_step(message))
         label.value = f"{elapsed:.0f} s: {message}"
         if message.startswith("phase ") and " took " in message:
             name, seconds = message.removeprefix("phase ").split(" took ")

@@ -220,3 +220,14 @@ def test_an_answer_is_judged_by_its_tokens_not_its_text(text, usage, ok, detail)
     assert check.check == "completion generated tokens"
     assert check.ok is ok
     assert detail in check.detail
+
+
+def test_the_launch_bar_moves_with_every_milestone_and_fills_on_reuse():
+    """Issue #41 point 7: the bar stayed empty until ready, and a reused server left "starting" showing."""
+    from servebook import ui
+
+    said = ["vLLM 0.32.0", "loading model", "checkpoint shards 50% (1/2)", "weights read in 2.0 s",
+            "model loaded: 1.2 GiB in 2.4 s", "KV cache: 1,000 tokens", "engine initialised in 30 s", "API server up"]  # fmt: skip
+    steps = [ui.load_step(m) for m in said]
+    assert steps == sorted(steps) and 0 not in steps and steps[-1] < len(ui.LOAD_STEPS)
+    assert ui.load_step("ready: reusing the healthy server on port 8000 (pid 7), nothing to load") == len(ui.LOAD_STEPS)
