@@ -162,6 +162,9 @@ def summary(record: PlanRecord) -> str:
     rec = f"recommends **{record.recommended.name}**" if record.recommended else "**no layout fits**"
     launch = record.recommended if record.launch_layout == "recommended" else record.requested
     used = f"; launch uses {launch.name}" if launch else ""
+    if launch and not launch.usable:  # never "launch uses X" above X's refusal without saying so
+        why = launch.reasons[0] if launch.reasons else "it does not fit"
+        used += f", **which stage 03 would not start**: {why}"
     dev = record.device
     where = f"{dev.nodes} nodes of {dev.per_node} × {dev.name}" if dev.nodes > 1 else f"{dev.count} × {dev.name}"
     return (
