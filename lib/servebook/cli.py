@@ -1,4 +1,4 @@
-"""``servebook``: the pipeline and each stage's library from a terminal."""
+"""servebook: the pipeline and each stage's library from a terminal."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import typer
 from servebook.errors import ServebookError
 from servebook.gpus import GPUS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
 
 
 def _fail(exc: ServebookError, code: int | None = None) -> NoReturn:

@@ -108,7 +108,8 @@ def build(run_dir: str | Path, manifest: Manifest, out_name: str = "report.html"
         exclude_input_prompt=True,
         exclude_output_prompt=True,
     )
-    body, _ = exporter.from_notebook_node(merged)
+    title = f"servebook: {manifest.run_name} ({manifest.status})"  # nbconvert's own default is "Notebook"
+    body, _ = exporter.from_notebook_node(merged, resources={"metadata": {"name": title}})
     if "Plotly.newPlot" in body:  # embed plotly.js once, and only when a figure needs it
         plotly_js = f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>'
         body = body.replace("</head>", plotly_js + "\n</head>", 1)

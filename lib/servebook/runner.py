@@ -325,7 +325,7 @@ def _manifest(
         overrides=list(overrides),
         params=params.model_dump(mode="json"),
         command=" ".join(sys.argv),
-        started_at=datetime.now(timezone.utc).isoformat(),
+        started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         host=environment.host(params.model_store).model_copy(update={"hostname": socket.gethostname()}),
         versions=environment.versions(),
         git_commit=environment.git_commit(repo_root()),
@@ -397,7 +397,7 @@ def _finish(pipeline: Pipeline, manifest: Manifest, exit_code: int) -> int:
             log(f"could not stop the server this run started: {exc}")
             exit_code = exit_code or exc.exit_code
     manifest.status = "interrupted" if manifest.interrupted else ("ok" if exit_code == 0 else "failed")
-    manifest.ended_at = datetime.now(timezone.utc).isoformat()
+    manifest.ended_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     # stages side by side (the download beside the rehearsal) count once: the run's span, not the sum
     ends = [s.started_s + s.seconds for s in manifest.stages if s.started_s is not None]
     manifest.seconds = round(max(ends) if ends else sum(s.seconds for s in manifest.stages), 2)

@@ -433,7 +433,7 @@ def _registration(cfg: ServerConfig, pid: int, command: list[str], log_path: Pat
         served_model_name=cfg.served_model_name,
         device=cfg.device,
         gpu_ids=cfg.target_gpus,
-        started_at=datetime.now(timezone.utc).isoformat(),
+        started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
 
 
