@@ -29,6 +29,7 @@ def plan(p: Params, device: planner.Device, model: str = "") -> planner.Plan:
             p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager, vllm_version=planned_vllm_version(p)
         ),
         history=planner.truth.history() if device.kind != "cpu" else (),
+        prompt_ratio=p.bench_input_len / p.bench_output_len,  # the workload stage 05 measures, forecast alike
     ).rank_by(p.plan_rank_by)
 
 

@@ -56,7 +56,9 @@ class Exploration:
         if lay.reserve:
             facts["vLLM's reserve per GPU"] = f"{lay.reserve.total / GiB:.2f} GiB"
         if lay.decode_tok_s_batch:
-            facts[f"decode ceiling at {lay.batch_fit} streams"] = f"{lay.decode_tok_s_batch:,.0f} tok/s"
+            facts[f"forecast at {lay.batch_fit} streams"] = (
+                f"{lay.forecast_tok_s_batch:,.0f} tok/s (ceiling {lay.decode_tok_s_batch:,.0f})"
+            )
         if lay.decode_tok_s_single:
             facts["decode ceiling, one stream"] = f"{lay.decode_tok_s_single:,.0f} tok/s"
         return facts

@@ -143,6 +143,7 @@ def plan(
     batch: int = 64,
     serving: Serving | None = None,
     history: Sequence[truth.Measured] = (),
+    prompt_ratio: float = 1.0,
 ) -> Plan:
     """Every TP x PP x DP = G layout, with and without expert parallelism, checked, sized and ranked; what is
     not given (``gpu_memory_utilization`` None, zeros in ``serving``) is vLLM's default for
@@ -165,6 +166,7 @@ def plan(
         batch=batch,
         serving=serving,
         history=tuple(history),
+        prompt_ratio=prompt_ratio,
     )
     layouts = []
     for tp, pp, dp in enumerate_layouts(device.count):
@@ -176,8 +178,8 @@ def plan(
             layouts.append(layout)
     usable = [candidate for candidate in layouts if candidate.usable]
     for candidate in usable:
-        candidate.score = candidate.decode_tok_s_batch
-    # the highest ceiling at the batch each holds; among equals, fewer pipeline stages, then fewer collectives
+        candidate.score = candidate.forecast_tok_s_batch or candidate.decode_tok_s_batch
+    # the highest forecast (the ceiling, where none) at the batch each holds; among equals, fewer pipeline stages, then fewer collectives
     # (on the network first)
     usable.sort(
         key=lambda c: (
@@ -206,6 +208,11 @@ def plan(
     )
 
 
+def _forecast_band(layout: Layout) -> float:
+    band = layout.bands.get("forecast_tok_s")
+    return band.band if band else 0.0
+
+
 def _why(recommended: Layout | None, usable: list[Layout], batch: int, device: Device) -> str:
     if recommended is None:
         return "no layout is both accepted by vLLM and fits in memory"
@@ -223,8 +230,9 @@ def _why(recommended: Layout | None, usable: list[Layout], batch: int, device: D
     else:
         held = ""
     return (
-        f"{recommended.name}: highest decode ceiling at {recommended.batch_fit} concurrent sequences "
-        f"({recommended.decode_tok_s_batch:,.0f} tok/s) among {len(usable)} layouts that vLLM accepts and that fit"
+        f"{recommended.name}: highest forecast throughput at {recommended.batch_fit} concurrent sequences "
+        f"({recommended.forecast_tok_s_batch:,.0f} tok/s ± {100 * _forecast_band(recommended):.0f} %; bandwidth "
+        f"ceiling {recommended.decode_tok_s_batch:,.0f}) among {len(usable)} layouts that vLLM accepts and that fit"
         + held
     )
 

@@ -374,6 +374,9 @@ class Layout:
     decode_tok_s_batch: float = 0.0
     # the bandwidth ceiling on decode tok/s with this many sequences in the batch (powers of two)
     decode_ceiling: dict[int, float] = Field(default_factory=dict)
+    # what the layout is forecast to deliver at those batches (planner.sizing.forecast_tok_s), and at its batch
+    forecast: dict[int, float] = Field(default_factory=dict)
+    forecast_tok_s_batch: float = 0.0
     batch: int = 0
     batch_fit: int = 0  # of the batch, the requests of max_model_len the KV cache holds at once (all DP ranks)
     score: float = 0.0

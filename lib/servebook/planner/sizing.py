@@ -151,6 +151,7 @@ class Sizing:
     batch: int
     serving: Serving = Serving()
     history: tuple[truth.Measured, ...] = ()  # earlier starts' figures (planner.truth), for a known signature
+    prompt_ratio: float = 1.0  # prompt tokens per output token of the workload the forecast is for
 
     def settings(self, layout: Layout, device: Device) -> dict[str, str]:
         """What moves the reserve besides the layout and the model, as the history keys a start."""
@@ -347,6 +348,48 @@ def _rate_decode(
         per_micro = max(fit / (dp * pp), 1)
         layout.decode_tok_s_batch = min(fit, dp * pp * per_micro) / (pp * step_seconds(per_micro))
         layout.decode_ceiling = {b: b / (pp * step_seconds(max(b / (dp * pp), 1))) for b in (2**k for k in range(15))}
+        _forecast(spec, layout, device, sizing)
+
+
+# The throughput forecast: each engine step costs a fixed part, a share of the bandwidth ceiling's time, and a
+# compute part per token of prompt and output (prefills ride in the same steps), spread over the layout's GPUs:
+#   tok/s(b) = b / (FORECAST_STEP_S + FORECAST_CEILING_SHARE x b / ceiling(b) + FORECAST_TOKEN_S x b x (1 + in/out) / GPUs)
+# fitted (relative least squares) on two H200 sweeps with vLLM 0.25: the Qwen3-30B-shaped BF16 mini at TP=1
+# (128 in / 128 out) and the Kimi-shaped INT4 mini at TP=1 (256 / 128), docs/examples/h200-vllm; within 14 % and
+# 12 % of every level of those, 8 % of a second Kimi sweep, 19 % of the held-out FP8 TP=2+EP sweep.
+FORECAST_STEP_S = 1.669e-3
+FORECAST_CEILING_SHARE = 0.552
+FORECAST_TOKEN_S = 16.2e-6
+FORECAST_BANDS = {"calibrated": 0.15, "extrapolated": 0.30}
+FORECAST_FITTED = {("none", 1), ("int4", 1)}  # (quantization, GPUs) of the sweeps fitted on, on Hopper
+
+
+def forecast_tok_s(batch: float, ceiling_tok_s: float, prompt_ratio: float, gpus: int) -> float:
+    """Output tokens/s the layout is forecast to deliver with ``batch`` sequences (see the constants above)."""
+    if ceiling_tok_s <= 0:
+        return 0.0
+    step = (
+        FORECAST_STEP_S
+        + FORECAST_CEILING_SHARE * batch / ceiling_tok_s
+        + FORECAST_TOKEN_S * batch * (1 + prompt_ratio) / max(gpus, 1)
+    )
+    return batch / step
+
+
+def _forecast(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing) -> None:
+    """The forecast at every ceiling's batch and at the batch the layout is ranked at, with its band."""
+    gpus = layout.tp * layout.pp * layout.dp
+    layout.forecast = {
+        b: forecast_tok_s(b, ceiling, sizing.prompt_ratio, gpus) for b, ceiling in layout.decode_ceiling.items()
+    }
+    layout.forecast_tok_s_batch = forecast_tok_s(layout.batch_fit, layout.decode_tok_s_batch, sizing.prompt_ratio, gpus)
+    hopper = any(g in device.name.upper() for g in truth.CALIBRATED_GPUS)
+    fitted = hopper and (spec.quant.method, gpus) in FORECAST_FITTED
+    prov: truth.Provenance = "calibrated" if fitted else "extrapolated"
+    layout.bands["forecast_tok_s"] = truth.Band(
+        value=layout.forecast_tok_s_batch, band=FORECAST_BANDS[prov], provenance=prov,
+        basis=f"at {layout.batch_fit} sequences, {sizing.prompt_ratio:g} prompt tokens per output token",
+    )  # fmt: skip
 
 
 def _network_seconds(

@@ -223,6 +223,8 @@ def table(record: planner.Plan) -> pd.DataFrame:
                 # the batch it is ranked at: plan_batch, or the requests of max_model_len its KV cache holds
                 "batch ranked at": layout.batch_fit if layout.decode_tok_s_batch else None,
                 "ceiling at that batch tok/s": round(layout.decode_tok_s_batch) if layout.decode_tok_s_batch else None,
+                "forecast tok/s": round(layout.forecast_tok_s_batch) if layout.forecast_tok_s_batch else None,
+                "forecast ± %": _band_pct(layout, "forecast_tok_s"),
                 "why not": "; ".join(layout.reasons),
             }
         )
