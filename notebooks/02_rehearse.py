@@ -118,8 +118,8 @@ with live.resource_panel(p.interactive, stage.gpus(), "GPUs while the candidates
 # %% [markdown]
 # ## The candidates, ranked
 # One row per candidate: how long its dummy start took, the KV tokens vLLM sized beside the plan's, its best
-# level with the range of its repeats, the plan's decode ceiling at that concurrency (an upper bound, not a
-# forecast), and why it stopped.
+# level with the range of its repeats, the plan's throughput forecast and decode ceiling (an upper bound) at
+# that concurrency, and why it stopped.
 
 # %%
 display(stage.styled(rehearsed))

@@ -147,6 +147,7 @@ class Rehearsed(BaseModel):
     stopped_by: str = ""
     stop_reason: str = ""
     predicted_ceiling_tok_s: float | None = None  # the plan's decode ceiling at the best level's concurrency
+    predicted_forecast_tok_s: float | None = None  # the plan's throughput forecast there
     rank: int | None = None
     skewed: Skewed | None = None
     stopped_clean: str = ""  # how its stop ended (nothing left, or what was)
@@ -282,6 +283,7 @@ class Runner:
             best = found.best
             if best and spec.predicted and spec.predicted.decode_ceiling:
                 found.predicted_ceiling_tok_s = ceiling_at(spec.predicted.decode_ceiling, best.concurrency)
+                found.predicted_forecast_tok_s = ceiling_at(spec.predicted.forecast, best.concurrency)
         except KeyboardInterrupt:
             found.status, found.error = "interrupted", "interrupted during its sweep"
             raise

@@ -244,6 +244,7 @@ def table(record: RehearsalRecord) -> pd.DataFrame:
             "best tok/s": best.output_tok_s if best else None,
             "band": f"{best.low:,.1f}-{best.high:,.1f}" if best else "",
             "at streams": best.concurrency if best else None,
+            "plan forecast tok/s": c.predicted_forecast_tok_s,
             "plan ceiling tok/s": c.predicted_ceiling_tok_s,
             "skewed routing %": c.skewed.change_pct if c.skewed else None,
             "seconds": c.seconds,
