@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 from pydantic import BaseModel
 
 from servebook import client, gpu_evidence, loadgen, metrics, tables
@@ -111,6 +112,44 @@ class SweepResult(BaseModel):
         return self.stopped_by in ("plateau", "decline")
 
 
+class HostCpu:
+    """The host's CPU seconds over a window, split: this process and its children (the client), the server's
+    process group (from servebook's registry, by the target's port), and everything else."""
+
+    def __init__(self, url: str):
+        from urllib.parse import urlparse
+
+        from servebook import server
+
+        port = urlparse(url).port
+        record = server.registered(port) if port else None
+        self.pgid = record.pgid if record else None
+        self.busy, self.server, self.client = self._busy_s(), self._server_s(), _client_cpu_s()
+
+    @staticmethod
+    def _busy_s() -> float:
+        times = psutil.cpu_times()
+        return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+    def _server_s(self) -> float:
+        total = 0.0
+        for proc in psutil.process_iter():
+            try:
+                if self.pgid is not None and os.getpgid(proc.pid) == self.pgid:
+                    cpu = proc.cpu_times()
+                    total += cpu.user + cpu.system + cpu.children_user + cpu.children_system
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                continue
+        return total
+
+    def others_pct(self, wall_s: float) -> float | None:
+        """% of all the host's CPUs that neither the client nor the server used over the window."""
+        if self.pgid is None or wall_s <= 0:
+            return None
+        others = (self._busy_s() - self.busy) - (self._server_s() - self.server) - (_client_cpu_s() - self.client)
+        return round(max(0.0, 100 * others / wall_s / (psutil.cpu_count() or 1)), 1)
+
+
 def _client_cpu_s() -> float:
     """CPU seconds of this process and of its finished children (the client processes of a level)."""
     import resource
@@ -174,6 +213,7 @@ class _Sweep:
         engines_before = client.scrape_engines(self.target)
         router_before = client.router_metrics(self.target.router_metrics) if self.target.router_metrics else {}
         cpu_before, wall_before = _client_cpu_s(), time.monotonic()
+        host = HostCpu(self.target.url)
         with (
             client.MetricsSampler(self.target.engine_urls) as sampler,
             gpu_evidence.GpuSampler(self.cfg.gpu_ids) as gpus,
@@ -195,6 +235,7 @@ class _Sweep:
             # per client process: one near a full core paces the server instead of measuring it
             client_cpu_pct=round(100 * (_client_cpu_s() - cpu_before) / wall / self.processes, 1),
             client_processes=self.processes,
+            host_others_cpu_pct=host.others_pct(wall),
             gpu=gpus.evidence,
             gpu_note="" if gpus.evidence else f"no GPU evidence: {gpus.absent or 'no sample within the window'}",
             replicas=replica_shares(engines_before, engines_after),
@@ -365,6 +406,9 @@ def _single_stream(levels: list[Level]) -> SingleStream | None:
     )
 
 
+HOST_BUSY_PCT = 25.0  # of all the host's CPUs, used by neither the client nor the server over a window
+
+
 def sweep_warnings(
     levels: list[Level], mismatches: metrics.LengthMismatches, short_windows: list[str], cfg: SweepConfig
 ) -> list[str]:
@@ -392,4 +436,10 @@ def sweep_warnings(
         warnings.append(f"{mismatches.input} prompts were counted differently by the server than by the tokenizer")
     if off := clock_disagreements(levels):
         warnings.append(off)
+    if busy := [lv for lv in levels if (lv.host_others_cpu_pct or 0) >= HOST_BUSY_PCT]:
+        warnings.append(
+            "the host was busy: other processes used "
+            + ", ".join(f"{lv.host_others_cpu_pct:.0f} % of its CPUs at c={lv.concurrency}" for lv in busy)
+            + "; the client and the server shared the machine with them, so these levels may read low"
+        )
     return warnings

@@ -138,6 +138,9 @@ class Level(BaseModel):
     tpot_clock_gap_pct: float | None = None  # client's mean TPOT against vLLM's, % (same requests only)
     client_cpu_pct: float | None = None  # the load generator's CPU time over the window, % of one core per process
     client_processes: float | None = None  # client processes that shared the streams
+    # what neither the client nor the server used of the host's CPUs over the window, % of all of them (None where
+    # the server's processes are not servebook's to find): a busy host slows both sides
+    host_others_cpu_pct: float | None = None
     prefix_cache_hit_rate: float | None = None  # 0-1: prompt tokens vLLM found in its prefix cache
     # what NVML saw on the serving GPUs during the level: medians over its repeats; gpu_note says why there is none
     gpu: GpuEvidence | None = None
@@ -293,6 +296,7 @@ class RunRow(BaseModel):
     prefix_cache_reset: str  # 'reset', or why not
     client_cpu_pct: float  # the load generator's CPU over the window, % of one core per process
     client_processes: int
+    host_others_cpu_pct: float | None = None  # the host's CPUs other processes used, % of all of them
     gpu: GpuEvidence | None = None
     gpu_note: str = ""  # why there is no GPU evidence
     replicas: dict[str, ReplicaShare] = {}  # behind a router: each replica's part, by its URL
@@ -306,6 +310,7 @@ class RunRow(BaseModel):
             "prefix_cache_reset": self.prefix_cache_reset,
             "client_cpu_pct": self.client_cpu_pct,
             "client_processes": self.client_processes,
+            "host_others_cpu_pct": self.host_others_cpu_pct,
             "gpu_samples": self.gpu.samples if self.gpu else 0,
             "gpu_note": self.gpu_note,
         }

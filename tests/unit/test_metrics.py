@@ -499,3 +499,33 @@ def test_the_headline_never_shows_a_tpot_the_client_could_not_measure():
     assert "not measurable by the client" in headline_tpot(0.01, None) and "0.0" not in headline_tpot(0.01, None)
     steady = _level(1, tpot_p50_ms=12.34, vllm_tpot_mean_ms=12.1, tpot_clock_gap_pct=2.0)
     assert headline_tpot(12.34, steady) == "TPOT p50 12.3 ms"
+
+
+def test_a_busy_host_is_measured_apart_from_the_client_and_the_server(monkeypatch):
+    """Issue #41 point 5: each window records what other processes took of the host's CPUs, and the sweep says so."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    import psutil
+
+    from servebook import bench, server
+
+    quiet = subprocess.Popen(["sleep", "30"], start_new_session=True)  # stands for the server's process group
+    monkeypatch.setattr(server, "registered", lambda port: SimpleNamespace(pgid=quiet.pid))
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        host, started = bench.HostCpu("http://127.0.0.1:8000"), time.monotonic()
+        time.sleep(1.5)
+        others = host.others_pct(time.monotonic() - started)
+    finally:
+        burner.kill(), quiet.kill(), burner.wait(), quiet.wait()
+    cores = psutil.cpu_count() or 1
+    assert others is not None and others >= 50 / cores, (others, cores)  # one busy core of `cores`
+    busy = _level(4, host_others_cpu_pct=40.0)
+    said = bench.sweep_warnings([busy], metrics.LengthMismatches(), [], levels.SweepConfig())
+    assert any("the host was busy" in w and "40 % of its CPUs at c=4" in w for w in said)
+    monkeypatch.setattr(server, "registered", lambda port: None)  # a server servebook did not start: no split
+    assert bench.HostCpu("http://127.0.0.1:8000").others_pct(1.0) is None
