@@ -13,10 +13,12 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from servebook.errors import DiskFull
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+T = TypeVar("T")
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -70,3 +72,21 @@ def free_bytes(folder: Path) -> int | None:
         return shutil.disk_usage(folder).free
     except OSError:
         return None
+
+
+def append_line(path: Path, line: str, keep: int) -> None:
+    """Append one line to a JSON-lines history, keeping its last ``keep`` lines; the file is written whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = path.read_text().splitlines()[-(keep - 1) :] if path.exists() else []
+    write_text(path, "\n".join([*lines, line]) + "\n")
+
+
+def read_lines(path: Path, parse: Callable[[str], T]) -> list[T]:
+    """A JSON-lines history's entries; a line that does not parse (another version's) is skipped, never fatal."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(parse(line))
+        except ValueError:
+            continue
+    return out

@@ -237,6 +237,23 @@ def dry_run(record: DeployRecord, unit: systemd.UnitSpec, launch: LaunchRecord, 
     record.dry_run = dry_run_start(unit, run_dir, launch.config.target(timeout_s=120), as_user=as_unit_user)
 
 
+def install_front(record: DeployRecord, unit: systemd.UnitSpec, unit_text: str, target: client.Target) -> None:
+    """The unit clients reach (the server's, or the router's), installed and started after the units it
+    requires, then proven as a client sees it: ready within its start timeout, and a smoke test."""
+    record.installed = systemd.install(unit, unit_text)
+    ok, message, _ = server.wait_ready(unit.url, unit.timeout_start_s)
+    record.service_ready = message
+    if ok:
+        record.smoke_test = client.smoke_test(target, 8)
+
+
+def replace_ad_hoc(record: DeployRecord, launch: LaunchRecord, ports: list[int]) -> None:
+    """Stop what this run started by hand on the units' ports, where the pre-start check found it: the units
+    replace it (the router and every server behind it)."""
+    if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
+        record.ad_hoc_server_stopped = "; ".join(f"port {port}: {server.stop(port=port).summary}" for port in ports)
+
+
 def one_server(
     p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
 ) -> DeployRecord:
@@ -261,11 +278,7 @@ def one_server(
         record.ad_hoc_server_stopped = server.stop(port=unit.port).summary  # the service replaces it
     if p.deploy_install:
         install_node_units(launch, node_units)
-        record.installed = systemd.install(unit, unit_text)
-        ok, message, _ = server.wait_ready(unit.url, unit.timeout_start_s)
-        record.service_ready = message
-        if ok:
-            record.smoke_test = client.smoke_test(launch.config.target(timeout_s=120), 8)
+        install_front(record, unit, unit_text, launch.config.target(timeout_s=120))
     elif node_units:
         record.dry_run_skipped = (
             "the dry run starts one process as systemd would; a multi-node server's units start each other over "

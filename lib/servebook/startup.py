@@ -223,24 +223,14 @@ def boot_marker_path() -> Path:
 def remember(entry: StartEntry) -> None:
     """Append one start to the history (one JSON line each, written whole), and mark this boot as one a server
     started in (a benchmark that puts the history back leaves the mark: the machine did run vLLM)."""
-    path = history_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    boot_marker_path().parent.mkdir(parents=True, exist_ok=True)
     files.write_text(boot_marker_path(), f"{psutil.boot_time():.0f}\n")
-    previous = path.read_text() if path.exists() else ""
-    lines = previous.splitlines()[-199:]  # the last 200 starts are plenty to predict from
-    files.write_text(path, "\n".join([*lines, entry.model_dump_json()]) + "\n")
+    files.append_line(history_path(), entry.model_dump_json(), keep=200)  # 200 starts are plenty to predict from
 
 
 def history() -> list[StartEntry]:
-    path = history_path()
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(StartEntry.model_validate_json(line))
-            except ValueError:
-                continue  # a line from another version: skip, never fail a launch for it
-    return out
+    """Every start the history holds (a line from another version is skipped: never fail a launch for it)."""
+    return files.read_lines(history_path(), StartEntry.model_validate_json)
 
 
 def entry_of(config: object, tl: Timeline, vllm_version: str | None, bytes_per_rank: float,

@@ -139,22 +139,12 @@ def history_path() -> Path:
 
 def remember(entry: Measured) -> None:
     """Append one start's figures to the history (one JSON line each, written whole; the last 500 kept)."""
-    path = history_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = path.read_text().splitlines()[-499:] if path.exists() else []
-    files.write_text(path, "\n".join([*lines, entry.model_dump_json()]) + "\n")
+    files.append_line(history_path(), entry.model_dump_json(), keep=500)
 
 
 def history() -> list[Measured]:
-    path = history_path()
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(Measured.model_validate_json(line))
-            except ValueError:
-                continue  # a line from another version: never fail a plan for it
-    return out
+    """Every start the history holds (a line from another version is skipped: never fail a plan for it)."""
+    return files.read_lines(history_path(), Measured.model_validate_json)
 
 
 def version_key(version: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from servebook import client, models, router, server, server_config, service, systemd
+from servebook import models, router, server, server_config, service, systemd
 from servebook.errors import DeployFailed, LaunchError
 from servebook.multinode import NodeProbe
 from servebook.params import Params
@@ -124,17 +124,11 @@ class HybridServer(MultiNodeServer):
                 "and checked for what their user must reach here, and proven by installing them (deploy_install: true)"
             ),
         )
-        if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
-            stopped = [f"port {port}: {server.stop(port=port).summary}" for port in (front.port, head.port)]
-            record.ad_hoc_server_stopped = "; ".join(stopped)  # the head's stop reaches every node's vLLM
+        service.replace_ad_hoc(record, launch, [front.port, head.port])  # the head's stop reaches every node's vLLM
         if p.deploy_install and not record.access_problems:
             service.install_node_units(launch, node_units)
             started = systemd.install(head, head_text)
             if not started.enabled:
                 raise DeployFailed(f"{head.unit_name} did not start: {started.output[-300:]}")
-            record.installed = systemd.install(front, unit_text)
-            ok, message, _ = server.wait_ready(front.url, front.timeout_start_s)
-            record.service_ready = message
-            if ok:
-                record.smoke_test = client.smoke_test(launch.target(timeout_s=120), 8)
+            service.install_front(record, front, unit_text, launch.target(timeout_s=120))
         return record

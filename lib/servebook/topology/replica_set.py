@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from servebook import client, hardware, replicas, router, server, service, systemd, ui
+from servebook import hardware, replicas, router, server, service, systemd, ui
 from servebook.errors import DeployFailed, PreflightError
 from servebook.multinode import NodeProbe
 from servebook.params import Params
@@ -137,11 +137,7 @@ class ReplicaSet(Topology):
                 "(deploy_install: true)"
             ),
         )
-        if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
-            stopped = [
-                f"port {port}: {server.stop(port=port).summary}" for port in [front.port, *(r.port for r in replicas)]
-            ]
-            record.ad_hoc_server_stopped = "; ".join(stopped)  # the units replace the router and every replica
+        service.replace_ad_hoc(record, launch, [front.port, *(r.port for r in replicas)])
         if p.deploy_install and not record.access_problems:
             for spec, rep in zip(replicas, launch.replicas, strict=True):
                 if not rep.ssh:
@@ -152,11 +148,7 @@ class ReplicaSet(Topology):
                     raise DeployFailed(
                         f"replica {rep.index} on {rep.node}: could not install {spec.unit_name}: {done.output}"
                     )
-            record.installed = systemd.install(front, unit_text)
-            ok, message, _ = server.wait_ready(front.url, front.timeout_start_s)
-            record.service_ready = message
-            if ok:
-                record.smoke_test = client.smoke_test(launch.target(timeout_s=120), 8)
+            service.install_front(record, front, unit_text, launch.target(timeout_s=120))
         return record
 
 
