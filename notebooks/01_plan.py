@@ -210,9 +210,10 @@ else:
 # what the plan hands it.
 
 # %%
-if p.interactive:
-    display(workbook.plan_explorer(planned, p, run_dir))
-display(Markdown(stage.verdict(planned, p)))
+if p.interactive:  # the explorer shows the verdict, and replaces it by the choice once one is made
+    display(workbook.plan_explorer(planned, p, run_dir, verdict=stage.verdict(planned, p)))
+else:
+    display(Markdown(stage.verdict(planned, p)))
 
 # %%
 display(Markdown(workbook.choice_text(run_dir)))

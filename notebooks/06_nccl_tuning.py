@@ -18,7 +18,7 @@
 # %% [markdown]
 # # 06 · NCCL tuning
 #
-# **Answers:** does any NCCL setting matter on this machine beyond noise. **Needs:** the server stage 03 started (restarted per variant); two or more GPUs for the collectives.
+# **Answers:** does any NCCL setting matter on this machine beyond noise. **Needs:** the server stage 03 started (restarted for the A/B); two or more GPUs for the collectives.
 #
 # Does any communication setting matter on this machine, beyond noise? Two measurements answer it.
 #
@@ -39,6 +39,12 @@
 #    API key, for at least `ab_requests` requests and `bench_min_level_s` seconds. A variant is better or worse only beyond that band,
 #    or when none of its samples falls inside the baseline's range (one cold baseline window must not hide a
 #    real slowdown). A variant whose server fails to start is reported with the cause, and the sweep goes on.
+#    **With `ab_on_dummy`** (the default) the running server is measured as it is, then every variant is
+#    rehearsed on dummy weights (`--load-format dummy`, with a MoE's routing simulation, as stage 02 does): no
+#    checkpoint read per variant. Only the variant that beat the dummy baseline is started with the real weights,
+#    and judged against the real baseline measured before and after; with no such variant the real server is
+#    started once more and nothing else. A 547 GB model then pays two real starts, or one, instead of one per
+#    variant.
 #
 # The recommendation is the environment to deploy with: the default, unless an environment-only variant wins.
 # NCCL's documentation files most of these variables under debugging: don't ship one without such evidence.
@@ -64,6 +70,8 @@ data_parallel_lb: str = "internal"  # data-parallel replicas across nodes: behin
 ab_concurrency: int = 32  # the high concurrency of the A/B (one stream is always measured)
 ab_requests: int = 32  # measured requests per A/B point (each window lasts bench_min_level_s too)
 ab_repeats: int = 2  # measurements per variant and concurrency
+ab_on_dummy: bool = True  # rehearse every variant on dummy weights (--load-format dummy) and relaunch the real weights only for the one that beat the dummy baseline; false relaunches the real weights for every variant
+rehearse_routing: str = "uniform_random"  # vLLM's MoE routing simulation for dummy weights (VLLM_MOE_ROUTING_SIMULATION_STRATEGY); none: the dummy router's own, which sends most tokens to a few experts and rehearses too fast
 bench_input_len: int = 128  # prompt tokens per request
 bench_output_len: int = 128  # output tokens per request (ignore_eos)
 bench_endpoint: str = "completions"  # completions or chat
@@ -119,7 +127,7 @@ else:
 # ## Collectives per environment set
 
 # %%
-display(pd.DataFrame([row.model_dump() for row in micro.summary]).round(2))
+display(pd.DataFrame([row.model_dump() for row in micro.summary]).round(2).set_index(["set", "collective"]))
 for s in micro.sets:
     if s.confirmations:
         print(f"{s.name}: " + " | ".join(s.confirmations))
@@ -134,10 +142,10 @@ for fig in stage.bandwidth_figures(tuned):
 # own noise band.
 
 # %%
-if tuned.ab and tuned.ab.cost:
-    cost = tuned.ab.cost
-    print(f"before: {cost.describe()}; spent: {cost.spent_s / 60:.1f} min")
-    display(stage.relaunch_table(tuned))
+for weights, result in stage.passes(tuned):
+    if result.cost:
+        print(f"{weights} weights, before: {result.cost.describe()}; spent: {result.cost.spent_s / 60:.1f} min")
+display(stage.relaunch_table(tuned))
 if tuned.ab:
     display(stage.ab_table(tuned))
     fig = stage.ab_figure(tuned)

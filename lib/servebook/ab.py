@@ -83,8 +83,9 @@ class RelaunchCost(BaseModel):
             if misses
             else ""
         )
+        count = f"{len(self.relaunches)} relaunch{'es' if len(self.relaunches) != 1 else ''}"
         return (
-            f"{len(self.relaunches)} relaunches at about {self.start_s:.0f} s each ({self.start_basis}){extra}: "
+            f"{count} at about {self.start_s:.0f} s each ({self.start_basis}){extra}: "
             f"about {self.expected_s / 60:.1f} min of starts before any measurement"
         )
 
@@ -209,14 +210,19 @@ def measure(target: Target, maker: loadgen.PromptMaker, plan: AbPlan) -> dict[in
 AcrossNodes = Callable[[server.ServerConfig, Path], tuple[server.ServerConfig, list[remote.WorkerRecord]]]
 
 
+def _launch(cfg: server.ServerConfig, folder: Path, across_nodes: AcrossNodes | None) -> server.Launch:
+    """Start one configuration (on every node) and leave it running."""
+    head, workers = across_nodes(cfg, folder) if across_nodes else (cfg, [])
+    return server.launch(head, folder, log=lambda _m: None, workers=workers)
+
+
 def _measure_variant(
     name: str, cfg: server.ServerConfig, folder: Path, plan: AbPlan, across_nodes: AcrossNodes | None
 ) -> tuple[server.Launch, dict[int, list[float]]]:
     """Launch one variant (on every node), measure it with the server's own key, leave it running."""
-    head, workers = across_nodes(cfg, folder) if across_nodes else (cfg, [])
-    launched = server.launch(head, folder, log=lambda _m: None, workers=workers)
+    launched = _launch(cfg, folder, across_nodes)
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(cfg.model_path), seed=7)
-    return launched, measure(head.target(), maker, plan)
+    return launched, measure(launched.config.target(), maker, plan)
 
 
 def price(
@@ -266,28 +272,18 @@ def run(
     order = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in variants] + [(BASELINE, base)]
     cost = price(base, order, start, compile_miss_s)
     log(f"A/B: {cost.describe()}")
-    for i, (name, cfg) in enumerate(order):
-        log(f"A/B {name}: launching" + ("" if i else " (or reusing the running server)"))
-        relaunch = cost.relaunches[i - 1] if i else None
-        try:
-            if i:  # one server at a time on the port: stop whatever holds it first
-                server.stop(port=base.port)
-            launched, got = _measure_variant(name, cfg, log_dir / f"ab-{i:02d}-{name}", plan, across_nodes)
-        except ServebookError as exc:
-            cause = exc.cause if isinstance(exc, LaunchError) else ""
-            failures[name] = cause or " ".join(str(exc).split())[:600]
-            log(f"A/B {name}: failed: {failures[name]}")
-            continue
-        if relaunch:
-            relaunch.seconds_to_ready, relaunch.reused = launched.seconds_to_ready, launched.reused
-            relaunch.compile_cache = launched.timeline.compile_cache if launched.timeline else None
-            cache = f", compile cache {relaunch.compile_cache}" if relaunch.compile_cache else ""
-            log(
-                f"A/B {name}: relaunch took {launched.seconds_to_ready:.0f} s (expected {relaunch.expected_s:.0f}{cache})"
-            )
-        for c, values in got.items():
-            samples.setdefault(name, {}).setdefault(c, []).extend(values)
-        log(f"A/B {name}: " + ", ".join(f"c={c} {statistics.median(v):.1f} tok/s" for c, v in got.items()))
+    steps = [Step(name, cfg, cost.relaunches[i - 1] if i else None, i) for i, (name, cfg) in enumerate(order)]
+    _run_steps(steps, log_dir, plan, samples, failures, log=log, across_nodes=across_nodes)
+    return _result(variants, samples, failures, plan, cost)
+
+
+def _result(
+    variants: list[AbVariant],
+    samples: dict[str, dict[int, list[float]]],
+    failures: dict[str, str],
+    plan: AbPlan,
+    cost: RelaunchCost,
+) -> AbResult:
     return AbResult(
         variants=variants,
         samples={n: {str(c): v for c, v in s.items()} for n, s in samples.items()},
@@ -297,6 +293,159 @@ def run(
         workload=plan.workload,
         cost=cost,
     )
+
+
+@dataclass
+class Step:
+    """One server of an A/B's order: launched (or, first of all, reused), measured, left running."""
+
+    name: str
+    config: server.ServerConfig
+    relaunch: Relaunch | None  # None: the running server is measured as it is, where it matches
+    index: int
+
+
+def _run_steps(
+    steps: list[Step],
+    log_dir: Path,
+    plan: AbPlan,
+    samples: dict[str, dict[int, list[float]]],
+    failures: dict[str, str],
+    *,
+    log: Callable[[str], None],
+    across_nodes: AcrossNodes | None,
+) -> None:
+    """Each step in turn, its samples added to ``samples``; a failed start is recorded in ``failures``."""
+    for step in steps:
+        name, relaunch = step.name, step.relaunch
+        log(f"A/B {name}: launching" + ("" if relaunch else " (or reusing the running server)"))
+        try:
+            if relaunch:  # one server at a time on the port: stop whatever holds it first
+                server.stop(port=step.config.port)
+            folder = log_dir / f"ab-{step.index:02d}-{name}"
+            launched, got = _measure_variant(name, step.config, folder, plan, across_nodes)
+        except ServebookError as exc:
+            cause = exc.cause if isinstance(exc, LaunchError) else ""
+            failures[name] = cause or " ".join(str(exc).split())[:600]
+            log(f"A/B {name}: failed: {failures[name]}")
+            continue
+        if relaunch:
+            _took(relaunch, launched, log)
+        for c, values in got.items():
+            samples.setdefault(name, {}).setdefault(c, []).extend(values)
+        log(f"A/B {name}: " + ", ".join(f"c={c} {statistics.median(v):.1f} tok/s" for c, v in got.items()))
+
+
+def _took(relaunch: Relaunch, launched: server.Launch, log: Callable[[str], None]) -> None:
+    relaunch.seconds_to_ready, relaunch.reused = launched.seconds_to_ready, launched.reused
+    relaunch.compile_cache = launched.timeline.compile_cache if launched.timeline else None
+    cache = f", compile cache {relaunch.compile_cache}" if relaunch.compile_cache else ""
+    log(
+        f"A/B {relaunch.name}: relaunch took {launched.seconds_to_ready:.0f} s "
+        f"(expected {relaunch.expected_s:.0f}{cache})"
+    )
+
+
+# ---------------------------------------------------------------- rehearsed on dummy weights, confirmed on real ones
+
+PROMISING = ("better", "likely better")
+
+
+def promising(result: AbResult) -> str:
+    """The variant to confirm on the real weights: better (or likely so) at every concurrency, the one whose
+    smallest gain is largest; '' when none is."""
+    by_variant: dict[str, list[AbRow]] = {}
+    for row in result.rows:
+        by_variant.setdefault(row.variant, []).append(row)
+    ahead = {
+        v: min(r.change or 0.0 for r in rows)
+        for v, rows in by_variant.items()
+        if all(r.verdict in PROMISING for r in rows)
+    }
+    return max(ahead, key=lambda v: ahead[v]) if ahead else ""
+
+
+class RehearsedAb(BaseModel):
+    """The A/B rehearsed on dummy weights and confirmed on the real server."""
+
+    dummy: AbResult  # every variant against a dummy-weight baseline
+    real: AbResult  # the real baseline before and after, and the dummy A/B's winner, if there was one
+    winner: str  # the variant confirmed on the real weights; '' when none beat the dummy baseline's noise
+    routing: str = ""  # the MoE routing simulation the dummy servers ran with
+
+    def saved_s(self) -> float:
+        """The real relaunches the rehearsal spared: the variants never started with real weights, at the real
+        start's price."""
+        spared = len(self.dummy.variants) - (1 if self.winner else 0)
+        return spared * (self.real.cost.start_s if self.real.cost else 0.0)
+
+
+@dataclass(frozen=True)
+class DummyWeights:
+    """How the rehearsal's servers are made from the real ones, and what one of their starts costs."""
+
+    make: Callable[[server.ServerConfig], server.ServerConfig]  # --load-format dummy (and a MoE's routing simulation)
+    routing: str = ""  # the routing simulation ``make`` sets, '' for none
+    start: tuple[float, str] = (0.0, "not measured")  # seconds to ready, and where the figure comes from
+
+
+def run_rehearsed(
+    base: server.ServerConfig,
+    variants: list[AbVariant],
+    log_dir: Path,
+    plan: AbPlan,
+    dummy: DummyWeights,
+    *,
+    log: Callable[[str], None] = print,
+    across_nodes: AcrossNodes | None = None,
+    start: tuple[float, str] = (0.0, "not measured"),
+    compile_miss_s: float = 0.0,
+) -> RehearsedAb:
+    """The A/B with real relaunches only for what earned one.
+
+    1. The running real server (the baseline) is measured as it is: no relaunch.
+    2. It is stopped, and every variant is compared on dummy weights (``dummy.make``: ``--load-format dummy``, with
+       the routing simulation of a MoE): a dummy baseline before and after, so the comparison has its own noise band.
+    3. The variant better (or likely better) at every concurrency there is started on the real weights and measured,
+       then the real baseline is started again and measured: the winner is judged against the real baseline's
+       samples from before and after, as in :func:`run`. Without such a variant, only the real baseline is
+       started again (the server the later stages use). Real relaunches: two, or one, instead of one per variant."""
+    samples: dict[str, dict[int, list[float]]] = {}
+    failures: dict[str, str] = {}
+    first = [Step(BASELINE, base, None, 0)]
+    log("A/B: the running server measured as it is, then every variant rehearsed on dummy weights")
+    _run_steps(first, log_dir, plan, samples, failures, log=log, across_nodes=across_nodes)
+    if failures:
+        raise AbFailed(f"the running server could not be measured: {failures[BASELINE]}")
+    server.stop(port=base.port)
+    rehearsed = run(
+        dummy.make(base),
+        variants,  # each variant over the dummy baseline (variant_config merges its environment into the dummy's)
+        log_dir / "dummy",
+        plan,
+        log=lambda m: log(f"dummy weights: {m}"),
+        across_nodes=across_nodes,
+        start=dummy.start,
+        compile_miss_s=compile_miss_s,
+    )
+    winner = promising(rehearsed)
+    chosen = [v for v in variants if v.name == winner]
+    order = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in chosen] + [(BASELINE, base)]
+    cost = price(base, order, start, compile_miss_s)
+    log(
+        f"A/B: {winner} beat the dummy baseline; confirming it on the real weights: {cost.describe()}"
+        if winner
+        else "A/B: no variant beat the dummy baseline's noise; restarting the real server, no real variant"
+    )
+    steps = [Step(name, cfg, cost.relaunches[i - 1], i) for i, (name, cfg) in enumerate(order) if i]
+    if not winner:  # the baseline only needs to run again, not to be measured
+        server.stop(port=base.port)
+        launched = _launch(base, log_dir / "ab-restored-baseline", across_nodes)
+        _took(cost.relaunches[-1], launched, log)
+        steps = []
+    _run_steps(steps, log_dir, plan, samples, failures, log=log, across_nodes=across_nodes)
+    real = _result(chosen, samples, failures, plan, cost)
+    return RehearsedAb(dummy=rehearsed, real=real, winner=winner, routing=dummy.routing)
 
 
 def _rows(

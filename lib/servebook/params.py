@@ -321,6 +321,11 @@ class Params(BaseModel):
         32, ge=4, description="measured requests per A/B point (each window lasts bench_min_level_s too)"
     )
     ab_repeats: int = Field(2, ge=1, le=10, description="measurements per variant and concurrency")
+    ab_on_dummy: bool = Field(
+        True,
+        description="rehearse every variant on dummy weights (--load-format dummy) and relaunch the real weights only "
+        "for the one that beat the dummy baseline; false relaunches the real weights for every variant",
+    )
 
     # deploy
     deploy_name: str = Field(

@@ -33,6 +33,7 @@ from servebook import (
     systemd,
     topology,
 )
+from servebook.ab import RehearsedAb
 from servebook.errors import PreflightError
 from servebook.planner import Parallelism
 from servebook.replicas import ReplicaRecord as ReplicaRecord  # one of several servers behind a router
@@ -491,7 +492,8 @@ class NcclTuningRecord(Record):
     FILE = "06_nccl_tuning"
 
     micro: nccl.MicroResult
-    ab: ab.AbResult | None
+    ab: ab.AbResult | None  # on the real weights: every variant, or (ab_on_dummy) the dummy A/B's winner alone
+    rehearsed: RehearsedAb | None = None  # ab_on_dummy: every variant on dummy weights first
     recommended_env: dict[str, str]  # the environment to deploy with; empty means the default
     recommendation: str
     notes: list[str]

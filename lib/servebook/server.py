@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
-from servebook import client, files, hardware, models, multinode, remote, startup, vllm_compat
+from servebook import client, files, hardware, models, multinode, remote, serving, startup, vllm_compat
 from servebook.client import health
 from servebook.errors import CleanupError, LaunchError, PreflightError
 from servebook.processes import (
@@ -203,7 +203,8 @@ def _check_port(cfg: ServerConfig, stop_leftovers: bool, report: Preflight, log:
     if holder is None and record is not None:
         _earlier_server_not_listening(record, stop_leftovers, report, log)
     if holder is not None:
-        why = "a different configuration"
+        changes = serving.flag_changes(record.command, [mask(a) for a in cfg.command()]) if record else []
+        why = "a different configuration" + (f": {', '.join(changes)}" if changes else "")
         if ours and record and record.fingerprint == cfg.fingerprint() and health(record.url) == "ready":
             why = hung(record, cfg)
             if not why:

@@ -166,6 +166,30 @@ def conflicts(extra_args: Sequence[str]) -> list[str]:
     ]
 
 
+def _flags(args: Sequence[str]) -> dict[str, str]:
+    """A command's flags and their values ('on' for a switch); the last of a repeated flag wins, as in vLLM."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        flag, eq, value = arg.partition("=")
+        if not eq:
+            following = args[i + 1] if i + 1 < len(args) else "--"
+            value = "on" if following.startswith("--") else following
+        found[flag] = value
+    return found
+
+
+def flag_changes(running: Sequence[str], asked: Sequence[str]) -> list[str]:
+    """How the command asked for differs from the one running, flag by flag (``--max-model-len 1024 → 2048``)."""
+    old, new = _flags(running), _flags(asked)
+    return [
+        f"{flag} {old.get(flag, 'unset')} → {new.get(flag, 'unset')}"
+        for flag in dict.fromkeys([*old, *new])
+        if old.get(flag) != new.get(flag)
+    ]
+
+
 def vllm_default(name: str, vllm_version: str | None) -> Any:
     """vLLM's own default for a field in that version (major.minor), or None where servebook does not know it."""
     known = BY_NAME[name].vllm_default

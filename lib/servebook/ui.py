@@ -125,10 +125,11 @@ def load_progress(interactive: bool, title: str = "launch") -> Callable[[str, fl
     bar = widgets.IntProgress(min=0, max=len(LOAD_STEPS), description=title)
     label = widgets.Label("starting")
     timeline = go.FigureWidget()
-    timeline.add_bar(x=[], y=[], base=[], orientation="h", text=[], textposition="auto", name="phases")
+    timeline.add_bar(x=[], y=[], base=[], orientation="h", text=[], textposition="outside", cliponaxis=False,
+                     name="phases")  # fmt: skip
     timeline.update_layout(
         title=f"{title}: phases so far", height=300, width=720, xaxis_title="seconds since the start",
-        yaxis={"autorange": "reversed"}, margin={"t": 40, "l": 130},
+        yaxis={"autorange": "reversed"}, margin={"t": 40, "l": 130, "r": 60},
     )  # fmt: skip
     display(widgets.VBox([widgets.HBox([bar, label]), timeline]))
 

@@ -178,10 +178,14 @@ def _redraw(widget: go.FigureWidget, fresh: go.Figure) -> None:
         widget.layout = fresh.layout
 
 
-def plan_explorer(record: PlanRecord, p: Params, run_dir: str | Path) -> Any:
+def plan_explorer(record: PlanRecord, p: Params, run_dir: str | Path, verdict: str = "") -> Any:
     """The layout explorer (ipywidgets): layout, max_model_len, gpu_memory_utilization and KV-cache dtype in; the
-    memory bars, KV tokens, concurrency at full context, decode ceilings and the exact command out."""
+    memory bars, KV tokens, concurrency at full context, decode ceilings and the exact command out.
+
+    ``verdict`` (markdown: what stage 03 launches) is shown under it and replaced by the choice once "use this
+    layout" writes one, so the page never shows the new choice beside the stale one."""
     import ipywidgets as widgets
+    from IPython.display import Markdown, display
 
     accepted = [lay for lay in record.layouts if lay.accepted]
     start = record.layout_for_launch or planner.Parallelism.of(p)
@@ -204,6 +208,10 @@ def plan_explorer(record: PlanRecord, p: Params, run_dir: str | Path) -> Any:
     command = widgets.HTML()
     use = widgets.Button(description="use this layout", button_style="primary", icon="check")
     said = widgets.HTML()
+    launches = widgets.Output()
+    launches.add_class("sb-verdict")
+    with launches:
+        display(Markdown(verdict or choice_text(run_dir)))
     shown: dict[str, Exploration] = {}
     by_name = {lay.name: lay.parallelism for lay in accepted}
 
@@ -236,17 +244,17 @@ def plan_explorer(record: PlanRecord, p: Params, run_dir: str | Path) -> Any:
             return
         c = written.chosen
         assert c is not None
-        said.value = (
-            f"<span class='sb-chosen'>written to 01_plan.json: stage 03 launches <b>{c.layout.name}</b> at "
-            f"max_model_len {c.max_model_len:,}; run the next cell to see it</span>"
-        )
+        said.value = f"<span class='sb-chosen'>written to 01_plan.json: stage 03 launches <b>{c.layout.name}</b></span>"
+        launches.clear_output()
+        with launches:
+            display(Markdown(choice_text(run_dir)))
 
     for box in (layout_box, length_box, memory_box, dtype_box):
         box.observe(refresh, names="value")
     use.on_click(chosen)
     refresh()
     controls = widgets.VBox([layout_box, length_box, memory_box, dtype_box, facts, use, said])
-    return widgets.VBox([widgets.HBox([controls, figure]), command])
+    return widgets.VBox([widgets.HBox([controls, figure]), command, launches])
 
 
 # ---------------------------------------------------------------- 05 benchmark: the sweep's controls and the level explorer

@@ -85,9 +85,16 @@ def test_pipeline_runs_every_stage_against_a_keyed_server_and_stops_it(tmp_path)
     assert (run_dir / "05_benchmark_levels.parquet").is_file() and (run_dir / "05_benchmark_requests.csv").is_file()
     tuning = json.loads((run_dir / "06_nccl_tuning.json").read_text())
     assert tuning["micro"]["backend"] == "gloo" and tuning["recommended_env"] == {}
-    bad = [r for r in tuning["ab"]["rows"] if r["variant"] == "bogus-flag"]
+    # the A/B's variant rehearsed on dummy weights (a dummy baseline before and after it); as it won nothing, the
+    # real weights were started once more, for the server, and never for the variant
+    rehearsed_ab = tuning["rehearsed"]
+    bad = [r for r in rehearsed_ab["dummy"]["rows"] if r["variant"] == "bogus-flag"]
     assert bad and all(r["verdict"] == "failed to start" and "unrecognized arguments" in r["cause"] for r in bad)
-    assert len(tuning["ab"]["samples"]["baseline"]["1"]) == 2  # measured before and after the variants
+    assert len(rehearsed_ab["dummy"]["samples"]["baseline"]["1"]) == 2 and rehearsed_ab["winner"] == ""
+    assert "load_format=dummy" in (run_dir / "dummy" / "ab-00-baseline" / "server.log").read_text()
+    assert len(tuning["ab"]["samples"]["baseline"]["1"]) == 1 and tuning["ab"]["rows"] == []  # as it ran
+    assert [r["name"] for r in tuning["ab"]["cost"]["relaunches"]] == ["baseline"]
+    assert any("never relaunched with the real weights" in n for n in tuning["notes"])
     deploy = json.loads((run_dir / "07_deploy.json").read_text())
     assert deploy["verify"]["ok"] and deploy["pre_start_with_ad_hoc_server"]["returncode"] == 1
     assert deploy["dry_run"]["pre_start"]["returncode"] == 0 and deploy["dry_run"]["post_start"]["returncode"] == 0

@@ -61,7 +61,9 @@ def test_same_parameters_reuse_the_running_server(shared_server, tmp_path):
 
 def test_a_different_configuration_on_our_port_is_refused(shared_server, tmp_path):
     with pytest.raises(
-        PreflightError, match=f"port {SHARED_PORT} is held by a servebook server with a different configuration"
+        PreflightError,
+        match=f"port {SHARED_PORT} is held by a servebook server with a different configuration"
+        r": --max-model-len \d+ → 512 \(pid",  # what differs, so the person knows what their edit changed
     ):
         server.launch(config(SHARED_PORT, max_model_len=512), tmp_path, log=print)
 

@@ -7,7 +7,11 @@ sees, to look at, not only to assert on.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -68,8 +72,15 @@ def test_the_plan_explorer_changes_the_layout_and_stage_03_reads_the_choice(lab)
     assert int(kv_after.replace(",", "")) > int(kv_before.replace(",", ""))  # fp8 halves the bytes per token
     assert "--kv-cache-dtype fp8" in lab.text_of("pre.sb-command")
 
+    assert "Stage 03 launches" in lab.text_of(".sb-verdict")  # the plan's verdict, under the explorer
     next(b for b in lab.find("button") if b.text.strip() == "use this layout").click()
     lab.wait_for(lambda: lab.find(".sb-chosen"), 30, "the choice to be written")
+    # the verdict gives way to the choice: never the new choice beside the stale "Stage 03 launches ..."
+    lab.wait_for(lambda: "Chosen in the explorer" in lab.text_of(".sb-verdict"), 30, "the verdict to follow")
+    said = lab.cell_text(lab.cell_count() - 2)
+    assert said.count("Stage 03 launches") == 1 and "(the params)" not in said, said[-600:]
+    lab.scroll_to(".sb-verdict")
+    lab.shot("verdict-follows-the-choice")
     record = results.read(lab.outputs / results.INTERACTIVE_RUN, PlanRecord)
     assert record and record.launch_layout == "chosen" and record.chosen and record.chosen.kv_cache_dtype == "fp8"
     lab.run_cell(lab.cell_count() - 1)
@@ -147,16 +158,45 @@ def watch_growing(lab, count, timeout: float, shot_as) -> list[int]:
     return seen
 
 
+PROGRESS_JS = """
+const bar = document.querySelector('.widget-hprogress .progress-bar');
+const labels = bar ? [...bar.closest('.widget-hbox').querySelectorAll('.widget-label')] : [];
+return bar ? [parseFloat(bar.style.width) || 0, labels.length ? labels[labels.length - 1].innerText : ''] : [-1, ''];
+"""
+
+
+CELLS = "return window.jupyterapp.shell.currentWidget.content.widgets"
+
+
+def show_cell(lab, index: int) -> None:
+    lab.js(f"{CELLS.removeprefix('return ')}[{index}].node.scrollIntoView({{block: 'start'}});")
+
+
+def set_cell(lab, index: int, source: str) -> None:
+    """Replace a cell's text, as a person typing into it does (the document is marked modified)."""
+    lab.js(f"{CELLS}[{index}].model.sharedModel.setSource(arguments[0]);", source)
+
+
 def test_the_launch_draws_its_phases_and_the_sweep_gains_a_point_per_level(lab, small_server_params):
-    """03 then 05 in JupyterLab on the CPU: the start-up phases drawn as they end, then the sweep's chart growing
-    level by level while it runs, beside the host panel."""
+    """03 then 05 in JupyterLab on the CPU: the start-up phases drawn as they end (the progress bar moving with
+    them), then the sweep's chart growing level by level while it runs, beside the host panel; then 03 again: the
+    running server reused with a full bar, and, with max_model_len typed into 03's cell, relaunched with the
+    difference named."""
     lab.open("03_launch.ipynb")
+    progress_seen: list[float] = []
+
+    def phases_drawn() -> int:
+        progress_seen.append(lab.js(PROGRESS_JS)[0])
+        return plot_points(lab, "launch: phases so far", ".barlayer")
+
     phases_seen = watch_growing(
-        lab, lambda: plot_points(lab, "launch: phases so far", ".barlayer"), 400,
-        lambda n, seen: f"launch-{n}-phases" if len(seen) in (1, 3) else "",
+        lab, phases_drawn, 400, lambda n, seen: f"launch-{n}-phases" if len(seen) in (1, 3) else "",
     )  # fmt: skip
     assert lab.errors() == []
     assert len(phases_seen) >= 2 and phases_seen[-1] >= 5, phases_seen  # drawn as they ended, not all at once
+    # the bar moves with the start's milestones, not from empty to full at the end
+    assert any(0 < width < 100 for width in progress_seen), sorted(set(progress_seen))
+    assert lab.js(PROGRESS_JS)[0] == 100
     lab.shot("launch-ready")
 
     def levels_now() -> int:  # read in the page: the status line is re-rendered at every level
@@ -179,6 +219,28 @@ def test_the_launch_draws_its_phases_and_the_sweep_gains_a_point_per_level(lab, 
     lab.js("arguments[0].scrollIntoView({block: 'center'});", explorer[-1])
     lab.shot("level-explorer")
 
+    lab.open("03_launch.ipynb")
+    lab.run_all(timeout=120)
+    width, label = lab.js(PROGRESS_JS)
+    assert width == 100 and "reusing the healthy server" in label, (width, label)  # never "starting" for good
+    assert "reused" in lab.cell_text(4)
+    show_cell(lab, 2)
+    lab.shot("launch-reused")
+
+    # a value typed in 03's cell wins over the params file, and the running server is not reused for it
+    source = str(lab.js(f"{CELLS}[1].model.sharedModel.getSource();"))
+    assert "\nmax_model_len" in source
+    set_cell(lab, 1, re.sub(r"\nmax_model_len: int = \d+", "\nmax_model_len: int = 2048", source))
+    lab.run_all(timeout=400)
+    assert lab.errors() == []
+    said = lab.cell_text(2)
+    assert "--max-model-len 1024 → 2048" in said, said[-2000:]
+    assert "max_model_len" in said and "edited in this notebook" in said
+    running = server.registered(LIVE_PORT)
+    assert running and "2048" in running.command
+    show_cell(lab, 2)
+    lab.shot("launch-typed-value-wins")
+
 
 def test_compare_overlays_two_picked_runs(lab):
     examples = lab.root / "docs" / "examples"
@@ -200,3 +262,44 @@ def test_compare_overlays_two_picked_runs(lab):
     lab.shot("compared")
     assert len(lab.find(".js-plotly-plot .legend .traces")) == 2
     assert "never cross" in lab.cell_text(lab.cell_count() - 1) or "cross over" in lab.cell_text(lab.cell_count() - 1)
+
+
+def test_a_session_in_the_working_copy_leaves_the_checkout_as_it_was(tmp_path):
+    """Issue #41 point 2: JupyterLab as `servebook lab` starts it, a notebook edited, run and saved there; the
+    project's notebooks and params stay byte for byte, and git sees no change the session made."""
+    from servebook import lab as workbook_copy
+
+    tracked = ("notebooks", "params")
+
+    def checkout() -> tuple[str, dict[str, bytes]]:
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all", *tracked],
+            cwd=lab_mod.REPO, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        files = {str(p): p.read_bytes() for t in tracked for p in sorted((lab_mod.REPO / t).rglob("*")) if p.is_file()}
+        return status, files
+
+    before = checkout()
+    work = tmp_path / "wb"
+    env = {"SERVEBOOK_WORKBOOK": str(work), "SERVEBOOK_OUTPUTS": str(tmp_path / "outputs")}
+    made = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "lab", "--prepare-only"],
+        capture_output=True, text=True, env={**os.environ, **env}, timeout=120,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    shots = SHOTS / "working-copy"
+    shutil.rmtree(shots, ignore_errors=True)
+    lab = lab_mod.Lab(work, shots, env=env, command=lambda port: workbook_copy.lab_command(work, port))
+    try:
+        lab.open("00_reconnaissance.ipynb")
+        source = str(lab.js(f"{CELLS}[1].model.sharedModel.getSource();"))
+        set_cell(lab, 1, source.replace("tensor_parallel_size: int = 1", "tensor_parallel_size: int = 4"))
+        lab.run_all(timeout=240)
+        lab.command("docmanager:save")
+        lab.wait_for(lambda: not lab.dirty(), 30, "the save")
+        lab.shot("edited-run-saved")
+    finally:
+        lab.close()
+    mine = (work / "00_reconnaissance.ipynb").read_text()
+    assert "tensor_parallel_size: int = 4" in mine and '"outputs": [\n' in mine  # the session was saved: here
+    assert checkout() == before  # and only here

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -58,14 +59,24 @@ def available() -> str:
 class Lab:
     """One JupyterLab server over a copy of the workbook, and one headless browser on it."""
 
-    def __init__(self, root: Path, shots: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        shots: Path,
+        env: dict[str, str] | None = None,
+        command: Callable[[int], list[str]] | None = None,
+    ) -> None:
+        """``command`` (of the port): JupyterLab as ``servebook lab`` starts it (its own root, the notebooks at the
+        top); by default a lab over copies of notebooks/ and params/ under ``root``."""
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
 
         self.root, self.shots = root, shots
+        self.folder = "" if command else "notebooks/"
         shots.mkdir(parents=True, exist_ok=True)
-        for folder in ("notebooks", "params"):
-            shutil.copytree(REPO / folder, root / folder, dirs_exist_ok=True)
+        if not command:
+            for folder in ("notebooks", "params"):
+                shutil.copytree(REPO / folder, root / folder, dirs_exist_ok=True)
         # its own workspace (no tabs of an earlier test restored) and no news prompt over the page
         settings = root / "lab-settings" / "@jupyterlab" / "apputils-extension"
         settings.mkdir(parents=True, exist_ok=True)
@@ -74,11 +85,16 @@ class Lab:
         self.url = f"http://127.0.0.1:{self.port}"
         lab_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log = open(shots / "jupyterlab.log", "wb")  # noqa: SIM115 (closed in close())
+        base = (
+            command(self.port)
+            if command
+            else [str(JUPYTER), "lab", "--no-browser", f"--ServerApp.root_dir={root}", "--ip=127.0.0.1",
+                  f"--port={self.port}"]
+        )  # fmt: skip
         self.proc = subprocess.Popen(
-            [str(JUPYTER), "lab", "--no-browser", "--allow-root", f"--port={self.port}", "--ip=127.0.0.1",
-             f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-             "--ServerApp.open_browser=False", f"--LabApp.workspaces_dir={root / 'lab-workspaces'}",
-             f"--LabApp.user_settings_dir={root / 'lab-settings'}"],
+            [*base, "--allow-root", f"--ServerApp.token={self.token}",
+             "--LabApp.expose_app_in_browser=True", "--ServerApp.open_browser=False",
+             f"--LabApp.workspaces_dir={root / 'lab-workspaces'}", f"--LabApp.user_settings_dir={root / 'lab-settings'}"],
             cwd=root, env=lab_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self._wait_server()
@@ -109,7 +125,7 @@ class Lab:
 
     def open(self, notebook: str, timeout: float = 120) -> None:
         """Open a notebook and wait until its kernel is idle."""
-        path = f"notebooks/{notebook}"
+        path = f"{self.folder}{notebook}"
         self.driver.get(f"{self.url}/lab/tree/{path}?token={self.token}")
         self.wait_for(
             lambda: self.js("return !!(window.jupyterapp && window.jupyterapp.shell);"), timeout, "JupyterLab"

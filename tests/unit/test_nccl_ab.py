@@ -181,3 +181,54 @@ def test_an_eager_server_pays_no_compile_miss_on_relaunch():
 def test_the_words_follow_the_numbers(base, variant, noise, said):
     """Issue #41 point 5: a change with every sample apart is never called "no effect"."""
     assert ab.worded(base, variant, noise)[0] == said
+
+
+def test_only_the_variant_ahead_at_every_concurrency_earns_a_real_relaunch():
+    """Issue #39 item 5: the dummy-weight pass picks at most one variant for the real weights: better (or likely
+    better) at every concurrency, the one whose smallest gain is largest."""
+
+    def row(variant, concurrency, verdict, change):
+        return ab.AbRow(variant=variant, concurrency=concurrency, verdict=verdict, change=change, noise=0.03)
+
+    def result(rows):
+        names = sorted({r.variant for r in rows})
+        return ab.AbResult(variants=[AbVariant(name=n) for n in names], samples={}, rows=rows, failures={},
+                           concurrencies=[1, 32], workload=loadgen.Workload())  # fmt: skip
+
+    mixed = result([row("ll", 1, "better", 0.2), row("ll", 32, "no effect", 0.01),
+                    row("ring", 1, "likely better", 0.04), row("ring", 32, "better", 0.09),
+                    row("tree", 1, "better", 0.30), row("tree", 32, "better", 0.05)])  # fmt: skip
+    assert ab.promising(mixed) == "tree"  # 5 % at worst beats ring's 4 %; ll is no better at 32 streams
+    assert ab.promising(result([row("ll", 1, "failed to start", None), row("ll", 32, "worse", -0.2)])) == ""
+
+
+def test_the_record_says_which_variants_never_met_the_real_weights():
+    cost = ab.RelaunchCost(
+        start_s=2160.0, compile_miss_s=0.0, relaunches=[ab.Relaunch(name="baseline", expected_s=2160.0)]
+    )
+    dummy = ab.AbResult(variants=[AbVariant(name="ll"), AbVariant(name="seqs")], samples={}, rows=[], failures={},
+                        concurrencies=[1], workload=loadgen.Workload())  # fmt: skip
+    real = ab.AbResult(variants=[], samples={}, rows=[], failures={}, concurrencies=[1], workload=loadgen.Workload(),
+                       cost=cost)  # fmt: skip
+    none_won = ab.RehearsedAb(dummy=dummy, real=real, winner="", routing="uniform_random")
+    [said] = nccl_tuning.rehearsal_notes(none_won)
+    assert said.startswith("2 variant(s) rehearsed on dummy weights with uniform_random routing; none beat")
+    assert "ll, seqs never relaunched with the real weights: about 4320 s of real starts spared" in said
+    one_won = none_won.model_copy(update={"winner": "seqs"})
+    [said] = nccl_tuning.rehearsal_notes(one_won)
+    assert "seqs beat the dummy baseline and was confirmed on the real weights" in said and "about 2160 s" in said
+
+
+def test_a_dummy_start_is_priced_without_the_weights_read():
+    from servebook import startup
+
+    timeline = startup.Timeline(
+        total_s=2160.0, phases=[startup.Phase(name="weights_read", label="weights", start_s=60.0, seconds=1800.0)]
+    )
+
+    class Started:
+        reused, seconds_to_ready, start_prediction = False, 2160.0, None
+
+    Started.timeline = timeline  # type: ignore[attr-defined]
+    seconds, basis = nccl_tuning.dummy_start_cost(Started())  # type: ignore[arg-type]
+    assert seconds == 360.0 and basis == "the measured start, less its weights' read (1800 s)"

@@ -231,3 +231,14 @@ def test_the_launch_bar_moves_with_every_milestone_and_fills_on_reuse():
     steps = [ui.load_step(m) for m in said]
     assert steps == sorted(steps) and 0 not in steps and steps[-1] < len(ui.LOAD_STEPS)
     assert ui.load_step("ready: reusing the healthy server on port 8000 (pid 7), nothing to load") == len(ui.LOAD_STEPS)
+
+
+def test_a_running_server_that_differs_says_how_flag_by_flag():
+    running = ["vllm", "serve", "/m", "--max-model-len", "1024", "--enforce-eager", "--port", "8000"]
+    asked = ["vllm", "serve", "/m", "--port", "8000", "--max-model-len=2048", "--kv-cache-dtype", "fp8"]
+    assert serving.flag_changes(running, asked) == [
+        "--max-model-len 1024 → 2048",
+        "--enforce-eager on → unset",
+        "--kv-cache-dtype unset → fp8",
+    ]
+    assert serving.flag_changes(running, running) == []

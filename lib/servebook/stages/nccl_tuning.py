@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from servebook import ab, bench, multinode, nccl, results, server, startup
+from servebook import ab, bench, modelspec, multinode, nccl, rehearsal, results, server, startup
 from servebook.params import Params
 from servebook.records import LaunchRecord, NcclTuningRecord
 
@@ -46,6 +46,36 @@ def start_cost(launch: LaunchRecord) -> tuple[float, str]:
     return 0.0, "unknown: the server was reused and no plan predicted its start"
 
 
+def dummy_start_cost(launch: LaunchRecord) -> tuple[float, str]:
+    """(seconds, where from) a dummy-weight start of this server takes: its start less the weights' read."""
+    seconds, basis = start_cost(launch)
+    if launch.timeline and not launch.reused:
+        read = launch.timeline.seconds("weights_read")
+    else:
+        read = launch.start_prediction.phases.get("weights_read", 0.0) if launch.start_prediction else 0.0
+    return max(0.0, seconds - read), f"{basis}, less its weights' read ({read:.0f} s)" if read >= 1 else basis
+
+
+def rehearsal_notes(rehearsed: ab.RehearsedAb | None) -> list[str]:
+    """What the dummy-weight A/B decided, and which real relaunches it spared."""
+    if not rehearsed:
+        return []
+    names = [v.name for v in rehearsed.dummy.variants]
+    routing = f" with {rehearsed.routing} routing" if rehearsed.routing else ""
+    spared = [n for n in names if n != rehearsed.winner]
+    said = f"{len(names)} variant(s) rehearsed on dummy weights{routing}"
+    if rehearsed.winner:
+        said += f"; {rehearsed.winner} beat the dummy baseline and was confirmed on the real weights"
+    else:
+        said += "; none beat the dummy baseline's noise band, so none was started with the real weights"
+    if spared:
+        said += (
+            f" ({', '.join(spared)} never relaunched with the real weights: about {rehearsed.saved_s():.0f} s of real "
+            "starts spared)"
+        )
+    return [said]
+
+
 def recommend(result: ab.AbResult | None) -> tuple[dict[str, str], str, list[str]]:
     """The environment to deploy with: the default unless an NCCL-only variant wins at every concurrency."""
     if not result:
@@ -76,11 +106,21 @@ def recommend(result: ab.AbResult | None) -> tuple[dict[str, str], str, list[str
     return env, f"{best} beat the baseline beyond its noise band at every concurrency", other
 
 
+def dummy_weights(p: Params, launch: LaunchRecord) -> ab.DummyWeights:
+    """The A/B's dummy-weight servers: the rehearsal's (``--load-format dummy``, a MoE's routing simulation)."""
+    base: server.ServerConfig = launch.config
+    moe = modelspec.load(base.model_path).is_moe
+    routing, why_none = rehearsal.routing_for(moe, p.rehearse_routing, base.device)
+    if moe and not routing:
+        print(f"A/B on dummy weights without a routing simulation: {why_none}")
+    return ab.DummyWeights(lambda cfg: rehearsal.routing_env(cfg, routing, moe), routing, dummy_start_cost(launch))
+
+
 def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> NcclTuningRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, NcclTuningRecord)  # a rerun never leaves the last attempt's record looking current
     measured = micro(p, log)
-    compared = None
+    compared, rehearsed = None, None
     if p.ab_variants:
         launch = results.require(run_dir, LaunchRecord, "nccl_tuning")
         base: server.ServerConfig = launch.config
@@ -92,18 +132,23 @@ def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> N
             min_seconds=p.bench_min_level_s,
         )
         nodes = multinode.NodeSet.from_params(p) if p.nodes > 1 else None
-        compared = ab.run(
-            base,
-            p.ab_variants,
-            run_dir,
-            plan,
-            log=log,
-            across_nodes=(lambda cfg, folder: multinode.prepare(cfg, nodes, folder)) if nodes else None,
-            start=start_cost(launch),
-            compile_miss_s=compile_miss_cost(launch),
-        )
+        across = (lambda cfg, folder: multinode.prepare(cfg, nodes, folder)) if nodes else None
+        if p.ab_on_dummy:
+            rehearsed = ab.run_rehearsed(
+                base, p.ab_variants, run_dir, plan, dummy_weights(p, launch), log=log, across_nodes=across,
+                start=start_cost(launch), compile_miss_s=compile_miss_cost(launch),
+            )  # fmt: skip
+            compared = rehearsed.real
+        else:
+            compared = ab.run(
+                base, p.ab_variants, run_dir, plan, log=log, across_nodes=across, start=start_cost(launch),
+                compile_miss_s=compile_miss_cost(launch),
+            )  # fmt: skip
     env, why, notes = recommend(compared)
-    record = NcclTuningRecord(micro=measured, ab=compared, recommended_env=env, recommendation=why, notes=notes)
+    record = NcclTuningRecord(
+        micro=measured, ab=compared, rehearsed=rehearsed, recommended_env=env, recommendation=why,
+        notes=rehearsal_notes(rehearsed) + notes,
+    )  # fmt: skip
     results.write(run_dir, record)
     return record
 
@@ -116,11 +161,21 @@ def summary(record: NcclTuningRecord) -> str:
     env = " ".join(f"{k}={v}" for k, v in record.recommended_env.items())
     deploy_with = f"deploy with `{env}`" if env else "deploy with the default environment"
     where = "NCCL" if record.micro.on_gpus else "gloo on the CPU (no NCCL figures)"
-    variants = f", {len(record.ab.variants)} server variant(s) compared" if record.ab else ""
-    likely = (
-        sorted({f"{r.variant} {r.verdict}" for r in record.ab.rows if r.verdict.startswith("likely")})
-        if record.ab
-        else []
+    if record.rehearsed:
+        winner = record.rehearsed.winner
+        confirmed = f"{winner} confirmed on the real weights" if winner else "none worth a real relaunch"
+        variants = (
+            f", {len(record.rehearsed.dummy.variants)} server variant(s) rehearsed on dummy weights ({confirmed})"
+        )
+    else:
+        variants = f", {len(record.ab.variants)} server variant(s) compared" if record.ab else ""
+    likely = sorted(
+        {
+            f"{r.variant} {r.verdict}"
+            for _, result in passes(record)
+            for r in result.rows
+            if r.verdict.startswith("likely")
+        }
     )
     unsure = f" ({'; '.join(likely)}: every sample apart inside a wide band, worth a longer A/B)" if likely else ""
     return f"{deploy_with}; collectives measured with {where}{variants}{unsure}"
@@ -164,29 +219,35 @@ def bandwidth_figures(record: NcclTuningRecord) -> list[go.Figure]:
     ]
 
 
+def passes(record: NcclTuningRecord) -> list[tuple[str, ab.AbResult]]:
+    """The A/B's passes, each with the weights it ran on: dummy first (ab_on_dummy), then real."""
+    found = [("dummy", record.rehearsed.dummy)] if record.rehearsed else []
+    return found + ([("real", record.ab)] if record.ab else [])
+
+
 def relaunch_table(record: NcclTuningRecord) -> pd.DataFrame:
-    """Each relaunch of the A/B: what it was expected to cost and what it took."""
-    if not record.ab or not record.ab.cost:
-        return pd.DataFrame()
-    return pd.DataFrame(
-        [
-            {
-                "relaunch": r.name,
-                "expected s": round(r.expected_s),
-                "took s": "failed to start" if r.seconds_to_ready is None else round(r.seconds_to_ready),
-                "compile cache": r.compile_cache or "not used",
-            }
-            for r in record.ab.cost.relaunches
-        ]
-    )
+    """Each relaunch of the A/B, on which weights: what it was expected to cost and what it took."""
+    rows = [
+        {
+            "weights": weights,
+            "relaunch": r.name,
+            "expected s": round(r.expected_s),
+            "took s": "failed to start" if r.seconds_to_ready is None else round(r.seconds_to_ready),
+            "compile cache": r.compile_cache or "not used",
+        }
+        for weights, result in passes(record)
+        if result.cost
+        for r in result.cost.relaunches
+    ]
+    return pd.DataFrame(rows).set_index(["weights", "relaunch"]) if rows else pd.DataFrame()
 
 
 def ab_table(record: NcclTuningRecord) -> pd.DataFrame:
-    """The A/B in percent, each change beside the baseline's noise band that decides its verdict."""
-    if not record.ab:
-        return pd.DataFrame()
+    """The A/B in percent, each change beside the baseline's noise band that decides its verdict; with
+    ab_on_dummy, the dummy-weight pass's rows above the real pass's."""
     rows = [
         {
+            "weights": weights,
             "variant": r.variant,
             "streams": r.concurrency,
             "verdict": r.verdict,
@@ -197,18 +258,22 @@ def ab_table(record: NcclTuningRecord) -> pd.DataFrame:
             "variant tok/s": round(r.variant_median) if r.variant_median else None,
             "cause": r.cause,
         }
-        for r in record.ab.rows
+        for weights, result in passes(record)
+        for r in result.rows
     ]
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).set_index(["weights", "variant", "streams"]) if rows else pd.DataFrame()
 
 
 def ab_figure(record: NcclTuningRecord) -> go.Figure | None:
     table = ab_table(record)
     if table.empty or table["change, %"].isna().all():
         return None
-    table = table.dropna(subset=["change, %"]).rename(
-        columns={"change, %": "change %", "noise band, ± %": "noise %", "streams": "concurrency"}
+    table = (
+        table.reset_index()
+        .dropna(subset=["change, %"])
+        .rename(columns={"change, %": "change %", "noise band, ± %": "noise %", "streams": "concurrency"})
     )
+    table["variant"] = table["variant"] + " (" + table["weights"] + " weights)"
     return px.bar(
         table,
         x="variant",
