@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from servebook import client, levels, loadgen, metrics, remote, server, serving, startup
 from servebook.client import Target
-from servebook.errors import AbFailed, LaunchError, ServebookError
+from servebook.errors import AbFailed, LaunchError, PreflightError, ServebookError
 from servebook.params import AbVariant
 
 MIN_NOISE = 0.02  # never call a difference under 2 % a win, however quiet the baseline was
@@ -268,13 +268,30 @@ def run(
     ``start`` (seconds and where from: the launch stage's measured start) and ``compile_miss_s`` price the
     relaunches before the first."""
     samples: dict[str, dict[int, list[float]]] = {}
-    failures: dict[str, str] = {}
-    order = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in variants] + [(BASELINE, base)]
-    cost = price(base, order, start, compile_miss_s)
+    failures = refused(base, variants, log)
+    viable = [v for v in variants if v.name not in failures]
+    order = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in viable] + [(BASELINE, base)]
+    cost = price(base, order if viable else [], start, compile_miss_s)
+    if not viable:  # nothing to compare: no server is started or stopped for it
+        log("A/B: every variant refused before any start; the running server is left as it is")
+        return _result(variants, samples, failures, plan, cost)
     log(f"A/B: {cost.describe()}")
     steps = [Step(name, cfg, cost.relaunches[i - 1] if i else None, i) for i, (name, cfg) in enumerate(order)]
     _run_steps(steps, log_dir, plan, samples, failures, log=log, across_nodes=across_nodes)
     return _result(variants, samples, failures, plan, cost)
+
+
+def refused(base: server.ServerConfig, variants: list[AbVariant], log: Callable[[str], None]) -> dict[str, str]:
+    """Variants vLLM's parser refuses (an unknown flag or variable), each with vLLM's message: found in a second,
+    before any server is stopped or started for them."""
+    found = {}
+    for v in variants:
+        try:
+            server.check_command(variant_config(base, v))
+        except PreflightError as exc:
+            found[v.name] = " ".join(str(exc).split())[:600]
+            log(f"A/B {v.name}: refused before any start: {found[v.name]}")
+    return found
 
 
 def _result(
@@ -411,6 +428,10 @@ def run_rehearsed(
        samples from before and after, as in :func:`run`. Without such a variant, only the real baseline is
        started again (the server the later stages use). Real relaunches: two, or one, instead of one per variant."""
     samples: dict[str, dict[int, list[float]]] = {}
+    if len(refused(base, variants, log=lambda _m: None)) == len(variants):  # the dummy pass says which and why
+        nothing = run(dummy.make(base), variants, log_dir / "dummy", plan, log=lambda m: log(f"dummy weights: {m}"))
+        no_cost = price(base, [], start, compile_miss_s)
+        return RehearsedAb(dummy=nothing, real=_result([], {}, {}, plan, no_cost), winner="", routing=dummy.routing)
     failures: dict[str, str] = {}
     first = [Step(BASELINE, base, None, 0)]
     log("A/B: the running server measured as it is, then every variant rehearsed on dummy weights")

@@ -239,6 +239,7 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
     max_num_batched_tokens: int = typer.Option(0, min=0, help="tokens per step (the profile run's size); 0: vLLM's"),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="no torch.compile and no CUDA graphs"),
     as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON, with each node's command"),
+    wide: bool = typer.Option(False, "--wide", help="every column of the table (about 300 characters wide)"),
 ) -> None:
     """Which TP/PP/DP/EP layouts vLLM accepts for a model on N GPUs, memory per GPU, KV tokens, a recommendation.
 
@@ -246,7 +247,7 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
     """
     from servebook import gpus as gpu_specs
     from servebook import params, planner
-    from servebook.stages.plan import bands_text, defaults_text, make_plan, node_commands_text, table
+    from servebook.stages.plan import bands_text, defaults_text, make_plan, node_commands_text, table, terminal_table
 
     if model.endswith((".yaml", ".yml")):
         _fail(
@@ -280,7 +281,8 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
         return
     where = f"{nodes} nodes of {gpus_} x {g.name} ({interconnect})" if nodes > 1 else f"{gpus_} x {g.name}"
     typer.echo(f"{result.model.architecture} on {where}; weights {result.weights_total_bytes / 1e9:,.1f} GB")
-    typer.echo(table(result).drop(columns=["why not"]).to_string(index=False))
+    shown = table(result).drop(columns=["why not"]) if wide else terminal_table(result)
+    typer.echo(shown.to_string(index=False))
     for layout in result.layouts:
         if layout.reasons:
             typer.echo(f"{layout.name}: {layout.reasons[0]}")

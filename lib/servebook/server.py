@@ -156,14 +156,12 @@ class Preflight(BaseModel):
     seconds: float = 0.0
 
 
-def preflight(cfg: ServerConfig, stop_leftovers: bool = False, log: Callable[[str], None] = print) -> Preflight:
-    """Checks before any process starts, each refusing with the holder named and the fix."""
-    report = Preflight()
-    start = time.monotonic()
+def check_command(cfg: ServerConfig) -> float:
+    """What vLLM's own parser says of the command and its environment, before anything starts (seconds it took);
+    a refusal raises :class:`PreflightError` with vLLM's message and the fix."""
     if conflicts := cfg.conflicts():
         raise PreflightError("nothing started:\n  - " + "\n  - ".join(conflicts))
     parsed = vllm_compat.parse_serve_args(cfg.model_path, cfg.serve_args())
-    report.parse_seconds = round(parsed.seconds, 2)
     if not parsed.ok:
         raise PreflightError(
             f"vLLM {vllm_compat.vllm_version()} rejects the serving command (found in {parsed.seconds:.1f} s, nothing started):\n"
@@ -172,7 +170,14 @@ def preflight(cfg: ServerConfig, stop_leftovers: bool = False, log: Callable[[st
     env_problems = vllm_compat.unknown_vllm_env(list(cfg.extra_env), parsed.known_env)
     if env_problems:
         raise PreflightError("unknown vLLM environment variables, nothing started:\n  - " + "\n  - ".join(env_problems))
+    return round(parsed.seconds, 2)
 
+
+def preflight(cfg: ServerConfig, stop_leftovers: bool = False, log: Callable[[str], None] = print) -> Preflight:
+    """Checks before any process starts, each refusing with the holder named and the fix."""
+    report = Preflight()
+    start = time.monotonic()
+    report.parse_seconds = check_command(cfg)
     _check_port(cfg, stop_leftovers, report, log)
     if report.reuse:
         return report

@@ -100,14 +100,24 @@ def with_load_choice(cfg: server_config.ServerConfig, choice: loadpath.LoadChoic
     )
 
 
-def learn(plan: planner.Plan, planned: planner.Layout | None, values: LogValues, source: str) -> None:
+def learn(
+    plan: planner.Plan,
+    planned: planner.Layout | None,
+    values: LogValues,
+    source: str,
+    throughput: dict[str, float] | None = None,
+    prompt_ratio: float = 1.0,
+) -> None:
     """Keep what a GPU start of a planned layout showed in the plan history (:mod:`servebook.planner.truth`), so
-    the next plan of the same signature on this GPU and vLLM starts from it; CPU plans size no reserve."""
+    the next plan of the same signature on this GPU and vLLM starts from it; with ``throughput`` (concurrency ->
+    output tok/s, measured with ``prompt_ratio`` prompt tokens per output token), its forecast too. CPU plans size
+    no reserve."""
     if planned is None or plan.device.kind == "cpu" or not values.kv_cache_tokens or not planned.signature:
         return
     planner.truth.remember(
         planner.truth.learned(
             planned, plan.device.name, values.vllm_version or plan.vllm_version, source,  # type: ignore[arg-type]
-            values.kv_cache_tokens, weight_gib=values.model_memory_gib,
+            values.kv_cache_tokens, weight_gib=values.model_memory_gib, throughput=throughput,
+            workload=planner.truth.workload_key(prompt_ratio),
         )
     )  # fmt: skip

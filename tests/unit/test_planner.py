@@ -644,3 +644,70 @@ def test_the_throughput_forecast_against_every_committed_h200_sweep(run, config,
     print(run, {c: f"{e:+.0%}" for c, e in errors.items()}, f"band ±{band:.0%}")
     assert max(abs(e) for e in errors.values()) <= band
     assert band <= 0.15 or planned.bands["forecast_tok_s"].provenance == "extrapolated"
+
+
+KIMI_BENCHMARK = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-kimi-tp1"
+
+
+def test_the_forecast_learns_a_measured_sweep_of_the_same_command_and_workload(tmp_path, monkeypatch):
+    """Issue #40 item 4: a benchmark's levels go to the history with the workload they were measured with; the next
+    plan of that command and workload forecasts from them (provenance measured, a narrower band), not from the
+    model; another workload, GPU or layout keeps the model's forecast."""
+    monkeypatch.setattr(planner.truth, "history_path", lambda: tmp_path / "plans.jsonl")
+    swept = json.loads((KIMI_BENCHMARK / "05_benchmark.json").read_text())["levels"]
+    levels = {str(lv["concurrency"]): lv["output_throughput"] for lv in swept}
+    first = kimi_rehearsed(0, 0)
+    modelled = first.bands["forecast_tok_s"]
+    assert modelled.provenance == "calibrated"
+    planner.truth.remember(
+        planner.truth.learned(
+            first,
+            "H200",
+            "0.25.0",
+            "benchmark",
+            first.max_kv_tokens,
+            throughput=levels,
+            workload=planner.truth.workload_key(1.0),
+        )  # fmt: skip
+    )
+    history = planner.truth.history()
+    after = kimi_rehearsed(0, 0, history)
+    learned = after.bands["forecast_tok_s"]
+    expected, within = planner.truth.tok_s_at(levels, after.batch_fit)
+    assert learned.provenance == "measured" and learned.value == pytest.approx(expected)
+    assert learned.band == (
+        planner.truth.MEASURED_FORECAST_BAND if within else planner.truth.BEYOND_MEASURED_FORECAST_BAND
+    )
+    assert learned.band < modelled.band and "by the benchmark of" in learned.basis
+    assert after.forecast[8] == pytest.approx(levels["8"]) and after.forecast[128] == pytest.approx(levels["128"])
+    print(
+        f"forecast at {after.batch_fit} streams: model {modelled.value:,.0f} ± {modelled.band:.0%}, "
+        f"learned {learned.value:,.0f} ± {learned.band:.0%} ({learned.basis})"
+    )
+    # another workload (two prompt tokens per output token) is not what was measured
+    other = planner.plan(
+        spec("kimi-k2.5-shapes-3l-int4"), h200s(1), max_model_len=8192, gpu_memory_utilization=LAUNCHED_AT,
+        serving=planner.Serving(vllm_version="0.25.0"), history=history, prompt_ratio=2.0,
+    ).layouts[0]  # fmt: skip
+    assert other.bands["forecast_tok_s"].provenance == "calibrated"
+
+
+def test_measured_levels_are_read_between_and_beyond_the_sweep():
+    levels = {"1": 400.0, "4": 1400.0, "16": 4000.0}
+    assert planner.truth.tok_s_at(levels, 4) == (1400.0, True)
+    assert planner.truth.tok_s_at(levels, 8) == (pytest.approx(2700.0), True)  # halfway on log2 from 4 to 16
+    assert planner.truth.tok_s_at(levels, 64) == (4000.0, False)  # the highest level stands in beyond the sweep
+    assert planner.truth.tok_s_at({}, 8) == (0.0, False)
+
+
+def test_the_terminal_table_fits_a_terminal_and_the_forecast_stays_under_its_ceiling():
+    """Issue #41 point 9: `servebook plan`'s table was 250 columns wide; the forecast is a share of the bandwidth
+    ceiling and never above it (on 8 GPUs the model's fixed part made it 1.2x the ceiling)."""
+    from servebook.stages.plan import terminal_table
+
+    planned = planner.plan(spec("minimax-m2.5"), h200s(8))
+    shown = terminal_table(planned).to_string(index=False)
+    assert max(len(line) for line in shown.splitlines()) <= 120, shown
+    assert {"accepted", "KV tokens", "forecast tok/s", "ceiling tok/s"} <= set(terminal_table(planned).columns)
+    for layout in planned.layouts:
+        assert layout.forecast_tok_s_batch <= layout.decode_tok_s_batch + 1e-6, layout.name

@@ -373,7 +373,7 @@ def forecast_tok_s(batch: float, ceiling_tok_s: float, prompt_ratio: float, gpus
         + FORECAST_CEILING_SHARE * batch / ceiling_tok_s
         + FORECAST_TOKEN_S * batch * (1 + prompt_ratio) / max(gpus, 1)
     )
-    return batch / step
+    return min(batch / step, ceiling_tok_s)  # never above the bandwidth ceiling it is a share of
 
 
 def _forecast(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing) -> None:
@@ -383,13 +383,38 @@ def _forecast(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing) -
         b: forecast_tok_s(b, ceiling, sizing.prompt_ratio, gpus) for b, ceiling in layout.decode_ceiling.items()
     }
     layout.forecast_tok_s_batch = forecast_tok_s(layout.batch_fit, layout.decode_tok_s_batch, sizing.prompt_ratio, gpus)
+    basis = f"at {layout.batch_fit} sequences, {sizing.prompt_ratio:g} prompt tokens per output token"
+    if _measured_forecast(layout, device, sizing, basis):
+        return
     hopper = any(g in device.name.upper() for g in truth.CALIBRATED_GPUS)
     fitted = hopper and (spec.quant.method, gpus) in FORECAST_FITTED
     prov: truth.Provenance = "calibrated" if fitted else "extrapolated"
     layout.bands["forecast_tok_s"] = truth.Band(
-        value=layout.forecast_tok_s_batch, band=FORECAST_BANDS[prov], provenance=prov,
-        basis=f"at {layout.batch_fit} sequences, {sizing.prompt_ratio:g} prompt tokens per output token",
-    )  # fmt: skip
+        value=layout.forecast_tok_s_batch, band=FORECAST_BANDS[prov], provenance=prov, basis=basis
+    )
+
+
+def _measured_forecast(layout: Layout, device: Device, sizing: Sizing, basis: str) -> bool:
+    """The forecast from the history, where this command was measured with this workload before: the measured
+    levels stand in for the model's (the ceilings stay, as upper bounds). Whether one was found."""
+    workload = truth.workload_key(sizing.prompt_ratio)
+    entry = truth.throughput_entry(list(sizing.history), layout, device.name, sizing.serving.vllm_version, workload)
+    if entry is None or not layout.signature:
+        return False
+    layout.forecast = {b: truth.tok_s_at(entry.throughput, b)[0] for b in layout.forecast}
+    value, within = truth.tok_s_at(entry.throughput, layout.batch_fit)
+    layout.forecast_tok_s_batch = value
+    top = max(int(c) for c in entry.throughput)
+    if entry.source == "rehearsal":
+        band, how = truth.REHEARSED_FORECAST_BAND, "rehearsed on dummy weights"
+    elif within:
+        band, how = truth.MEASURED_FORECAST_BAND, "measured"
+    else:
+        band, how = truth.BEYOND_MEASURED_FORECAST_BAND, f"measured up to {top} streams, its highest level"
+    layout.bands["forecast_tok_s"] = truth.Band(
+        value=value, band=band, provenance="measured", basis=f"{basis}: {how} by the {entry.source} of {entry.at[:10]}"
+    )
+    return True
 
 
 def _network_seconds(

@@ -111,7 +111,7 @@ class Measured(BaseModel):
     """One start's figures, as the plan predicted them and as vLLM reported them."""
 
     at: str
-    source: Literal["launch", "rehearsal"]
+    source: Literal["launch", "rehearsal", "benchmark"]
     signature: str
     gpu: str
     vllm: str  # major.minor
@@ -124,6 +124,7 @@ class Measured(BaseModel):
     predicted_weight_gib: float = 0.0
     weight_gib: float | None = None
     throughput: dict[str, float] = {}  # concurrency -> output tok/s measured
+    workload: str = ""  # what the throughput was measured with (workload_key), '' where none was
 
     @property
     def kv_gap_bytes(self) -> float:
@@ -168,15 +169,58 @@ def measured_entry(
     return best, best.layout == layout and best.settings == settings
 
 
+def workload_key(prompt_ratio: float) -> str:
+    """The workload a throughput was measured with, as a forecast matches it: prompt tokens per output token."""
+    return f"{prompt_ratio:.3g} prompt tokens per output token"
+
+
+# a throughput measured for the same command and workload, taken again: the spread of a sweep's level between
+# starts (the H200 table of issue #39: 8,487 to 9,976 tok/s at 64 streams on three real-weight starts)
+MEASURED_FORECAST_BAND = 0.10
+# where the batch the plan ranks at lies beyond the highest concurrency measured: the highest measured stands in
+# (a sweep ends at its plateau or the server's limit), less sure
+BEYOND_MEASURED_FORECAST_BAND = 0.20
+# a rehearsal's throughput ran on dummy weights with a routing simulation: the MoE's real routing can differ
+REHEARSED_FORECAST_BAND = 0.25
+
+
+def throughput_entry(at_hand: list[Measured], planned: Layout, gpu: str, vllm: str, workload: str) -> Measured | None:
+    """The history's throughput for this layout: same signature, GPU, vLLM version, layout, settings and
+    workload; a benchmark on real weights before a rehearsal on dummy ones, the newest among equals."""
+    same = [
+        m for m in at_hand
+        if m.throughput and m.signature == planned.signature and m.gpu == gpu and m.vllm == version_key(vllm)
+        and m.layout == planned.name and m.settings == planned.settings and m.workload == workload
+    ]  # fmt: skip
+    return max(same, key=lambda m: (m.source == "benchmark", m.at)) if same else None
+
+
+def tok_s_at(points: dict[str, float], batch: float) -> tuple[float, bool]:
+    """Output tok/s at ``batch`` streams from measured levels (concurrency as text -> tok/s): interpolated on
+    log2 of the concurrency between the levels around it, the lowest below it; beyond the highest level, the
+    highest level's. (tok/s, whether ``batch`` lies within the measured levels)."""
+    levels = sorted((int(c), v) for c, v in points.items() if v > 0)
+    if not levels:
+        return 0.0, False
+    if batch >= levels[-1][0]:
+        return levels[-1][1], batch == levels[-1][0]
+    if batch <= levels[0][0]:
+        return levels[0][1] * batch / levels[0][0], True
+    (c0, v0), (c1, v1) = next((a, b) for a, b in zip(levels, levels[1:], strict=False) if a[0] <= batch <= b[0])
+    share = (math.log2(batch) - math.log2(c0)) / (math.log2(c1) - math.log2(c0))
+    return v0 + share * (v1 - v0), True
+
+
 def learned(
     planned: Layout,
     gpu: str,
     vllm: str,
-    source: Literal["launch", "rehearsal"],
+    source: Literal["launch", "rehearsal", "benchmark"],
     kv_cache_tokens: int,
     *,
     weight_gib: float | None = None,
     throughput: dict[str, float] | None = None,
+    workload: str = "",
 ) -> Measured:
     """What a start of a planned layout showed, as the history keeps it."""
     reserve = planned.reserve
@@ -193,6 +237,7 @@ def learned(
         ) if planned.kv_bytes_per_token_per_gpu else planned.max_kv_tokens,
         kv_cache_tokens=kv_cache_tokens, predicted_terms=terms,
         predicted_weight_gib=planned.weight_bytes_per_gpu / 2**30, weight_gib=weight_gib, throughput=throughput or {},
+        workload=workload if throughput else "",
     )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from servebook import bench, datasets, multinode, planner, ratesweep, results, vllm_format
+from servebook import bench, datasets, multinode, planner, ratesweep, results, startplan, vllm_format
 from servebook.errors import ServebookError, SweepAborted
 from servebook.levels import Level, SweepConfig, off_clock
 from servebook.params import Params
@@ -72,6 +72,11 @@ def run(p: Params, run_dir: str | Path, on_level: Callable[[bench.SweepResult], 
         gone = multinode.Workers(launch.workers).gone()
         record.fault += ("; vLLM is gone on " + "; ".join(gone)) if gone else "; every worker node still runs"
     results.write(run_dir, record)
+    if plan and planned and not record.fault and not dataset:  # the next plan forecasts this layout from here
+        startplan.learn(
+            plan, planned, launch.vllm_reported, "benchmark", throughput=measured_levels(record),
+            prompt_ratio=p.bench_input_len / p.bench_output_len,
+        )  # fmt: skip
     if p.bench_request_rates and not record.fault:
         rates_cfg = rate_config(p)
         rates_cfg.dataset = cfg.dataset
@@ -81,6 +86,11 @@ def run(p: Params, run_dir: str | Path, on_level: Callable[[bench.SweepResult], 
         record.fault = record.rates.fault
         results.write(run_dir, record)
     return record
+
+
+def measured_levels(record: BenchmarkRecord) -> dict[str, float]:
+    """Output tok/s per concurrency, as the plan history keeps a sweep."""
+    return {str(level.concurrency): round(level.output_throughput, 1) for level in record.levels}
 
 
 def against_rehearsal(record: BenchmarkRecord, launch: LaunchRecord, rehearsed: RehearsalRecord | None) -> str:

@@ -232,6 +232,25 @@ def table(record: planner.Plan) -> pd.DataFrame:
     return pd.DataFrame(rows).dropna(axis=1, how="all")  # e.g. no reserve or ceilings on the CPU
 
 
+# the terminal's table: the columns a choice rests on, under short headers (the notebook and --wide show all)
+TERMINAL_COLUMNS = {
+    "layout": "layout", "vLLM accepts": "accepted", "fits": "fits", "crosses nodes": "crosses",
+    "weights GiB/GPU": "weights GiB", "KV tokens/engine": "KV tokens", "KV ± %": "±%", "max concurrency": "max conc",
+    "ceiling at that batch tok/s": "ceiling tok/s", "forecast tok/s": "forecast tok/s", "forecast ± %": "±% ",
+    "figures from": "from",
+}  # fmt: skip
+
+
+def terminal_table(record: planner.Plan) -> pd.DataFrame:
+    """The plan's table narrowed to what fits a terminal (about 120 columns)."""
+    full = table(record)
+    narrow = full[[c for c in TERMINAL_COLUMNS if c in full.columns]].rename(columns=TERMINAL_COLUMNS)
+    for column in ("accepted", "fits"):
+        if column in narrow:
+            narrow[column] = narrow[column].map({True: "yes", False: "no"})
+    return narrow
+
+
 def _band_pct(layout: planner.Layout, figure: str) -> float | None:
     band = layout.bands.get(figure)
     return round(100 * band.band, 1) if band and band.band < 9 else None

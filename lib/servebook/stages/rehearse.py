@@ -123,7 +123,11 @@ def run(
             found = runner.rehearse(spec, leader(record))
             record.candidates.append(found)
             if plan and runner.last_values:
-                startplan.learn(plan, spec.predicted, runner.last_values, "rehearsal")
+                startplan.learn(
+                    plan, spec.predicted, runner.last_values, "rehearsal",
+                    throughput={str(pt.concurrency): pt.output_tok_s for pt in found.points} if found.routing else None,
+                    prompt_ratio=p.bench_input_len / p.bench_output_len,
+                )  # fmt: skip
             _decide(record)
             _keep(run_dir, record, started, on_candidate)
         _skewed(p, record, specs, runner)
