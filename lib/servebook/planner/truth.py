@@ -184,13 +184,24 @@ BEYOND_MEASURED_FORECAST_BAND = 0.20
 REHEARSED_FORECAST_BAND = 0.25
 
 
+# settings that move the KV figure but not the speed once the server runs: a plan made after the launch expects a
+# compile-cache hit where the launch's own plan expected a miss
+SPEED_BLIND_SETTINGS = frozenset({"compile_cache_hit"})
+
+
+def _speed_settings(settings: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in settings.items() if k not in SPEED_BLIND_SETTINGS}
+
+
 def throughput_entry(at_hand: list[Measured], planned: Layout, gpu: str, vllm: str, workload: str) -> Measured | None:
-    """The history's throughput for this layout: same signature, GPU, vLLM version, layout, settings and
-    workload; a benchmark on real weights before a rehearsal on dummy ones, the newest among equals."""
+    """The history's throughput for this layout: same signature, GPU, vLLM version, layout, settings (those that
+    move the speed) and workload; a benchmark on real weights before a rehearsal on dummy ones, the newest among
+    equals."""
+    wanted = _speed_settings(planned.settings)
     same = [
         m for m in at_hand
         if m.throughput and m.signature == planned.signature and m.gpu == gpu and m.vllm == version_key(vllm)
-        and m.layout == planned.name and m.settings == planned.settings and m.workload == workload
+        and m.layout == planned.name and _speed_settings(m.settings) == wanted and m.workload == workload
     ]  # fmt: skip
     return max(same, key=lambda m: (m.source == "benchmark", m.at)) if same else None
 

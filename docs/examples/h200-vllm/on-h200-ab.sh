@@ -1,0 +1,50 @@
+#!/bin/bash
+# Issue 39 item 5 / issue 40 item 4 on one H200: the MiniMax-shaped FP8 mini launched and benchmarked, stage 06's
+# A/B rehearsed on dummy weights (the winner alone confirmed on the real weights), then the plan made again from
+# the history the benchmark wrote. One step per device call, from the project root there:
+#   bash docs/examples/h200-vllm/on-h200-ab.sh STEP
+#   kit0   carry .gpu/c0 (bins.part0): staged under /tmp
+#   kit1   carry .gpu/c1: the Python tree; build the MiniMax FP8 checkpoint (2 layers)
+#   kit2   carry .gpu/c2: the second kernel part
+#   go     carry .gpu/c3: kernels in place, then the run in a session of its own (it outlives the call)
+#   wait   keep the machine while the run goes on (WAIT_S, default 560 s), then bring back what is done
+set -uo pipefail
+STEP=$1; EX=docs/examples/h200-vllm; R=/tmp/results
+case $STEP in
+kit0) mkdir -p /tmp/stage && cp .gpu/c0/* /tmp/stage/ && ls -la /tmp/stage; exit 0 ;;
+kit1) source .gpu/c1/kit/unpack.sh ;;
+*) source /tmp/kit/unpack.sh ;;
+esac
+mkdir -p $R
+pack() { tar czf "$OUT/ab.tgz" -C $R . 2>/dev/null; ls -la "$OUT"; }
+case $STEP in
+kit1)
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  python3 $EX/../h200x8/mkckpt.py $MODELS/minimax-fp8 --tokenizer /tmp/tok --shape minimax-m2.5 --layers 2 --fp8 2>&1 | tail -1
+  du -sh $MODELS/*; sync ;;
+kit2) ls $STAGE ;;
+go)
+  servebook stop >/dev/null 2>&1
+  cat > /tmp/run-all.sh <<SCRIPT
+set -u
+cd $PWD
+source /tmp/kit/unpack.sh >/dev/null 2>&1
+echo "=== run \$(date +%T)"
+SERVEBOOK_OUTPUTS=$R/run servebook run $EX/params-minimax-ab.yaml --stages plan,launch,benchmark,nccl_tuning 2>&1 | cut -c1-400
+cp outputs/servers/*.log $R/run/ 2>/dev/null
+servebook stop 2>&1 | tail -1
+echo "=== plan again \$(date +%T)"
+SERVEBOOK_OUTPUTS=$R/again servebook run $EX/params-minimax-ab.yaml --stages plan 2>&1 | cut -c1-400
+cp \$(python3 -c "from servebook.planner import truth; print(truth.history_path())") $R/plans.jsonl
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
+echo "=== done \$(date +%T)"
+SCRIPT
+  setsid bash /tmp/run-all.sh > $R/console.log 2>&1 < /dev/null &
+  sleep 20; tail -5 $R/console.log ;;
+wait)
+  end=$((SECONDS + ${WAIT_S:-560}))
+  while [ $SECONDS -lt $end ] && ! grep -q "=== done" $R/console.log; do sleep 5; done
+  grep -v "^    \[" $R/console.log | tail -40 | cut -c1-300
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  pack ;;
+esac
