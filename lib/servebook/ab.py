@@ -260,8 +260,10 @@ def run(
     across_nodes: AcrossNodes | None = None,
     start: tuple[float, str] = (0.0, "not measured"),
     compile_miss_s: float = 0.0,
+    fresh: bool = False,
 ) -> AbResult:
     """Baseline, each variant, baseline again; return samples, noise bands and verdicts. Leaves the baseline running.
+    ``fresh``: no server of the baseline runs yet (the dummy-weight pass), so its first start is priced too.
 
     ``across_nodes`` (``multinode.prepare`` for the run's nodes) turns each configuration into the head's and the
     other nodes' commands, so a variant's flags and environment reach every node, as NCCL settings must.
@@ -271,12 +273,16 @@ def run(
     failures = refused(base, variants, log)
     viable = [v for v in variants if v.name not in failures]
     order = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in viable] + [(BASELINE, base)]
-    cost = price(base, order if viable else [], start, compile_miss_s)
+    priced = [(BASELINE, base), *order] if fresh else order  # price() prices every start after the first
+    cost = price(base, priced if viable else [], start, compile_miss_s)
     if not viable:  # nothing to compare: no server is started or stopped for it
         log("A/B: every variant refused before any start; the running server is left as it is")
         return _result(variants, samples, failures, plan, cost)
     log(f"A/B: {cost.describe()}")
-    steps = [Step(name, cfg, cost.relaunches[i - 1] if i else None, i) for i, (name, cfg) in enumerate(order)]
+    shift = 0 if fresh else 1
+    steps = [
+        Step(name, cfg, cost.relaunches[i - shift] if i >= shift else None, i) for i, (name, cfg) in enumerate(order)
+    ]
     _run_steps(steps, log_dir, plan, samples, failures, log=log, across_nodes=across_nodes)
     return _result(variants, samples, failures, plan, cost)
 
@@ -448,6 +454,7 @@ def run_rehearsed(
         across_nodes=across_nodes,
         start=dummy.start,
         compile_miss_s=compile_miss_s,
+        fresh=True,
     )
     winner = promising(rehearsed)
     chosen = [v for v in variants if v.name == winner]

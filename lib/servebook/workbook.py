@@ -51,7 +51,7 @@ class Exploration:
             "verdict": verdict + "; ".join(lay.reasons),
             "weights per GPU": f"{lay.weight_bytes_per_gpu / GiB:.2f} GiB",
             "KV tokens per engine": f"{lay.max_kv_tokens:,}",
-            "requests of max_model_len at once": f"{lay.max_concurrency:,.1f}",
+            "requests of max_model_len at once": f"{lay.max_concurrency:,.{0 if lay.max_concurrency >= 100 else 1}f}",
         }
         if lay.reserve:
             facts["vLLM's reserve per GPU"] = f"{lay.reserve.total / GiB:.2f} GiB"
@@ -88,9 +88,9 @@ class Exploration:
         if dev.kind == "cuda":
             usable = dev.memory_bytes / GiB * self.plan.gpu_memory_utilization
             fig.add_hline(y=usable, line_dash="dash", annotation_text=f"usable: {usable:.1f} GiB")
-        per = "GiB per GPU" if dev.kind == "cuda" else "GiB (the CPU's KV cache is fixed: cpu_kv_cache_gib)"
+        per = "GiB per GPU" if dev.kind == "cuda" else "GiB (fixed KV: cpu_kv_cache_gib)"
         fig.update_layout(
-            barmode="stack", height=380, width=540, yaxis_title=per, margin={"t": 70, "r": 10},
+            barmode="stack", height=380, width=540, yaxis_title=per, margin={"t": 70, "r": 10, "l": 70},
             title={"text": f"{lay.name}, max_model_len {self.plan.max_model_len:,}", "x": 0.02, "y": 0.97},
         )  # fmt: skip
         return fig
@@ -178,6 +178,30 @@ def _redraw(widget: go.FigureWidget, fresh: go.Figure) -> None:
         widget.layout = fresh.layout
 
 
+def _explorer_controls(record: PlanRecord, p: Params, names: list[str], start: planner.Parallelism) -> tuple[Any, ...]:
+    """The explorer's four inputs: layout, max_model_len, gpu_memory_utilization, KV-cache dtype."""
+    import ipywidgets as widgets
+
+    # the parameters' own names, whole (never "max_mod…"), and room left for the slider
+    label = {"style": {"description_width": "13em"}, "layout": widgets.Layout(width="30em")}
+    layout_box = widgets.Dropdown(
+        options=names, value=start.name if start.name in names else (names[0] if names else None),
+        description="layout", **label,
+    )  # fmt: skip
+    length_box = widgets.SelectionSlider(
+        options=_lengths(p, record), value=p.max_model_len, description="max_model_len", continuous_update=False,
+        **label,
+    )  # fmt: skip
+    memory_box = widgets.FloatSlider(
+        value=p.gpu_memory_utilization, min=0.5, max=0.98, step=0.01, description="gpu_memory_utilization",
+        continuous_update=False, readout_format=".2f", **label,
+    )  # fmt: skip
+    dtype_box = widgets.Dropdown(
+        options=list(get_args(KV_CACHE_DTYPES)), value=p.kv_cache_dtype, description="kv_cache_dtype", **label
+    )
+    return layout_box, length_box, memory_box, dtype_box
+
+
 def plan_explorer(record: PlanRecord, p: Params, run_dir: str | Path, verdict: str = "") -> Any:
     """The layout explorer (ipywidgets): layout, max_model_len, gpu_memory_utilization and KV-cache dtype in; the
     memory bars, KV tokens, concurrency at full context, decode ceilings and the exact command out.
@@ -190,19 +214,7 @@ def plan_explorer(record: PlanRecord, p: Params, run_dir: str | Path, verdict: s
     accepted = [lay for lay in record.layouts if lay.accepted]
     start = record.layout_for_launch or planner.Parallelism.of(p)
     names = [lay.name for lay in accepted]
-    layout_box = widgets.Dropdown(
-        options=names, value=start.name if start.name in names else (names[0] if names else None), description="layout"
-    )
-    length_box = widgets.SelectionSlider(
-        options=_lengths(p, record), value=p.max_model_len, description="max_model_len", continuous_update=False
-    )
-    memory_box = widgets.FloatSlider(
-        value=p.gpu_memory_utilization, min=0.5, max=0.98, step=0.01, description="gpu_mem_util",
-        continuous_update=False, readout_format=".2f",
-    )  # fmt: skip
-    dtype_box = widgets.Dropdown(
-        options=list(get_args(KV_CACHE_DTYPES)), value=p.kv_cache_dtype, description="kv dtype"
-    )
+    layout_box, length_box, memory_box, dtype_box = _explorer_controls(record, p, names, start)
     figure = go.FigureWidget()
     facts = widgets.HTML()
     command = widgets.HTML()
