@@ -47,11 +47,43 @@ def errors_as_one_line() -> None:
     shell._servebook_errors_as_one_line = True
 
 
+def frame_html(frame: Any) -> str:
+    """A DataFrame as a notebook shows it, without the column of row numbers (0, 1, 2, …) pandas adds when the
+    rows have no index of their own: a reader takes it for data. An index that names something is kept."""
+    import pandas as pd
+
+    numbered = isinstance(frame.index, pd.RangeIndex) and frame.index.name is None
+    if not numbered:
+        return str(frame._repr_html_())
+    return str(
+        frame.to_html(
+            index=False, max_rows=pd.get_option("display.max_rows"), max_cols=pd.get_option("display.max_columns"),
+            show_dimensions=False, notebook=True,
+        )
+    )  # fmt: skip
+
+
+def tables_without_row_numbers() -> None:
+    """Every DataFrame a notebook displays goes through :func:`frame_html`."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    import pandas as pd
+
+    shell.display_formatter.formatters["text/html"].for_type(pd.DataFrame, frame_html)
+
+
 def notebook_params(namespace: dict[str, Any], target: str = "p") -> params_mod.Params:
     """A notebook's parameters (its cell, filled from ``params_file``); with ``interactive``, a picker over the
     params files that sets ``params_file`` and ``target`` in the notebook for the cells below. Every notebook
-    calls it first: from here on servebook's errors read as one line (:func:`errors_as_one_line`)."""
+    calls it first: from here on servebook's errors read as one line (:func:`errors_as_one_line`) and tables show
+    no row numbers (:func:`tables_without_row_numbers`)."""
     errors_as_one_line()
+    tables_without_row_numbers()
     found = params_mod.notebook_params(namespace)
     if not found.params.interactive:
         print(found.describe())
