@@ -232,7 +232,8 @@ class Pipeline:
         entry.summary = mask(stage_summary(stage, self.run_dir), self.secrets)
         _scrub_notebook(out, self.secrets)
         first_line = entry.error.splitlines()[0] if entry.error else ""
-        said = f": {first_line}" if entry.status == "failed" else (f": {entry.summary}" if entry.summary else "")
+        plain = entry.summary.replace("**", "")  # the report renders the summary's Markdown; a terminal would not
+        said = f": {first_line}" if entry.status == "failed" else (f": {plain}" if plain else "")
         self.log(f"[{n}/{total}] {stage.record.FILE} {entry.status} in {entry.seconds:.1f} s{said}")
         return entry, exit_code
 

@@ -86,7 +86,8 @@ def notebook_params(namespace: dict[str, Any], target: str = "p") -> params_mod.
     tables_without_row_numbers()
     found = params_mod.notebook_params(namespace)
     if not found.params.interactive:
-        print(found.describe())
+        if found.params_file:  # under `servebook run` the runner fills the cell from its params file: nothing to add
+            print(found.describe())
         return found.params
 
     import ipywidgets as widgets

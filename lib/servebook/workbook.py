@@ -443,7 +443,10 @@ def run_picker(namespace: dict[str, Any], roots: list[str | Path], target: str =
         options=options, value=chosen, rows=min(12, max(4, len(options))), description="runs",
         layout=widgets.Layout(width="60em"),
     )  # fmt: skip
-    note = widgets.HTML(f"{len(options)} runs found under {', '.join(map(str, roots))}; pick two or more")
+    note = widgets.HTML(
+        f"{len(options)} runs found under {', '.join(map(str, roots))}; pick two or more "
+        "(Ctrl-click or Shift-click adds to the choice)"
+    )
 
     def picked(change: dict[str, Any]) -> None:
         namespace[target] = list(change["new"])

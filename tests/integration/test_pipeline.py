@@ -45,6 +45,9 @@ def test_pipeline_runs_every_stage_against_a_keyed_server_and_stops_it(tmp_path)
     assert run_dir.parent == tmp_path / "outputs" and run_dir.name.endswith("-ci")
     # never silent, never alarming: each stage's own lines stream indented under it, kernels talk over IPC
     assert "    starting vLLM" in proc.stdout and "    concurrency    1 repeat 1" in proc.stdout
+    stage_lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert stage_lines and not any("**" in line for line in stage_lines)  # the summaries' Markdown is the report's
+    assert "params_file is empty" not in proc.stdout  # the runner fills each cell from the params file
     assert "running over TCP without encryption" not in proc.stderr
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "ok" and manifest["params"]["port"] == 8141
