@@ -37,7 +37,6 @@ smoke_max_tokens: int = 32  # tokens per smoke-test answer (the streamed one is 
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%
-import pandas as pd
 from IPython.display import display
 
 from servebook import ui
@@ -45,7 +44,7 @@ from servebook.stages import smoke_test as stage
 
 p = ui.notebook_params(globals())
 smoke = stage.run(p, run_dir)
-display(pd.DataFrame([c.model_dump() for c in smoke.checks]))
+display(stage.checks_table(smoke))
 
 # %% [markdown]
 # ## Answers
@@ -64,7 +63,7 @@ print(stage.stream_text(smoke.stream))
 # ## Server gauges
 
 # %%
-display(pd.Series(smoke.metrics, name="value").to_frame())
+display(stage.gauges_table(smoke))
 
 # %%
 stage.check(smoke, p)

@@ -40,3 +40,18 @@ def test_a_real_fault_still_fails():
         assert "stream honours max_tokens" in str(exc)
     else:
         raise AssertionError("a broken stream passed")
+
+
+def test_the_tables_say_passed_warning_or_failed_and_count_in_whole_numbers():
+    """Issue #41 point 9: the checks read `True`, the counters `92.0`."""
+    shown = record(
+        client.Check(check="models lists the served name", ok=True, detail="m"),
+        client.Check(check="deterministic at temperature 0", ok=False, warning=True, detail="differs"),
+        client.Check(check="usage counts the tokens", ok=False, detail="none"),
+    ).model_copy(update={"metrics": {"prompt_tokens_total": 92.0, "gpu_cache_usage_perc": 0.25}})
+    checks = smoke_test.checks_table(shown)
+    assert list(checks["result"]) == ["passed", "warning", "failed"] and checks.index.name == "check"
+    gauges = smoke_test.gauges_table(shown)
+    assert (
+        str(gauges.loc["prompt_tokens_total", "value"]) == "92" and gauges.loc["gpu_cache_usage_perc", "value"] == 0.25
+    )

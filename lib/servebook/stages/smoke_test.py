@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
+
 from servebook import client, results
 from servebook.params import Params
 from servebook.records import LaunchRecord, SmokeTestRecord
@@ -50,3 +52,18 @@ def summary(record: SmokeTestRecord) -> str:
     if warned := record.warnings():
         verdict += f", with a warning: {warned[0].check} — no ({warned[0].detail})"
     return f"{verdict}; one stream: TTFT {s.ttft_ms:.0f} ms{decode}"
+
+
+def checks_table(record: SmokeTestRecord) -> pd.DataFrame:
+    """Each check with its result in words (passed, a warning, failed) and what it saw."""
+    rows = [
+        {"check": c.check, "result": "passed" if c.ok else ("warning" if c.warning else "failed"), "detail": c.detail}
+        for c in record.checks
+    ]
+    return pd.DataFrame(rows).set_index("check") if rows else pd.DataFrame()
+
+
+def gauges_table(record: SmokeTestRecord) -> pd.DataFrame:
+    """vLLM's gauges and counters after the test, counts as whole numbers."""
+    shown = {name: int(v) if isinstance(v, float) and v.is_integer() else v for name, v in record.metrics.items()}
+    return pd.DataFrame({"value": list(shown.values())}, index=pd.Index(list(shown), name="metric"), dtype=object)
