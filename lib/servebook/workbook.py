@@ -281,8 +281,8 @@ SWEEP_CONTROLS: dict[str, tuple[str, str, Any]] = {
     "bench_min_level_s": ("window ≥ s", "float", None),
     "bench_repeats": ("repeats", "choice", [1, 2, 3, 4, 5]),
     "bench_plateau_gain": ("plateau gain", "float", None),
-    "bench_ttft_slo_ms": ("TTFT SLO ms (0: none)", "float", None),
-    "bench_tpot_slo_ms": ("TPOT SLO ms (0: none)", "float", None),
+    "bench_ttft_slo_ms": ("TTFT SLO, ms (0: none)", "float", None),
+    "bench_tpot_slo_ms": ("TPOT SLO, ms (0: none)", "float", None),
 }
 
 
@@ -314,7 +314,7 @@ def sweep_controls(namespace: dict[str, Any], target: str = "p") -> Any:
     boxes = []
     for name, (label, kind, options) in SWEEP_CONTROLS.items():
         value = getattr(namespace[target], name)
-        style = {"description_width": "11em"}
+        style = {"description_width": "13em"}
         box: Any
         if kind == "choice":
             box = widgets.Dropdown(options=options if value in options else [*options, value], value=value)
@@ -322,7 +322,7 @@ def sweep_controls(namespace: dict[str, Any], target: str = "p") -> Any:
             box = widgets.BoundedIntText(value=value, min=0, max=1 << 20)
         else:
             box = widgets.BoundedFloatText(value=value, min=0, max=1e6)
-        box.description, box.style, box.layout = label, style, widgets.Layout(width="22em")
+        box.description, box.style, box.layout = label, style, widgets.Layout(width="25em")
 
         def changed(change: dict[str, Any], name: str = name) -> None:
             try:
