@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from servebook import hardware, loadgen, models, vllm_compat
+from servebook import hardware, loadgen, models, serving, vllm_compat
 from servebook.errors import DatasetError, ServebookError
 from servebook.params import Params
 from servebook.server_config import ServerConfig
@@ -61,8 +61,7 @@ def plan_problems(p: Params, cfg: ServerConfig) -> list[str]:
         more = f" (and {len(judged.reasons) - 1} more rule(s))" if len(judged.reasons) > 1 else ""
         found.append(
             f"layout {judged.name}: vLLM refuses it for this model: {judged.reasons[0]}{more}; set "
-            "tensor_parallel_size, pipeline_parallel_size, data_parallel_size and enable_expert_parallel to a "
-            "layout `servebook plan` lists as accepted"
+            f"{', '.join(serving.LAYOUT[:-1])} and {serving.LAYOUT[-1]} to a layout `servebook plan` lists as accepted"
         )
     return found
 

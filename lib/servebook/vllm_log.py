@@ -93,7 +93,7 @@ ROOT_CAUSES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"(Address already in use.*|\[Errno 98\].*)"), "port already in use"),
     (
         re.compile(r"(Total number of attention heads .* must be divisible by tensor parallel size .*)"),
-        "tensor_parallel_size does not divide the attention heads",
+        "the tensor-parallel size does not divide the attention heads",
     ),
     # the last line of a traceback: an exception name at the start, after vLLM's "(EngineCore pid=N)" prefix
     (re.compile(r"^(?:\(\S+ pid=\d+\)\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)"), "exception while starting"),

@@ -214,3 +214,14 @@ def test_no_function_of_the_library_is_longer_than_80_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} {lines} lines")
     assert long == [], f"split these below {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_the_layout_and_loose_mappings_stay_in_few_places():
+    """Issue #38's limits: the layout's field names spelled in at most 4 library files (the rest read
+    ``serving.LAYOUT``), and at most 25 ``dict[str, Any]``."""
+    from servebook import serving
+
+    sources = {p: p.read_text() for p in (REPO / "lib" / "servebook").rglob("*.py")}
+    spelled = sorted(p.name for p, text in sources.items() if any(name in text for name in serving.LAYOUT[:3]))
+    assert len(spelled) <= 4, spelled
+    assert sum(text.count("dict[str, Any]") for text in sources.values()) <= 25
