@@ -29,7 +29,11 @@ def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path)
     data = bench.sweep(shared_server.config.target(), shared_server.config.model_path, cfg, tmp_path)
     assert data.fault == "" and [level.concurrency for level in data.levels] == [1, 2, 4]
     # a 2-core machine's API server may deliver answers in bursts, which the sweep rightly warns of; nothing else
-    others = [w for w in data.warnings if not w.startswith("the client's mean TPOT is off vLLM's own clock")]
+    # and a busy host (other processes' CPU) is the machine's state, said as such, not the sweep's fault
+    others = [
+        w for w in data.warnings
+        if not w.startswith(("the client's mean TPOT is off vLLM's own clock", "the host was busy"))
+    ]  # fmt: skip
     assert data.length_mismatches.input == data.length_mismatches.output == 0 and others == []
     assert data.best.output_throughput > 0 and data.single_stream.per_user_tok_s > 0
     assert all(level.repeats == 2 and level.failed == 0 for level in data.levels)
