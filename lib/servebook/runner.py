@@ -43,6 +43,9 @@ class IpcKernelManager(AsyncKernelManager):
     encryption" warning in every batch run."""
 
     socket_dir: Path | None = None  # one private folder per process, removed at exit
+    # where a kernel process's own stderr goes (the cells' output travels over its sockets, not there): an
+    # interrupted run closes the sockets under a kernel still answering, and its zmq traceback belongs in a log
+    log_path: Path | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -51,6 +54,13 @@ class IpcKernelManager(AsyncKernelManager):
             atexit.register(shutil.rmtree, IpcKernelManager.socket_dir, True)
         self.transport = "ipc"
         self.ip = str(IpcKernelManager.socket_dir / "kernel")
+
+    async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+        if IpcKernelManager.log_path is None:
+            return await super()._async_launch_kernel(kernel_cmd, **kw)
+        with open(IpcKernelManager.log_path, "ab") as log:  # the kernel keeps its own copy of the descriptor
+            kw.setdefault("stderr", log)
+            return await super()._async_launch_kernel(kernel_cmd, **kw)
 
 
 RUNNER_PARAMS = set(params_mod.RUNNER_PARAMETERS)  # set by the runner, never by a params file
@@ -208,6 +218,7 @@ class Pipeline:
         start = self.current_start = time.monotonic()
         entry = StageRun(name=stage.record.FILE, status="ok", started_s=round(start - self.run_start, 1))
         exit_code = 0
+        IpcKernelManager.log_path = self.run_dir / "kernels.log"
         try:
             pm.execute_notebook(
                 str(notebook_of(stage)), str(out), parameters=values, kernel_name="python3",
