@@ -270,21 +270,34 @@ def run(
     ``start`` (seconds and where from: the launch stage's measured start) and ``compile_miss_s`` price the
     relaunches before the first."""
     samples: dict[str, dict[int, list[float]]] = {}
-    failures = refused(base, variants, log)
-    viable = [v for v in variants if v.name not in failures]
+    others = different(base, variants, log)
+    failures = refused(base, others, log)
+    viable = [v for v in others if v.name not in failures]
     order = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in viable] + [(BASELINE, base)]
     priced = [(BASELINE, base), *order] if fresh else order  # price() prices every start after the first
     cost = price(base, priced if viable else [], start, compile_miss_s)
     if not viable:  # nothing to compare: no server is started or stopped for it
-        log("A/B: every variant refused before any start; the running server is left as it is")
-        return _result(variants, samples, failures, plan, cost)
+        log("A/B: no variant left to compare (refused, or the baseline itself); the running server is left as it is")
+        return _result(others, samples, failures, plan, cost)
     log(f"A/B: {cost.describe()}")
     shift = 0 if fresh else 1
     steps = [
         Step(name, cfg, cost.relaunches[i - shift] if i >= shift else None, i) for i, (name, cfg) in enumerate(order)
     ]
     _run_steps(steps, log_dir, plan, samples, failures, log=log, across_nodes=across_nodes)
-    return _result(variants, samples, failures, plan, cost)
+    return _result(others, samples, failures, plan, cost)
+
+
+def different(base: server.ServerConfig, variants: list[AbVariant], log: Callable[[str], None]) -> list[AbVariant]:
+    """The variants that start another server than the baseline: one the launch already runs (the rehearsal picked
+    that setting) would only measure the noise, and costs a start."""
+    kept = []
+    for v in variants:
+        if variant_config(base, v).fingerprint() == base.fingerprint():
+            log(f"A/B {v.name}: the baseline already runs it (the launch took this setting); not compared")
+        else:
+            kept.append(v)
+    return kept
 
 
 def refused(base: server.ServerConfig, variants: list[AbVariant], log: Callable[[str], None]) -> dict[str, str]:
@@ -434,7 +447,8 @@ def run_rehearsed(
        samples from before and after, as in :func:`run`. Without such a variant, only the real baseline is
        started again (the server the later stages use). Real relaunches: two, or one, instead of one per variant."""
     samples: dict[str, dict[int, list[float]]] = {}
-    if len(refused(base, variants, log=lambda _m: None)) == len(variants):  # the dummy pass says which and why
+    others = different(base, variants, log=lambda _m: None)
+    if len(refused(base, others, log=lambda _m: None)) == len(others):  # the dummy pass says which and why
         nothing = run(dummy.make(base), variants, log_dir / "dummy", plan, log=lambda m: log(f"dummy weights: {m}"))
         no_cost = price(base, [], start, compile_miss_s)
         return RehearsedAb(dummy=nothing, real=_result([], {}, {}, plan, no_cost), winner="", routing=dummy.routing)

@@ -232,3 +232,16 @@ def test_a_dummy_start_is_priced_without_the_weights_read():
     Started.timeline = timeline  # type: ignore[attr-defined]
     seconds, basis = nccl_tuning.dummy_start_cost(Started())  # type: ignore[arg-type]
     assert seconds == 360.0 and basis == "the measured start, less its weights' read (1800 s)"
+
+
+def test_a_variant_the_baseline_already_runs_is_not_started(tmp_path):
+    """The main job's rehearsal can pick the A/B's own setting for the launch: measuring it again against itself
+    costs starts and reads noise as a verdict (a `likely worse` for the same server was seen)."""
+    from servebook.server_config import ServerConfig
+
+    base = ServerConfig(model="m", model_path="/m", served_model_name="m", max_num_seqs=4)
+    said: list[str] = []
+    plan = ab.AbPlan(workload=loadgen.Workload(), concurrencies=[1, 8])
+    result = ab.run(base, [AbVariant(name="max-4-seqs", max_num_seqs=4)], tmp_path, plan, log=said.append)
+    assert result.rows == [] and result.variants == [] and result.samples == {}
+    assert any("the baseline already runs it" in line for line in said) and not list(tmp_path.iterdir())
