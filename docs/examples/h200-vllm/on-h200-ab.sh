@@ -8,15 +8,7 @@
 #   kit2   carry .gpu/c2: the second kernel part
 #   go     carry .gpu/c3: kernels in place, then the run in a session of its own (it outlives the call)
 #   wait   keep the machine while the run goes on (WAIT_S, default 560 s), then bring back what is done
-set -uo pipefail
-STEP=$1; EX=docs/examples/h200-vllm; R=/tmp/results
-case $STEP in
-kit0) mkdir -p /tmp/stage && cp .gpu/c0/* /tmp/stage/ && ls -la /tmp/stage; exit 0 ;;
-kit1) source .gpu/c1/kit/unpack.sh ;;
-*) source /tmp/kit/unpack.sh ;;
-esac
-mkdir -p $R
-pack() { tar czf "$OUT/ab.tgz" -C $R . 2>/dev/null; ls -la "$OUT"; }
+source "$(dirname "$0")/kit-steps.sh" "$1" ab
 case $STEP in
 kit1)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
@@ -41,10 +33,5 @@ echo "=== done \$(date +%T)"
 SCRIPT
   setsid bash /tmp/run-all.sh > $R/console.log 2>&1 < /dev/null &
   sleep 20; tail -5 $R/console.log ;;
-wait)
-  end=$((SECONDS + ${WAIT_S:-560}))
-  while [ $SECONDS -lt $end ] && ! grep -q "=== done" $R/console.log; do sleep 5; done
-  grep -v "^    \[" $R/console.log | tail -40 | cut -c1-300
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader
-  pack ;;
+wait) finish ;;
 esac

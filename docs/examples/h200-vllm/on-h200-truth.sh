@@ -8,14 +8,7 @@
 #   kit2   carry .gpu/c2: the second kernel part
 #   go     carry .gpu/c3: kernels in place, then truth_run.py in a session of its own (it outlives the call)
 #   wait   keep the machine while it runs (WAIT_S, default 560 s), then bring back what is done
-set -uo pipefail
-STEP=$1; EX=docs/examples/h200-vllm; R=/tmp/results
-case $STEP in
-kit0) mkdir -p /tmp/stage && cp .gpu/c0/* /tmp/stage/ && ls -la /tmp/stage; exit 0 ;;
-kit1) source .gpu/c1/kit/unpack.sh ;;
-*) source /tmp/kit/unpack.sh ;;
-esac
-mkdir -p $R
+source "$(dirname "$0")/kit-steps.sh" "$1" truth
 case $STEP in
 kit1)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
@@ -29,10 +22,5 @@ go)
   setsid bash -c "cd $PWD && source /tmp/kit/unpack.sh >/dev/null 2>&1 && python3 $EX/truth_run.py $R \
     $MODELS/dsv3-fp8-mtp $MODELS/q235-fp8; echo '=== done'" > $R/console.log 2>&1 < /dev/null &
   sleep 30; tail -5 $R/console.log ;;
-wait)
-  end=$((SECONDS + ${WAIT_S:-560}))
-  while [ $SECONDS -lt $end ] && ! grep -q "=== done" $R/console.log; do sleep 5; done
-  tail -30 $R/console.log | cut -c1-400
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader
-  tar czf "$OUT/truth.tgz" -C $R . 2>/dev/null; ls -la "$OUT" ;;
+wait) finish ;;
 esac
