@@ -39,12 +39,14 @@
 #    API key, for at least `ab_requests` requests and `bench_min_level_s` seconds. A variant is better or worse only beyond that band,
 #    or when none of its samples falls inside the baseline's range (one cold baseline window must not hide a
 #    real slowdown). A variant whose server fails to start is reported with the cause, and the sweep goes on.
-#    **With `ab_on_dummy`** (the default) the running server is measured as it is, then every variant is
+#    **With `ab_on_dummy`** the running server is measured as it is, then every variant is
 #    rehearsed on dummy weights (`--load-format dummy`, with a MoE's routing simulation, as stage 02 does): no
 #    checkpoint read per variant. Only the variant that beat the dummy baseline is started with the real weights,
 #    and judged against the real baseline measured before and after; with no such variant the real server is
 #    started once more and nothing else. A 547 GB model then pays two real starts, or one, instead of one per
-#    variant.
+#    variant. The default, `auto`, takes that path only where it saves time: the dummy pass starts two dummy
+#    baselines more, so a model whose weights load in seconds (the embedded default) is compared on its real
+#    weights; the stage says which it chose and the starts it counted.
 #
 # The recommendation is the environment to deploy with: the default, unless an environment-only variant wins.
 # NCCL's documentation files most of these variables under debugging: don't ship one without such evidence.
@@ -70,7 +72,7 @@ data_parallel_lb: str = "internal"  # data-parallel replicas across nodes: behin
 ab_concurrency: int = 32  # the high concurrency of the A/B (one stream is always measured)
 ab_requests: int = 32  # measured requests per A/B point (each window lasts bench_min_level_s too)
 ab_repeats: int = 2  # measurements per variant and concurrency
-ab_on_dummy: bool = True  # rehearse every variant on dummy weights (--load-format dummy) and relaunch the real weights only for the one that beat the dummy baseline; false relaunches the real weights for every variant
+ab_on_dummy: str = "auto"  # rehearse every variant on dummy weights (--load-format dummy) and relaunch the real weights only for the one that beat the dummy baseline; false relaunches the real weights for every variant; auto does the former only where it saves time (the weights' read makes a real start dearer than the dummy pass's extra starts)
 rehearse_routing: str = "uniform_random"  # vLLM's MoE routing simulation for dummy weights (VLLM_MOE_ROUTING_SIMULATION_STRATEGY); none: the dummy router's own, which sends most tokens to a few experts and rehearses too fast
 bench_input_len: int = 128  # prompt tokens per request
 bench_output_len: int = 128  # output tokens per request (ignore_eos)

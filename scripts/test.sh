@@ -31,10 +31,14 @@ echo "tests: ruff, mypy, nbstripout"
 .venv/bin/mypy
 .venv/bin/nbstripout --verify --extra-keys "metadata.language_info" notebooks/*.ipynb
 
+# nbval checks that every cell of every notebook runs; the keyed pipeline test runs the same notebooks through
+# papermill with an A/B variant that starts a server, so here the A/B keeps only the variant vLLM refuses (named
+# before any start) and stage 06 restarts nothing
 rm -rf build/nbval
 .venv/bin/servebook prepare params/ci.yaml --out build/nbval --set port=$nbval_port \
+  --set 'ab_variants=[{name: bogus-flag, extra_args: [--no-such-flag]}]' \
   --run-dir "$PWD/build/nbval/run" > /dev/null
 
 .venv/bin/python -m pytest tests build/nbval --nbval-lax --nbval-cell-timeout=900 -p no:cacheprovider \
-  --durations=15 -ra "$@"
+  --durations=25 -ra "$@"
 echo "tests: wall time $(( $(date +%s) - started )) s (after setup)"

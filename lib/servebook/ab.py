@@ -425,6 +425,31 @@ class DummyWeights:
     start: tuple[float, str] = (0.0, "not measured")  # seconds to ready, and where the figure comes from
 
 
+def dummy_pass_pays(
+    base: server.ServerConfig, variants: list[AbVariant], real_start_s: float, dummy_start_s: float
+) -> tuple[bool, str]:
+    """Whether rehearsing the variants on dummy weights saves time, and why. On real weights the A/B starts each
+    variant once and the baseline once more: (n + 1) real starts. On dummy weights it starts a dummy baseline
+    before and after and each variant, then the real weights once (twice if a variant wins): (n + 2) dummy starts
+    and one real. Dummy weights pay only where the weights' read makes a real start dearer than that."""
+    others = different(base, variants, _quiet)
+    n = len(others) - len(refused(base, others, _quiet))
+    real, dummy = (n + 1) * real_start_s, (n + 2) * dummy_start_s + real_start_s
+    if n == 0:
+        return False, "no variant would start another server: nothing to rehearse"
+    figures = (
+        f"{n} variant(s): about {real:.0f} s of starts on the real weights against {dummy:.0f} s on dummy "
+        f"weights (a real start {real_start_s:.0f} s, a dummy start {dummy_start_s:.0f} s)"
+    )
+    if dummy < real:
+        return True, f"on dummy weights first: {figures}"
+    return False, f"on the real weights: {figures}; dummy weights would not save time, their read is short"
+
+
+def _quiet(_message: str) -> None:
+    pass
+
+
 def run_rehearsed(
     base: server.ServerConfig,
     variants: list[AbVariant],

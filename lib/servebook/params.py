@@ -321,10 +321,12 @@ class Params(BaseModel):
         32, ge=4, description="measured requests per A/B point (each window lasts bench_min_level_s too)"
     )
     ab_repeats: int = Field(2, ge=1, le=10, description="measurements per variant and concurrency")
-    ab_on_dummy: bool = Field(
-        True,
+    ab_on_dummy: bool | Literal["auto"] = Field(
+        "auto",
         description="rehearse every variant on dummy weights (--load-format dummy) and relaunch the real weights only "
-        "for the one that beat the dummy baseline; false relaunches the real weights for every variant",
+        "for the one that beat the dummy baseline; false relaunches the real weights for every variant; auto does the "
+        "former only where it saves time (the weights' read makes a real start dearer than the dummy pass's extra "
+        "starts)",
     )
 
     # deploy

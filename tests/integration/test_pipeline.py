@@ -39,7 +39,8 @@ def test_pipeline_runs_every_stage_against_a_keyed_server_and_stops_it(tmp_path)
     """The story's own shape: a server that requires a key, from a variable of the params' choosing. Every stage's
     requests carry it (the A/B's and the deploy dry run's too), the unit's environment file is filled from that
     variable, and the key itself is written nowhere."""
-    proc = run(tmp_path, "--set", "port=8141", "--set", "api_key_env=SERVEBOOK_TEST_KEY")
+    # ab_on_dummy forced: the tiny model's auto choice is the real weights (the dummy pass saves it nothing)
+    proc = run(tmp_path, "--set", "port=8141", "--set", "api_key_env=SERVEBOOK_TEST_KEY", "--set", "ab_on_dummy=true")
     assert proc.returncode == 0
     run_dir = Path(proc.stdout.strip().splitlines()[-1])
     assert run_dir.parent == tmp_path / "outputs" and run_dir.name.endswith("-ci")

@@ -47,34 +47,9 @@ def ray_processes() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.split()[-1] in ("raylet", "gcs_server")]
 
 
-def test_two_nodes_join_under_their_own_addresses_and_stop_leaving_nothing(namespaces, tmp_path):
-    cluster = cluster_of(namespaces)
-    started: list[remote.WorkerRecord] = []
-    try:
-        cluster.start({}, tmp_path, started.append, log=print)
-        # each node registered its own veth address: neither the host's nor a loopback one
-        assert sorted(cluster.alive()) == namespaces.addresses
-        assert [w.node for w in started] == ["node0", "node1"] and all(w.role == "ray" for w in started)
-        # what a deployed head's unit runs before its vLLM, on the head
-        wait = [sys.executable, "-m", "servebook.cli", "ray-wait", "--address", cluster.address, "--nodes"]
-        done = remote.run("ray-0", shlex.join([*wait, "2", "--timeout", "60"]), str(namespaces.ssh_config), 120)
-        assert done.returncode == 0 and "counts 2 nodes alive" in done.stdout, done.stderr[-500:]
-        done = remote.run("ray-0", shlex.join([*wait, "3", "--timeout", "5"]), str(namespaces.ssh_config), 120)
-        assert done.returncode == 1 and "counts 2 of 3 nodes alive" in done.stderr, done.stderr[-500:]
-        # the check that follows the stop sees a running node's Ray (it could fail)
-        running = remote.leftovers(started[0])
-        assert any("raylet" in item for item in running) and any("gcs_server" in item for item in running), running
-    finally:
-        left = multinode.Workers(started).stop(grace_s=20)
-    assert left == []
-    assert cluster.alive() == []
-    assert ray_processes() == []
-    assert all(not remote.alive(w) for w in started)
-
-
 def test_a_node_that_cannot_join_fails_the_launch_by_name_and_nothing_is_left(namespaces, tmp_path):
     cfg = config(PORT)
-    cluster = cluster_of(namespaces, join_timeout_s=30)
+    cluster = cluster_of(namespaces, join_timeout_s=20)
     # node1 asks for the head on a port nothing listens on: its `ray start --address` gives up
     broken = cluster.start_command(cluster.nodes[1])
     broken[broken.index("--address") + 1] = f"{namespaces.addresses[0]}:6391"
@@ -90,21 +65,38 @@ def test_a_node_that_cannot_join_fails_the_launch_by_name_and_nothing_is_left(na
 
 
 def test_a_server_beside_the_cluster_is_registered_with_its_nodes_and_stopped_with_them(namespaces, tmp_path):
+    """The Ray shape's one end-to-end test: two nodes join under their own addresses, a deployed head's
+    ``ray-wait`` counts them, the embedded model is served beside the cluster, and one stop ends all of it."""
     cfg = config(PORT)
     cluster = cluster_of(namespaces)
     launched = ray_nodes.launch_on(cluster, cfg, tmp_path, log=print)
     try:
+        # each node registered its own veth address: neither the host's nor a loopback one
+        assert sorted(cluster.alive()) == namespaces.addresses
         registered = server.registered(PORT)
         assert registered is not None
         assert [w.address for w in registered.workers] == namespaces.addresses
+        assert [w.node for w in registered.workers] == ["node0", "node1"]
+        assert all(w.role == "ray" for w in registered.workers)
         (row,) = [s for s in server.status() if s.port == PORT]
         assert "2 nodes, every worker running" in row.detail, row.detail
+        # what a deployed head's unit runs before its vLLM, on the head
+        wait = [sys.executable, "-m", "servebook.cli", "ray-wait", "--address", cluster.address, "--nodes"]
+        done = remote.run("ray-0", shlex.join([*wait, "2", "--timeout", "60"]), str(namespaces.ssh_config), 120)
+        assert done.returncode == 0 and "counts 2 nodes alive" in done.stdout, done.stderr[-500:]
+        done = remote.run("ray-0", shlex.join([*wait, "3", "--timeout", "5"]), str(namespaces.ssh_config), 120)
+        assert done.returncode == 1 and "counts 2 of 3 nodes alive" in done.stderr, done.stderr[-500:]
+        # the check that follows the stop sees a running node's Ray (it could fail)
+        running = remote.leftovers(registered.workers[0])
+        assert any("raylet" in item for item in running) and any("gcs_server" in item for item in running), running
     finally:
         outcome = server.stop(port=PORT)
     assert outcome.remaining == []
     assert ours_left(launched.pgid) == []
+    assert cluster.alive() == []
     assert ray_processes() == []
     assert server.registered(PORT) is None
+    assert all(not remote.alive(w) for w in registered.workers)
 
 
 def test_a_node_without_the_heads_ray_is_refused_before_anything_starts(namespaces):

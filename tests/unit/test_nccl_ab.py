@@ -245,3 +245,18 @@ def test_a_variant_the_baseline_already_runs_is_not_started(tmp_path):
     result = ab.run(base, [AbVariant(name="max-4-seqs", max_num_seqs=4)], tmp_path, plan, log=said.append)
     assert result.rows == [] and result.variants == [] and result.samples == {}
     assert any("the baseline already runs it" in line for line in said) and not list(tmp_path.iterdir())
+
+
+def test_auto_rehearses_on_dummy_weights_only_where_the_dummy_pass_saves_starts():
+    """Two dummy baselines more than the real pass: they pay for a 547 GB read, never for a model loaded in a
+    second (the embedded default, whose real and dummy starts both take about 30 s)."""
+    from servebook.server_config import ServerConfig
+
+    base = ServerConfig(model="m", model_path="/m", served_model_name="m", max_num_seqs=8)
+    one = [AbVariant(name="four", max_num_seqs=4), AbVariant(name="same", max_num_seqs=8)]
+    dear, why = ab.dummy_pass_pays(base, one, real_start_s=2160, dummy_start_s=90)
+    assert dear and "1 variant(s)" in why and "4320 s" in why and "2430 s" in why
+    cheap, why = ab.dummy_pass_pays(base, one, real_start_s=31, dummy_start_s=30)
+    assert not cheap and why.startswith("on the real weights") and "read is short" in why
+    nothing, why = ab.dummy_pass_pays(base, one[1:], real_start_s=2160, dummy_start_s=90)
+    assert not nothing and "nothing to rehearse" in why

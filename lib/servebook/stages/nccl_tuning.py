@@ -116,11 +116,22 @@ def dummy_weights(p: Params, launch: LaunchRecord) -> ab.DummyWeights:
     return ab.DummyWeights(lambda cfg: rehearsal.routing_env(cfg, routing, moe), routing, dummy_start_cost(launch))
 
 
+def ab_weights(p: Params, launch: LaunchRecord) -> tuple[bool, str]:
+    """(on dummy weights first, why): as ``ab_on_dummy`` says, or with "auto" wherever the dummy pass saves starts."""
+    if p.ab_on_dummy != "auto":
+        return bool(p.ab_on_dummy), (
+            "on dummy weights first (ab_on_dummy: true)"
+            if p.ab_on_dummy
+            else "on the real weights (ab_on_dummy: false)"
+        )
+    return ab.dummy_pass_pays(launch.config, p.ab_variants, start_cost(launch)[0], dummy_start_cost(launch)[0])
+
+
 def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> NcclTuningRecord:
     run_dir = results.run_folder(run_dir)
     results.retire(run_dir, NcclTuningRecord)  # a rerun never leaves the last attempt's record looking current
     measured = micro(p, log)
-    compared, rehearsed = None, None
+    compared, rehearsed, why = None, None, ""
     if p.ab_variants:
         launch = results.require(run_dir, LaunchRecord, "nccl_tuning")
         base: server.ServerConfig = launch.config
@@ -133,7 +144,9 @@ def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> N
         )
         nodes = multinode.NodeSet.from_params(p) if p.nodes > 1 else None
         across = (lambda cfg, folder: multinode.prepare(cfg, nodes, folder)) if nodes else None
-        if p.ab_on_dummy:
+        on_dummy, why = ab_weights(p, launch)
+        log(f"A/B {why}")
+        if on_dummy:
             rehearsed = ab.run_rehearsed(
                 base, p.ab_variants, run_dir, plan, dummy_weights(p, launch), log=log, across_nodes=across,
                 start=start_cost(launch), compile_miss_s=compile_miss_cost(launch),
@@ -147,7 +160,7 @@ def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> N
     env, why, notes = recommend(compared)
     record = NcclTuningRecord(
         micro=measured, ab=compared, rehearsed=rehearsed, recommended_env=env, recommendation=why,
-        notes=rehearsal_notes(rehearsed) + notes,
+        notes=[f"A/B {why}"] * bool(p.ab_variants) + rehearsal_notes(rehearsed) + notes,
     )  # fmt: skip
     results.write(run_dir, record)
     return record
