@@ -619,6 +619,7 @@ COMMITTED_SWEEPS = [
     ("run-kimi-rehearse", "kimi-k2.5-shapes-3l-int4", planner.Parallelism(tp=1), 8192),
     ("run-fp8-tp2ep", "q3moe-30b-a3b-shapes-8l-fp8", planner.Parallelism(tp=2, ep=True), 4096),
     ("run-minimax-ab", "minimax-m2.5-shapes-2l-fp8", planner.Parallelism(tp=1), 8192),
+    ("run-minimax-rehearse", "minimax-m2.5-shapes-2l-fp8", planner.Parallelism(tp=1), 8192),
 ]
 
 
