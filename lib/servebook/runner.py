@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import atexit
 import contextlib
+import gc
+import logging
 import os
 import re
 import shutil
@@ -181,6 +183,26 @@ def interrupt_on_signals() -> Iterator[None]:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def kernel_clients_logged_to(path: Path) -> Iterator[None]:
+    """papermill's kernel client and asyncio speak of the kernels' own life (a kernel that died because an interrupt
+    stopped it, its abandoned task's "exception was never retrieved"): that goes to the run's kernels.log beside
+    the kernels' stderr, not to the terminal, where the run's own lines say what happened."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    loggers = [logging.getLogger(name) for name in ("papermill", "asyncio")]
+    before = [(lg.handlers[:], lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.handlers, lg.propagate = [handler], False
+    try:
+        yield
+    finally:
+        gc.collect()  # an abandoned task reports its exception when it is collected: while the handler listens
+        for lg, (handlers, propagate) in zip(loggers, before, strict=True):
+            lg.handlers, lg.propagate = handlers, propagate
+        handler.close()
 
 
 @contextlib.contextmanager
@@ -369,31 +391,36 @@ def run(
     manifest.write()  # a run that dies at once still says what it was
     exit_code, n = 0, 0
     side = _Side(pipeline, str(params_path), list(overrides))
-    try:
-        with interrupt_on_signals():
-            for n, stage in enumerate(selected, 1):
-                if side.starts(n, stage):
-                    continue
-                entry, exit_code = pipeline.run_stage(n, stage)
-                exit_code = side.joins(stage, entry, manifest) or exit_code
-                if exit_code:
-                    manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
-                    break
-    except KeyboardInterrupt as exc:
-        side.stop(manifest)
-        how, exit_code = (exc.how, exc.exit_code) if isinstance(exc, errors.Interrupted) else ("Ctrl-C (SIGINT)", 130)
-        current = selected[n - 1].record.FILE if n else "the start"
-        manifest.interrupted = f"{how} during {current}"
-        log(f"interrupted: {manifest.interrupted}; stopping what this run started")
-        seconds = round(time.monotonic() - pipeline.current_start, 2) if n else 0.0
-        answer = mask(stage_summary(selected[n - 1], run_dir), pipeline.secrets) if n else ""  # what it kept
-        manifest.stages.append(
-            StageRun(name=current, status="interrupted", error=manifest.interrupted, seconds=seconds, summary=answer)
-        )
-        manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
-    finally:  # whatever happened, the servers this run started do not outlive it
-        with signals_deferred():
-            exit_code = _finish(pipeline, manifest, exit_code)
+    with kernel_clients_logged_to(run_dir / "kernels.log"):
+        try:
+            with interrupt_on_signals():
+                for n, stage in enumerate(selected, 1):
+                    if side.starts(n, stage):
+                        continue
+                    entry, exit_code = pipeline.run_stage(n, stage)
+                    exit_code = side.joins(stage, entry, manifest) or exit_code
+                    if exit_code:
+                        manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
+                        break
+        except KeyboardInterrupt as exc:
+            side.stop(manifest)
+            how, exit_code = (
+                (exc.how, exc.exit_code) if isinstance(exc, errors.Interrupted) else ("Ctrl-C (SIGINT)", 130)
+            )
+            current = selected[n - 1].record.FILE if n else "the start"
+            manifest.interrupted = f"{how} during {current}"
+            log(f"interrupted: {manifest.interrupted}; stopping what this run started")
+            seconds = round(time.monotonic() - pipeline.current_start, 2) if n else 0.0
+            answer = mask(stage_summary(selected[n - 1], run_dir), pipeline.secrets) if n else ""  # what it kept
+            manifest.stages.append(
+                StageRun(
+                    name=current, status="interrupted", error=manifest.interrupted, seconds=seconds, summary=answer
+                )
+            )
+            manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
+        finally:  # whatever happened, the servers this run started do not outlive it
+            with signals_deferred():
+                exit_code = _finish(pipeline, manifest, exit_code)
     return run_dir, exit_code
 
 

@@ -226,3 +226,33 @@ def test_the_field_table_writes_the_commands_the_h200_launches_ran():
         assert record.command[-len(args) :] == args, path
         layouts.add(record.config.layout)
     assert Parallelism(tp=2, ep=True) in layouts and Parallelism() in layouts
+
+
+def test_the_kernel_clients_words_on_a_dying_kernel_go_to_kernels_log_not_the_terminal(tmp_path, capfd):
+    """Seen once in CI after SIGTERM mid-benchmark: papermill's "Kernel died while waiting for execute reply." and
+    asyncio's "Task exception was never retrieved" with a DeadKernelError traceback, on the terminal between the
+    run's own lines. Both loggers now write to the run's kernels.log while the run lasts, and the abandoned task is
+    collected before they are given back."""
+    import asyncio
+    import logging
+
+    from nbclient.exceptions import DeadKernelError
+
+    from servebook import runner
+
+    async def dies() -> None:
+        raise DeadKernelError("Kernel died")
+
+    path = tmp_path / "kernels.log"
+    with runner.kernel_clients_logged_to(path):
+        logging.getLogger("papermill").error("Kernel died while waiting for execute reply.")
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(dies())
+        loop.run_until_complete(asyncio.sleep(0.01))
+        loop.close()
+        del task  # never awaited: asyncio reports its exception when the task is collected
+    said = capfd.readouterr()
+    logged = path.read_text()
+    assert "Kernel died while waiting" in logged and "never retrieved" in logged and "DeadKernelError" in logged
+    assert "Kernel died" not in said.out + said.err and "Traceback" not in said.err
+    assert logging.getLogger("papermill").propagate and logging.getLogger("asyncio").propagate
