@@ -111,7 +111,9 @@ def pareto(result: SweepResult) -> go.Figure:
         )
     )
     fig.update_xaxes(title="total output tokens/s", rangemode="tozero")
-    fig.update_yaxes(title="per-user tokens/s (1 / median TPOT)", rangemode="tozero")
+    top = max((v for v in lv["per_user_tok_s"] if v == v), default=0.0)  # NaN-safe: a level may lack its TPOT
+    # room above the highest point for its label, which plotly would otherwise draw on the plot's top edge
+    fig.update_yaxes(title="per-user tokens/s (1 / median TPOT)", range=[0, top * 1.18] if top > 0 else None)
     fig.update_layout(title="Per-user speed against total throughput", height=420)
     return fig
 
