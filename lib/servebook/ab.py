@@ -472,8 +472,8 @@ def run_rehearsed(
        samples from before and after, as in :func:`run`. Without such a variant, only the real baseline is
        started again (the server the later stages use). Real relaunches: two, or one, instead of one per variant."""
     samples: dict[str, dict[int, list[float]]] = {}
-    others = different(base, variants, log=lambda _m: None)
-    if len(refused(base, others, log=lambda _m: None)) == len(others):  # the dummy pass says which and why
+    others = different(base, variants, _quiet)
+    if len(refused(base, others, _quiet)) == len(others):  # the dummy pass says which and why
         nothing = run(dummy.make(base), variants, log_dir / "dummy", plan, log=lambda m: log(f"dummy weights: {m}"))
         no_cost = price(base, [], start, compile_miss_s)
         return RehearsedAb(dummy=nothing, real=_result([], {}, {}, plan, no_cost), winner="", routing=dummy.routing)

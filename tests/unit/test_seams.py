@@ -256,3 +256,16 @@ def test_the_kernel_clients_words_on_a_dying_kernel_go_to_kernels_log_not_the_te
     assert "Kernel died while waiting" in logged and "never retrieved" in logged and "DeadKernelError" in logged
     assert "Kernel died" not in said.out + said.err and "Traceback" not in said.err
     assert logging.getLogger("papermill").propagate and logging.getLogger("asyncio").propagate
+
+
+def test_the_per_user_speed_plot_leaves_room_above_its_highest_label():
+    """In the MiniMax H200 sweep the c=4 label sat on the plot's top edge (looked at in Chromium)."""
+    import json
+    from pathlib import Path
+
+    from servebook import bench, plots
+
+    path = Path(__file__).resolve().parents[2] / "docs/examples/h200-vllm/run-minimax-rehearse/05_benchmark.json"
+    fig = plots.pareto(bench.SweepResult.model_validate(json.loads(path.read_text())))
+    top = max(fig.data[0].y)
+    assert fig.layout.yaxis.range[0] == 0 and fig.layout.yaxis.range[1] >= top * 1.15
