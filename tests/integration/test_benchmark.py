@@ -25,6 +25,9 @@ def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path)
         max_spread_pct=1000.0,  # ... and no warning about it (a 2-core machine's spread is not under test here)
         prompts_per_level=8,
         objectives=metrics.Objectives(ttft_ms=60_000),
+        # every level below is counted: a busy 2-core CI machine once measured 555 tok/s at one stream and 394 at
+        # two, a "decline" that rightly ended the sweep there; saturation is tested elsewhere
+        plateau_gain=0.99,
     )
     data = bench.sweep(shared_server.config.target(), shared_server.config.model_path, cfg, tmp_path)
     assert data.fault == "" and [level.concurrency for level in data.levels] == [1, 2, 4]
@@ -38,7 +41,7 @@ def test_sweep_measures_exact_lengths_and_writes_tables(shared_server, tmp_path)
     assert data.best.output_throughput > 0 and data.single_stream.per_user_tok_s > 0
     assert all(level.repeats == 2 and level.failed == 0 for level in data.levels)
     # the sweep stopped for a reason it names; only a plateau or a decline is called saturated
-    assert data.stopped_by in ("max_concurrency", "plateau", "decline") and data.stop_reason
+    assert data.stopped_by in ("max_concurrency", "plateau") and data.stop_reason
     if data.stopped_by == "max_concurrency":
         assert data.plateau_concurrency is None and "not saturated" in data.stop_reason
     reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
@@ -209,6 +212,7 @@ def test_multi_turn_conversations_send_their_history_and_hit_the_prefix_cache(sh
         repeats=1,
         max_repeats=1,
         prompts_per_level=6,
+        plateau_gain=0.99,  # both levels are measured, whatever a busy host does to the second
     )
     data = bench.sweep(shared_server.config.target(), shared_server.config.model_path, cfg, tmp_path)
     assert data.fault == "" and [lv.concurrency for lv in data.levels] == [1, 2]
