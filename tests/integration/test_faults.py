@@ -22,12 +22,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Run:
-    """``servebook run`` in a session of its own, as a terminal runs a foreground job, read line by line."""
+    """``servebook run`` (or another stage command) in a session of its own, as a terminal runs a foreground job,
+    read line by line."""
 
-    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None, command: str = "run"):
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "servebook.cli", "run", str(REPO / "params" / "ci.yaml"), *args],
+            [sys.executable, "-m", "servebook.cli", command, str(REPO / "params" / "ci.yaml"), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
