@@ -46,7 +46,10 @@
 #    started once more and nothing else. A 547 GB model then pays two real starts, or one, instead of one per
 #    variant. The default, `auto`, takes that path only where it saves time: the dummy pass starts two dummy
 #    baselines more, so a model whose weights load in seconds (the embedded default) is compared on its real
-#    weights; the stage says which it chose and the starts it counted.
+#    weights; the stage says which it chose and the starts it counted. Where stage 02's rehearsal already started
+#    the baseline's and every variant's exact server on dummy weights and measured them at the A/B's concurrencies
+#    (a `rehearse_variants` entry equal to an `ab_variants` one), its windows are that dummy pass: nothing is started
+#    for it, and with no winner the real server is never stopped.
 #
 # The recommendation is the environment to deploy with: the default, unless an environment-only variant wins.
 # NCCL's documentation files most of these variables under debugging: don't ship one without such evidence.

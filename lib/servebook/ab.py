@@ -408,11 +408,12 @@ class RehearsedAb(BaseModel):
     real: AbResult  # the real baseline before and after, and the dummy A/B's winner, if there was one
     winner: str  # the variant confirmed on the real weights; '' when none beat the dummy baseline's noise
     routing: str = ""  # the MoE routing simulation the dummy servers ran with
+    from_rehearsal: bool = False  # the dummy pass is stage 02's measurements: no dummy server started here
 
     def saved_s(self) -> float:
         """The real relaunches the rehearsal spared: the variants never started with real weights, at the real
         start's price."""
-        spared = len(self.dummy.variants) - (1 if self.winner else 0)
+        spared = len(self.dummy.variants) - (1 if self.winner else 0) + (0 if self.winner else self.from_rehearsal)
         return spared * (self.real.cost.start_s if self.real.cost else 0.0)
 
 
@@ -461,6 +462,7 @@ def run_rehearsed(
     across_nodes: AcrossNodes | None = None,
     start: tuple[float, str] = (0.0, "not measured"),
     compile_miss_s: float = 0.0,
+    already: AbResult | None = None,
 ) -> RehearsedAb:
     """The A/B with real relaunches only for what earned one.
 
@@ -470,21 +472,31 @@ def run_rehearsed(
     3. The variant better (or likely better) at every concurrency there is started on the real weights and measured,
        then the real baseline is started again and measured: the winner is judged against the real baseline's
        samples from before and after, as in :func:`run`. Without such a variant, only the real baseline is
-       started again (the server the later stages use). Real relaunches: two, or one, instead of one per variant."""
+       started again (the server the later stages use). Real relaunches: two, or one, instead of one per variant.
+
+    ``already``: the dummy pass as stage 02's rehearsal measured it (the same dummy servers and workload), so step 2
+    starts nothing and the real server keeps running unless a variant earned its confirmation: no relaunch at all
+    where none did."""
     samples: dict[str, dict[int, list[float]]] = {}
     others = different(base, variants, _quiet)
-    if len(refused(base, others, _quiet)) == len(others):  # the dummy pass says which and why
+    if already is None and len(refused(base, others, _quiet)) == len(others):  # the dummy pass says which and why
         nothing = run(dummy.make(base), variants, log_dir / "dummy", plan, log=lambda m: log(f"dummy weights: {m}"))
         no_cost = price(base, [], start, compile_miss_s)
         return RehearsedAb(dummy=nothing, real=_result([], {}, {}, plan, no_cost), winner="", routing=dummy.routing)
     failures: dict[str, str] = {}
     first = [Step(BASELINE, base, None, 0)]
-    log("A/B: the running server measured as it is, then every variant rehearsed on dummy weights")
+    log(
+        "A/B: the running server measured as it is, then every variant rehearsed on dummy weights"
+        if already is None
+        else "A/B: the running server measured as it is; every variant was measured on dummy weights by stage 02's "
+        "rehearsal (the same servers and workload), so nothing is started for that pass"
+    )
     _run_steps(first, log_dir, plan, samples, failures, log=log, across_nodes=across_nodes)
     if failures:
         raise AbFailed(f"the running server could not be measured: {failures[BASELINE]}")
-    server.stop(port=base.port)
-    rehearsed = run(
+    if already is None:
+        server.stop(port=base.port)
+    rehearsed = already or run(
         dummy.make(base),
         variants,  # each variant over the dummy baseline (variant_config merges its environment into the dummy's)
         log_dir / "dummy",
@@ -498,19 +510,21 @@ def run_rehearsed(
     winner = promising(rehearsed)
     chosen = [v for v in variants if v.name == winner]
     order = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in chosen] + [(BASELINE, base)]
-    cost = price(base, order, start, compile_miss_s)
+    kept_running = already is not None and not winner  # the real server never stopped and nothing earned a start
+    cost = price(base, [] if kept_running else order, start, compile_miss_s)
     log(
         f"A/B: {winner} beat the dummy baseline; confirming it on the real weights: {cost.describe()}"
         if winner
-        else "A/B: no variant beat the dummy baseline's noise; restarting the real server, no real variant"
+        else "A/B: no variant beat the dummy baseline's noise; "
+        + ("the real server keeps running, no relaunch" if kept_running else "restarting the real server")
     )
-    steps = [Step(name, cfg, cost.relaunches[i - 1], i) for i, (name, cfg) in enumerate(order) if i]
-    if not winner:  # the baseline only needs to run again, not to be measured
+    if winner:
+        steps = [Step(name, cfg, cost.relaunches[i - 1], i) for i, (name, cfg) in enumerate(order) if i]
+        _run_steps(steps, log_dir, plan, samples, failures, log=log, across_nodes=across_nodes)
+    elif not kept_running:  # the baseline only needs to run again, not to be measured
         server.stop(port=base.port)
         launched = _launch(base, log_dir / "ab-restored-baseline", across_nodes)
         _took(cost.relaunches[-1], launched, log)
-        steps = []
-    _run_steps(steps, log_dir, plan, samples, failures, log=log, across_nodes=across_nodes)
     real = _result(chosen, samples, failures, plan, cost)
     return RehearsedAb(dummy=rehearsed, real=real, winner=winner, routing=dummy.routing)
 
@@ -546,3 +560,45 @@ def _rows(
                 )
             )  # fmt: skip
     return rows
+
+
+@dataclass(frozen=True)
+class RehearsedServer:
+    """One candidate of stage 02's rehearsal, as the A/B needs it: its exact dummy command, the environment its
+    setting added to the params' own, and its windows' output tok/s by concurrency."""
+
+    command_line: str
+    added_env: dict[str, str]
+    samples: dict[int, list[float]]
+
+
+def from_rehearsal(
+    base: server.ServerConfig,
+    variants: list[AbVariant],
+    plan: AbPlan,
+    dummy: DummyWeights,
+    rehearsed: list[RehearsedServer],
+) -> tuple[AbResult | None, str]:
+    """The A/B's dummy pass out of the rehearsal's measurements, where it already started the very servers the pass
+    would (the same dummy command and environment as the baseline and each variant) and measured them at every
+    concurrency of the A/B with the same workload; otherwise (None, why not)."""
+    if not rehearsed:
+        return None, "no rehearsal was measured in this run"
+    if plan.workload.turns > 1:
+        return None, "the rehearsal sweeps conversations, the A/B single turns"
+    others = different(base, variants, _quiet)
+    failures = refused(base, others, _quiet)
+    wanted: list[tuple[str, server.ServerConfig, dict[str, str]]] = [(BASELINE, base, {})] + [
+        (v.name, variant_config(base, v), v.extra_env or {}) for v in others if v.name not in failures
+    ]
+    samples: dict[str, dict[int, list[float]]] = {}
+    for name, cfg, added_env in wanted:
+        line = " ".join(dummy.make(cfg).command())
+        match = next((r for r in rehearsed if r.command_line == line and r.added_env == added_env), None)
+        if match is None:
+            return None, f"the rehearsal did not start the server of {name}"
+        missing = [c for c in plan.concurrencies if not match.samples.get(c)]
+        if missing:
+            return None, f"the rehearsal did not measure {name} at concurrency {', '.join(map(str, missing))}"
+        samples[name] = {c: match.samples[c] for c in plan.concurrencies}
+    return _result(others, samples, failures, plan, price(base, [], dummy.start, 0.0)), ""

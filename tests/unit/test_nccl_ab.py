@@ -2,7 +2,7 @@
 
 import pytest
 
-from servebook import ab, loadgen, nccl, params
+from servebook import ab, loadgen, nccl, params, rehearsal
 from servebook.errors import ParamsError
 from servebook.params import AbVariant
 from servebook.stages import nccl_tuning
@@ -217,6 +217,9 @@ def test_the_record_says_which_variants_never_met_the_real_weights():
     one_won = none_won.model_copy(update={"winner": "seqs"})
     [said] = nccl_tuning.rehearsal_notes(one_won)
     assert "seqs beat the dummy baseline and was confirmed on the real weights" in said and "about 2160 s" in said
+    # the rehearsal's windows as the dummy pass: the real server never stopped, so its restart is spared too
+    [said] = nccl_tuning.rehearsal_notes(none_won.model_copy(update={"from_rehearsal": True}))
+    assert "by stage 02" in said and "the real server was never stopped" in said and "about 6480 s" in said
 
 
 def test_a_dummy_start_is_priced_without_the_weights_read():
@@ -260,3 +263,35 @@ def test_auto_rehearses_on_dummy_weights_only_where_the_dummy_pass_saves_starts(
     assert not cheap and why.startswith("on the real weights") and "read is short" in why
     nothing, why = ab.dummy_pass_pays(base, one[1:], real_start_s=2160, dummy_start_s=90)
     assert not nothing and "nothing to rehearse" in why
+
+
+def test_the_rehearsals_windows_are_the_dummy_pass_only_where_it_started_the_same_servers():
+    """Issue #39 item 5 without a start: stage 02 already ran the baseline's and the variant's exact dummy servers
+    with the A/B's workload, so their windows are the dummy pass; a server it did not start (another flag or
+    environment) or a concurrency it did not reach sends the A/B back to its own dummy pass, saying why."""
+    from servebook.server_config import ServerConfig
+
+    base = ServerConfig(model="m", model_path="/m", served_model_name="m", port=8000)
+    dummy = ab.DummyWeights(lambda cfg: rehearsal.routing_env(cfg, "uniform_random", True), "uniform_random")
+    plan = ab.AbPlan(workload=loadgen.Workload(), concurrencies=[1, 8])
+    four = AbVariant(name="four", max_num_seqs=4)
+
+    def server_of(cfg, samples, env=None):
+        return ab.RehearsedServer(" ".join(dummy.make(cfg).command()), env or {}, samples)
+
+    windows = {1: [100.0, 102.0], 2: [190.0, 195.0], 4: [380.0, 390.0], 8: [700.0, 720.0]}
+    fewer = {1: [100.0, 101.0], 2: [150.0, 151.0], 4: [200.0, 203.0], 8: [200.0, 204.0]}
+    servers = [server_of(base, windows), server_of(ab.variant_config(base, four), fewer)]
+    found, why = ab.from_rehearsal(base, [four], plan, dummy, servers)
+    assert why == "" and found is not None and found.samples["four"]["8"] == [200.0, 204.0]
+    assert [(r.concurrency, r.verdict) for r in found.rows] == [(1, "no effect"), (8, "worse")]
+    assert ab.promising(found) == "" and found.cost is not None and found.cost.relaunches == []
+
+    nccl_env = AbVariant(name="ll", extra_env={"NCCL_PROTO": "LL"})  # same command line, another environment
+    found, why = ab.from_rehearsal(base, [nccl_env], plan, dummy, servers)
+    assert found is None and why == "the rehearsal did not start the server of ll"
+    short = [server_of(base, windows), server_of(ab.variant_config(base, four), {1: [100.0], 2: [150.0]})]
+    found, why = ab.from_rehearsal(base, [four], plan, dummy, short)
+    assert found is None and why == "the rehearsal did not measure four at concurrency 8"
+    found, why = ab.from_rehearsal(base, [four], plan, dummy, [])
+    assert found is None and "no rehearsal" in why

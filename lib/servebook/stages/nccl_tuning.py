@@ -11,9 +11,13 @@ import plotly.graph_objects as go
 
 from servebook import ab, bench, modelspec, multinode, nccl, rehearsal, results, server, startup
 from servebook.params import Params
-from servebook.records import LaunchRecord, NcclTuningRecord
+from servebook.records import LaunchRecord, NcclTuningRecord, RehearsalRecord
 
 NCCL_PREFIX = ("NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS")
+REUSED = (
+    "on dummy weights first, as stage 02's rehearsal measured them: it started the baseline's and every variant's "
+    "server on dummy weights with this workload, so the A/B starts none of them again"
+)
 VERDICT_COLOURS = {
     "better": "#2ca02c", "likely better": "#98df8a", "worse": "#d62728", "likely worse": "#ff9896",
     "no effect": "#7f7f7f", "failed to start": "#000000",
@@ -63,11 +67,17 @@ def rehearsal_notes(rehearsed: ab.RehearsedAb | None) -> list[str]:
     names = [v.name for v in rehearsed.dummy.variants]
     routing = f" with {rehearsed.routing} routing" if rehearsed.routing else ""
     spared = [n for n in names if n != rehearsed.winner]
-    said = f"{len(names)} variant(s) rehearsed on dummy weights{routing}"
+    said = f"{len(names)} variant(s) rehearsed on dummy weights{routing}" + (
+        " by stage 02 (its windows are the dummy pass: no dummy server started here)"
+        if rehearsed.from_rehearsal
+        else ""
+    )
     if rehearsed.winner:
         said += f"; {rehearsed.winner} beat the dummy baseline and was confirmed on the real weights"
     else:
-        said += "; none beat the dummy baseline's noise band, so none was started with the real weights"
+        said += "; none beat the dummy baseline's noise band, so none was started with the real weights" + (
+            " and the real server was never stopped" if rehearsed.from_rehearsal else ""
+        )
     if spared:
         said += (
             f" ({', '.join(spared)} never relaunched with the real weights: about {rehearsed.saved_s():.0f} s of real "
@@ -106,14 +116,32 @@ def recommend(result: ab.AbResult | None) -> tuple[dict[str, str], str, list[str
     return env, f"{best} beat the baseline beyond its noise band at every concurrency", other
 
 
-def dummy_weights(p: Params, launch: LaunchRecord) -> ab.DummyWeights:
-    """The A/B's dummy-weight servers: the rehearsal's (``--load-format dummy``, a MoE's routing simulation)."""
+def dummy_weights(p: Params, launch: LaunchRecord) -> tuple[ab.DummyWeights, str]:
+    """The A/B's dummy-weight servers: the rehearsal's (``--load-format dummy``, a MoE's routing simulation), and
+    why a MoE's run without that simulation ('' where it has one or needs none)."""
     base: server.ServerConfig = launch.config
     moe = modelspec.load(base.model_path).is_moe
     routing, why_none = rehearsal.routing_for(moe, p.rehearse_routing, base.device)
-    if moe and not routing:
-        print(f"A/B on dummy weights without a routing simulation: {why_none}")
-    return ab.DummyWeights(lambda cfg: rehearsal.routing_env(cfg, routing, moe), routing, dummy_start_cost(launch))
+    make = ab.DummyWeights(lambda cfg: rehearsal.routing_env(cfg, routing, moe), routing, dummy_start_cost(launch))
+    return make, why_none if moe and not routing else ""
+
+
+def rehearsed_servers(run_dir: Path, model_path: str) -> list[ab.RehearsedServer]:
+    """Stage 02's measured candidates with their windows' throughput, for the A/B's dummy pass (the command lines
+    name the launch's checkpoint where the rehearsal read only its headers beside the download)."""
+    record = results.read(run_dir, RehearsalRecord)
+    found = []
+    for candidate in record.candidates if record else []:
+        runs_file = run_dir / RehearsalRecord.FILE / rehearsal.slug_of(candidate.name) / "sweep_runs.parquet"
+        if candidate.status != "measured" or not runs_file.is_file():
+            continue
+        runs = pd.read_parquet(runs_file, columns=["concurrency", "output_throughput"])
+        samples = {int(c): [float(x) for x in tok_s] for c, tok_s in runs.groupby("concurrency").output_throughput}
+        line = candidate.command_line.replace(record.model_path, model_path) if record else candidate.command_line
+        added = candidate.changes.get("extra_env") or {}
+        env = {str(k): str(v) for k, v in added.items()} if isinstance(added, dict) else {}
+        found.append(ab.RehearsedServer(line, env, samples))
+    return found
 
 
 def ab_weights(p: Params, launch: LaunchRecord) -> tuple[bool, str]:
@@ -144,13 +172,21 @@ def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> N
         )
         nodes = multinode.NodeSet.from_params(p) if p.nodes > 1 else None
         across = (lambda cfg, folder: multinode.prepare(cfg, nodes, folder)) if nodes else None
-        on_dummy, why = ab_weights(p, launch)
-        log(f"A/B {why}")
+        dummy, no_routing = dummy_weights(p, launch)
+        already, not_reused = None, ""
+        if p.ab_on_dummy is not False:
+            servers = rehearsed_servers(run_dir, base.model_path)
+            already, not_reused = ab.from_rehearsal(base, p.ab_variants, plan, dummy, servers)
+        on_dummy, why = (True, REUSED) if already else ab_weights(p, launch)
+        log(f"A/B {why}" + (f" (not from the rehearsal: {not_reused})" if not_reused else ""))
+        if on_dummy and no_routing:
+            log(f"A/B on dummy weights without a routing simulation: {no_routing}")
         if on_dummy:
             rehearsed = ab.run_rehearsed(
-                base, p.ab_variants, run_dir, plan, dummy_weights(p, launch), log=log, across_nodes=across,
-                start=start_cost(launch), compile_miss_s=compile_miss_cost(launch),
+                base, p.ab_variants, run_dir, plan, dummy, log=log, across_nodes=across,
+                start=start_cost(launch), compile_miss_s=compile_miss_cost(launch), already=already,
             )  # fmt: skip
+            rehearsed.from_rehearsal = already is not None
             compared = rehearsed.real
         else:
             compared = ab.run(
