@@ -147,10 +147,10 @@ for fig in stage.bandwidth_figures(tuned):
 # own noise band.
 
 # %%
-for weights, result in stage.passes(tuned):
-    if result.cost:
-        print(f"{weights} weights, before: {result.cost.describe()}; spent: {result.cost.spent_s / 60:.1f} min")
-display(stage.relaunch_table(tuned))
+print("\n".join(stage.pass_costs(tuned)))
+relaunches = stage.relaunch_table(tuned)
+if not relaunches.empty:
+    display(relaunches)
 if tuned.ab:
     display(stage.ab_table(tuned))
     fig = stage.ab_figure(tuned)

@@ -295,3 +295,28 @@ def test_the_rehearsals_windows_are_the_dummy_pass_only_where_it_started_the_sam
     assert found is None and why == "the rehearsal did not measure four at concurrency 8"
     found, why = ab.from_rehearsal(base, [four], plan, dummy, [])
     assert found is None and "no rehearsal" in why
+
+
+def test_each_pass_says_what_it_cost_in_starts():
+    """The notebook's words for each pass: relaunches priced and spent, or the rehearsal's windows and the running
+    server as they are (no '0 relaunches at about 35 s each')."""
+    from servebook.records import NcclTuningRecord
+
+    def result(relaunches):
+        cost = ab.RelaunchCost(start_s=35.0, compile_miss_s=0.0, relaunches=relaunches)
+        return ab.AbResult(variants=[], samples={}, rows=[], failures={}, concurrencies=[1, 8],
+                           workload=loadgen.Workload(), cost=cost)  # fmt: skip
+
+    micro = nccl.MicroResult.model_construct()
+    reused = ab.RehearsedAb(dummy=result([]), real=result([]), winner="", from_rehearsal=True)
+    record = NcclTuningRecord(micro=micro, ab=reused.real, rehearsed=reused, recommended_env={}, recommendation="",
+                              notes=[])  # fmt: skip
+    assert [w for w, _ in nccl_tuning.passes(record)] == ["dummy, stage 02", "real"]
+    assert nccl_tuning.pass_costs(record) == [
+        "dummy weights: stage 02's rehearsal windows of the same servers; no server started for them",
+        "real weights: the running server measured as it is; no relaunch",
+    ]
+    restarted = result([ab.Relaunch(name="baseline", expected_s=35.0, seconds_to_ready=33.0)])
+    record = record.model_copy(update={"ab": restarted, "rehearsed": None})
+    [said] = nccl_tuning.pass_costs(record)
+    assert said.startswith("real weights, before: 1 relaunch") and said.endswith("spent: 0.6 min")

@@ -268,10 +268,32 @@ def bandwidth_figures(record: NcclTuningRecord) -> list[go.Figure]:
     ]
 
 
+FROM_REHEARSAL = "dummy, stage 02"
+
+
 def passes(record: NcclTuningRecord) -> list[tuple[str, ab.AbResult]]:
-    """The A/B's passes, each with the weights it ran on: dummy first (ab_on_dummy), then real."""
-    found = [("dummy", record.rehearsed.dummy)] if record.rehearsed else []
+    """The A/B's passes, each with the weights it ran on: dummy first (ab_on_dummy; stage 02's windows where the
+    rehearsal ran its servers), then real."""
+    rehearsed = record.rehearsed
+    found = [(FROM_REHEARSAL if rehearsed.from_rehearsal else "dummy", rehearsed.dummy)] if rehearsed else []
     return found + ([("real", record.ab)] if record.ab else [])
+
+
+def pass_costs(record: NcclTuningRecord) -> list[str]:
+    """What each pass cost in server starts, in words: the estimate before its first relaunch and what it spent."""
+    said = []
+    for weights, result in passes(record):
+        if result.cost is None:
+            continue
+        if result.cost.relaunches:
+            said.append(
+                f"{weights} weights, before: {result.cost.describe()}; spent: {result.cost.spent_s / 60:.1f} min"
+            )
+        elif weights == FROM_REHEARSAL:
+            said.append("dummy weights: stage 02's rehearsal windows of the same servers; no server started for them")
+        else:
+            said.append(f"{weights} weights: the running server measured as it is; no relaunch")
+    return said
 
 
 def relaunch_table(record: NcclTuningRecord) -> pd.DataFrame:
