@@ -5,6 +5,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -84,32 +85,10 @@ def test_windows_last_their_seconds_and_a_broken_objective_ends_the_sweep(shared
     assert any("spread still above bench_max_spread_pct" in w for w in data.warnings)
 
 
-def test_a_server_killed_mid_level_stops_the_sweep_and_keeps_results(tmp_path):
-    launched = server.launch(config(8136), tmp_path / "server", log=print)
-    cfg = levels.SweepConfig(
-        workload=loadgen.Workload(input_len=32, output_len=256),
-        max_concurrency=8,
-        repeats=1,
-        prompts_per_level=64,
-        request_timeout_s=30,
-    )
-    killer = threading.Timer(25.0, lambda: os.killpg(launched.pgid, signal.SIGKILL))
-    killer.start()
-    try:
-        data = bench.sweep(launched.config.target(), launched.config.model_path, cfg, tmp_path)
-    finally:
-        killer.cancel()
-        server.stop(port=8136)
-    assert data.stopped_by == "fault" and "concurrency" in data.fault and "connection" in data.fault
-    # the window the server died in is no level: its throughput was the crash's (CI once read "best 273 tok/s")
-    faulted = int(data.fault.split("at concurrency ")[1].split(" ")[0])
-    assert all(r.summary.failed == 0 for r in data.runs) and faulted not in [lv.concurrency for lv in data.levels]
-    reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
-    assert (reqs.error != "").any() and (reqs.error == "").any()  # what was measured before the fault is kept
-
-
-def test_a_level_past_max_num_seqs_is_labelled_a_batch_limit(tmp_path):
-    """vLLM admits 4 sequences; at 8 streams the other 4 wait in its queue, and the level says so."""
+def test_a_level_past_max_num_seqs_is_a_batch_limit_and_a_killed_server_stops_the_sweep(tmp_path):
+    """vLLM admits 4 sequences; at 8 streams the other 4 wait in its queue, and the level says so. Then a second
+    sweep on the same server, which is SIGKILLed mid-level: the sweep stops on the fault and keeps what it measured
+    (one server for both: each start costs half a minute on two cores)."""
     launched = server.launch(config(8137, max_num_seqs=4), tmp_path / "server", log=print)
     # a fresh CPU server stalls for seconds the first time it meets each batch shape, and a stalled level's
     # gauges miss the full batch: one uncounted level at 8 streams shows it every shape first
@@ -127,9 +106,16 @@ def test_a_level_past_max_num_seqs_is_labelled_a_batch_limit(tmp_path):
         max_num_seqs=4,
     )
     try:
-        data = bench.sweep(launched.config.target(), launched.config.model_path, cfg, tmp_path)
+        data = bench.sweep(launched.config.target(), launched.config.model_path, cfg, tmp_path / "batch")
+        killed = sweep_killed_mid_level(launched, tmp_path / "killed")
     finally:
         server.stop(port=8137)
+    assert killed.stopped_by == "fault" and "concurrency" in killed.fault and "connection" in killed.fault
+    # the window the server died in is no level: its throughput was the crash's (CI once read "best 273 tok/s")
+    faulted = int(killed.fault.split("at concurrency ")[1].split(" ")[0])
+    assert all(r.summary.failed == 0 for r in killed.runs) and faulted not in [lv.concurrency for lv in killed.levels]
+    reqs = pd.read_parquet(tmp_path / "killed" / "sweep_requests.parquet")
+    assert (reqs.error != "").any() and (reqs.error == "").any()  # what was measured before the fault is kept
     by_c = {level.concurrency: level for level in data.levels}
     evidence = [(lv.concurrency, lv.limit, lv.running_peak, lv.waiting_peak, lv.server_queue_ms) for lv in data.levels]
     assert by_c[8].limit_kind == "batch", evidence
@@ -286,3 +272,20 @@ def test_a_connection_idle_past_vllms_keep_alive_is_not_reused(shared_server):
     first, second = asyncio.run(two_requests_six_seconds_apart())
     assert first.ok and second.ok, (first.error, second.error)
     assert second.new_connection  # the idle connection was dropped by the client before the server dropped it
+
+
+def sweep_killed_mid_level(launched: server.Launch, out: Path) -> bench.SweepResult:
+    """A sweep whose server's whole process group is SIGKILLed 25 s in, mid-level."""
+    cfg = levels.SweepConfig(
+        workload=loadgen.Workload(input_len=32, output_len=256),
+        max_concurrency=8,
+        repeats=1,
+        prompts_per_level=64,
+        request_timeout_s=30,
+    )
+    killer = threading.Timer(25.0, lambda: os.killpg(launched.pgid, signal.SIGKILL))
+    killer.start()
+    try:
+        return bench.sweep(launched.config.target(), launched.config.model_path, cfg, out)
+    finally:
+        killer.cancel()
