@@ -413,7 +413,10 @@ class RehearsedAb(BaseModel):
     def saved_s(self) -> float:
         """The real relaunches the rehearsal spared: the variants never started with real weights, at the real
         start's price."""
-        spared = len(self.dummy.variants) - (1 if self.winner else 0) + (0 if self.winner else self.from_rehearsal)
+        restart = (
+            0 if self.winner else int(self.from_rehearsal)
+        )  # the real server's restart, too, where it never stopped
+        spared = len(self.dummy.variants) - (1 if self.winner else 0) + restart
         return spared * (self.real.cost.start_s if self.real.cost else 0.0)
 
 
@@ -451,6 +454,13 @@ def _quiet(_message: str) -> None:
     pass
 
 
+OWN_DUMMY_PASS = "then every variant rehearsed on dummy weights"
+STAGE_02_PASS = (
+    "every variant was measured on dummy weights by stage 02's rehearsal (the same servers and workload), so "
+    "nothing is started for that pass"
+)
+
+
 def run_rehearsed(
     base: server.ServerConfig,
     variants: list[AbVariant],
@@ -485,32 +495,29 @@ def run_rehearsed(
         return RehearsedAb(dummy=nothing, real=_result([], {}, {}, plan, no_cost), winner="", routing=dummy.routing)
     failures: dict[str, str] = {}
     first = [Step(BASELINE, base, None, 0)]
-    log(
-        "A/B: the running server measured as it is, then every variant rehearsed on dummy weights"
-        if already is None
-        else "A/B: the running server measured as it is; every variant was measured on dummy weights by stage 02's "
-        "rehearsal (the same servers and workload), so nothing is started for that pass"
-    )
+    reused = already is not None
+    log("A/B: the running server measured as it is; " + (STAGE_02_PASS if reused else OWN_DUMMY_PASS))
     _run_steps(first, log_dir, plan, samples, failures, log=log, across_nodes=across_nodes)
     if failures:
         raise AbFailed(f"the running server could not be measured: {failures[BASELINE]}")
-    if already is None:
+    rehearsed = already
+    if rehearsed is None:  # a dummy pass of its own: the real server stops for it
         server.stop(port=base.port)
-    rehearsed = already or run(
-        dummy.make(base),
-        variants,  # each variant over the dummy baseline (variant_config merges its environment into the dummy's)
-        log_dir / "dummy",
-        plan,
-        log=lambda m: log(f"dummy weights: {m}"),
-        across_nodes=across_nodes,
-        start=dummy.start,
-        compile_miss_s=compile_miss_s,
-        fresh=True,
-    )
+        rehearsed = run(
+            dummy.make(base),
+            variants,  # each variant over the dummy baseline (variant_config merges its environment into the dummy's)
+            log_dir / "dummy",
+            plan,
+            log=lambda m: log(f"dummy weights: {m}"),
+            across_nodes=across_nodes,
+            start=dummy.start,
+            compile_miss_s=compile_miss_s,
+            fresh=True,
+        )
     winner = promising(rehearsed)
     chosen = [v for v in variants if v.name == winner]
     order = [(BASELINE, base)] + [(v.name, variant_config(base, v)) for v in chosen] + [(BASELINE, base)]
-    kept_running = already is not None and not winner  # the real server never stopped and nothing earned a start
+    kept_running = reused and not winner  # the real server never stopped and nothing earned a start
     cost = price(base, [] if kept_running else order, start, compile_miss_s)
     log(
         f"A/B: {winner} beat the dummy baseline; confirming it on the real weights: {cost.describe()}"
@@ -526,7 +533,7 @@ def run_rehearsed(
         launched = _launch(base, log_dir / "ab-restored-baseline", across_nodes)
         _took(cost.relaunches[-1], launched, log)
     real = _result(chosen, samples, failures, plan, cost)
-    return RehearsedAb(dummy=rehearsed, real=real, winner=winner, routing=dummy.routing)
+    return RehearsedAb(dummy=rehearsed, real=real, winner=winner, routing=dummy.routing, from_rehearsal=reused)
 
 
 def _rows(

@@ -130,14 +130,16 @@ def rehearsed_servers(run_dir: Path, model_path: str) -> list[ab.RehearsedServer
     """Stage 02's measured candidates with their windows' throughput, for the A/B's dummy pass (the command lines
     name the launch's checkpoint where the rehearsal read only its headers beside the download)."""
     record = results.read(run_dir, RehearsalRecord)
+    if record is None:
+        return []
     found = []
-    for candidate in record.candidates if record else []:
+    for candidate in record.candidates:
         runs_file = run_dir / RehearsalRecord.FILE / rehearsal.slug_of(candidate.name) / "sweep_runs.parquet"
         if candidate.status != "measured" or not runs_file.is_file():
             continue
         runs = pd.read_parquet(runs_file, columns=["concurrency", "output_throughput"])
         samples = {int(c): [float(x) for x in tok_s] for c, tok_s in runs.groupby("concurrency").output_throughput}
-        line = candidate.command_line.replace(record.model_path, model_path) if record else candidate.command_line
+        line = candidate.command_line.replace(record.model_path, model_path)
         added = candidate.changes.get("extra_env") or {}
         env = {str(k): str(v) for k, v in added.items()} if isinstance(added, dict) else {}
         found.append(ab.RehearsedServer(line, env, samples))
@@ -186,7 +188,6 @@ def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> N
                 base, p.ab_variants, run_dir, plan, dummy, log=log, across_nodes=across,
                 start=start_cost(launch), compile_miss_s=compile_miss_cost(launch), already=already,
             )  # fmt: skip
-            rehearsed.from_rehearsal = already is not None
             compared = rehearsed.real
         else:
             compared = ab.run(
