@@ -311,7 +311,7 @@ def test_each_pass_says_what_it_cost_in_starts():
     reused = ab.RehearsedAb(dummy=result([]), real=result([]), winner="", from_rehearsal=True)
     record = NcclTuningRecord(micro=micro, ab=reused.real, rehearsed=reused, recommended_env={}, recommendation="",
                               notes=[])  # fmt: skip
-    assert [w for w, _ in nccl_tuning.passes(record)] == ["dummy, stage 02", "real"]
+    assert [w for w, _ in nccl_tuning.passes(record)] == ["stage 02's dummy", "real"]
     assert nccl_tuning.pass_costs(record) == [
         "dummy weights: stage 02's rehearsal windows of the same servers; no server started for them",
         "real weights: the running server measured as it is; no relaunch",

@@ -269,7 +269,7 @@ def bandwidth_figures(record: NcclTuningRecord) -> list[go.Figure]:
     ]
 
 
-FROM_REHEARSAL = "dummy, stage 02"
+FROM_REHEARSAL = "stage 02's dummy"  # reads "(stage 02's dummy weights)" in the chart
 
 
 def passes(record: NcclTuningRecord) -> list[tuple[str, ab.AbResult]]:
