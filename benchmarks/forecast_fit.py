@@ -10,6 +10,9 @@ made on the two sweeps today's constants came from, then with the MiniMax-shaped
 every sweep's error per level is printed. Last, each sweep held out of a fit on the four others, in three forms
 (the third adds a compute part per active parameter at the math's peak: FP8 twice BF16). No form fits all five
 within 20 % (2026-12-04), nor forecasts every held-out sweep within 15 %: the model needs more than these terms.
+A fourth held-out form adds a fixed cost per layer and engine step; the 4- and 16-layer sweeps of the bf16 shape
+(run-layers/, 2026-12-04) give it a negative coefficient: the layer count hardly moves the step at this size, and
+two sweeps of one shape on different H200s differ by up to a fifth at one level.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 SWEEPS = REPO / "docs" / "examples" / "h200-vllm"
 CONFIGS = REPO / "tests" / "fixtures" / "configs"
 H200_NVML_BYTES = 143_771 * 2**20
-LAUNCHED_AT = 0.90
+LAUNCHED_AT = 0.90  # the 2026-12-01 to 12-04 sweeps; run-layers launched at 0.92 (vLLM 0.25's default)
 # (run, config, layout, max_model_len); the first two are today's fit
 RUNS = [
     ("run-bf16-tp1", "q3moe-30b-a3b-shapes-8l-bf16", planner.Parallelism(tp=1), 4096),
@@ -36,6 +39,8 @@ RUNS = [
     ("run-kimi-rehearse", "kimi-k2.5-shapes-3l-int4", planner.Parallelism(tp=1), 8192),
     ("run-fp8-tp2ep", "q3moe-30b-a3b-shapes-8l-fp8", planner.Parallelism(tp=2, ep=True), 4096),
     ("run-minimax-ab", "minimax-m2.5-shapes-2l-fp8", planner.Parallelism(tp=1), 8192),
+    ("run-layers/q3-4l", "q3moe-30b-a3b-shapes-4l-bf16", planner.Parallelism(tp=1), 4096),
+    ("run-layers/q3-16l", "q3moe-30b-a3b-shapes-16l-bf16", planner.Parallelism(tp=1), 4096),
 ]
 
 
@@ -49,6 +54,7 @@ class Level:
     prompt_ratio: float
     gpus: int
     active: float  # parameters a token activates, billions
+    layers: int
 
 
 def active_params(spec: modelspec.ModelSpec) -> float:
@@ -77,7 +83,7 @@ def levels() -> list[Level]:
         assert planned is not None
         found += [
             Level(run, lv["concurrency"], lv["output_throughput"], planned.decode_ceiling[lv["concurrency"]],
-                  planned.forecast[lv["concurrency"]], ratio, layout.world_size, active_params(spec))
+                  planned.forecast[lv["concurrency"]], ratio, layout.world_size, active_params(spec), spec.layers)
             for lv in record["levels"] if lv["concurrency"] <= 128
         ]  # fmt: skip
     return found
@@ -96,6 +102,11 @@ def features_mixed(lv: Level) -> list[float]:
     computes in BF16)."""
     tokens = lv.batch * (1 + lv.prompt_ratio) / lv.gpus
     return [1.0, lv.batch / lv.ceiling, tokens, tokens * lv.active / (2.0 if lv.run in FP8_MATH else 1.0)]
+
+
+def features_per_layer(lv: Level) -> list[float]:
+    """Today's form with a fixed cost per layer in each engine step (kernel launches, norms, the router)."""
+    return [*features(lv, False), float(lv.layers)]
 
 
 def refit(found: list[Level], runs: set[str], per_active: bool, form=None) -> np.ndarray:  # noqa: ANN001
@@ -136,6 +147,7 @@ def held_out(found: list[Level]) -> None:
         "per token": lambda lv: features(lv, False),
         "per active parameter": lambda lv: features(lv, True),
         "per token + per active parameter at FP8/BF16 peak": features_mixed,
+        "per token + a fixed cost per layer and step": features_per_layer,
     }
     runs = list(dict.fromkeys(lv.run for lv in found))
     for name, form in forms.items():
@@ -146,6 +158,8 @@ def held_out(found: list[Level]) -> None:
                       for lv in found if lv.run == out]  # fmt: skip
             worst.append(f"{out} {max(abs(e) for e in errors):.0%}")
         print(f"held out, compute {name}: worst per sweep " + ", ".join(worst))
+        everything = refit(found, set(runs), False, form)
+        print("  fitted on all: " + ", ".join(f"{c:.3g}" for c in everything))
 
 
 if __name__ == "__main__":
