@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from servebook import remote, vllm_compat
 from servebook.errors import LaunchError, PreflightError, RemoteError
-from servebook.params import Params
+from servebook.params import Params, ReplicaSection
 from servebook.planner import Parallelism, nodes_rule
 from servebook.secrets import mask
 from servebook.server_config import ServerConfig
@@ -76,13 +76,13 @@ class NodeSet(BaseModel):
         )
 
     @classmethod
-    def for_replicas(cls, p: Params) -> NodeSet:
-        """The machines ``replica_hosts`` spreads the replicas over, this one first; each gives its replicas' GPUs."""
+    def for_replicas(cls, replicas: ReplicaSection) -> NodeSet:
+        """The machines the replicas are spread over, this one first; each gives its replicas' GPUs."""
         return cls(
-            nodes=_nodes(p.replica_hosts, p.replica_addresses, "machine"),
-            gpus_per_node=p.world_size * p.replicas_per_host,
-            python=p.node_python,
-            ssh_config=p.node_ssh_config,
+            nodes=_nodes(list(replicas.hosts), list(replicas.addresses), "machine"),
+            gpus_per_node=replicas.server_gpus * replicas.per_host,
+            python=replicas.python,
+            ssh_config=replicas.ssh_config,
         )
 
 

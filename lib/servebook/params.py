@@ -86,6 +86,39 @@ def _variant_problems(variants: Any, field_name: str = "ab_variants") -> list[st
     return problems
 
 
+class ReplicaSection(BaseModel):
+    """The replicas' fields, built once from validated params (:attr:`Params.replica_section`): how many copies of
+    the server run behind vllm-router, on which machines, on which ports, and what the router does."""
+
+    model_config = ConfigDict(frozen=True)
+
+    count: int = Field(ge=1)
+    hosts: tuple[str, ...] = ()  # SSH destinations, this machine first ('local'); empty: every replica here
+    addresses: tuple[str, ...] = ()  # where the router reaches each machine's replicas; empty: the hosts
+    first_port: int  # replica i serves on first_port + i
+    router_port: int
+    router_host: str
+    router_policy: str
+    server_gpus: int = Field(ge=1)  # each replica's layout: TP x PP x DP
+    ssh_config: str = ""  # the user's SSH configuration for the other machines
+    python: str = ""  # the Python with vLLM on the other machines; empty: the same path as here
+
+    @property
+    def per_host(self) -> int:
+        """Replicas on each machine: all of them on this one without hosts."""
+        return self.count // max(1, len(self.hosts))
+
+
+class DeploySection(BaseModel):
+    """The deploy stage's fields (:attr:`Params.deploy_section`): the unit's name and user, and whether to install."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str = ""  # servebook-<name>.service; empty: the served model's name
+    user: str = "vllm"
+    install: bool = False
+
+
 class Params(BaseModel):
     """Every parameter a stage notebook may declare, with its meaning and limits."""
 
@@ -504,8 +537,23 @@ class Params(BaseModel):
         return problems
 
     @property
+    def replica_section(self) -> ReplicaSection:
+        """The replicas' fields as one typed value, for the code that starts, places and deploys replicas."""
+        return ReplicaSection(
+            count=self.replicas, hosts=tuple(self.replica_hosts), addresses=tuple(self.replica_addresses),
+            first_port=self.replica_base_port or self.port + 1, router_port=self.port, router_host=self.host,
+            router_policy=self.router_policy, server_gpus=self.world_size, ssh_config=self.node_ssh_config,
+            python=self.node_python,
+        )  # fmt: skip
+
+    @property
+    def deploy_section(self) -> DeploySection:
+        return DeploySection(name=self.deploy_name, user=self.deploy_user, install=self.deploy_install)
+
+    @property
     def replicas_per_host(self) -> int:
-        """Replicas on each machine: all of them on this one without replica_hosts."""
+        """Replicas on each machine: all of them on this one without replica_hosts (read by validation, before the
+        section can be built)."""
         return self.replicas // max(1, len(self.replica_hosts))
 
     def _hybrid_problems(self) -> list[str]:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from servebook import client, multinode, remote, server, vllm_compat
+from servebook import client, multinode, remote, router, server, vllm_compat
 from servebook.errors import LaunchError, PreflightError
-from servebook.params import Params
+from servebook.params import ReplicaSection
 from servebook.secrets import mask
 from servebook.server_config import ServerConfig
 from servebook.vllm_log import root_cause
@@ -65,22 +65,29 @@ class Placement:
         return bool(self.node.ssh)
 
 
-def machines(p: Params) -> multinode.NodeSet | None:
+def machines(replicas: ReplicaSection) -> multinode.NodeSet | None:
     """The machines ``replica_hosts`` lists, this one first; None when every replica runs here."""
-    return multinode.NodeSet.for_replicas(p) if p.replica_hosts else None
+    return multinode.NodeSet.for_replicas(replicas) if replicas.hosts else None
 
 
-def placements(p: Params, cfg: ServerConfig) -> list[Placement]:
+def router_config(replicas: ReplicaSection, worker_urls: list[str]) -> router.RouterConfig:
+    """vllm-router in front of ``worker_urls``, on the port and with the policy the replicas' section names."""
+    return router.RouterConfig(
+        port=replicas.router_port, worker_urls=worker_urls, policy=replicas.router_policy, host=replicas.router_host
+    )
+
+
+def placements(replicas: ReplicaSection, cfg: ServerConfig) -> list[Placement]:
     """Every replica's machine and server: consecutive ports, each machine's GPUs (or CPU cores) sliced among the
     replicas it runs, the same slices on every machine."""
-    nodes = machines(p)
+    nodes = machines(replicas)
     listed = nodes.nodes if nodes else [THIS_MACHINE]
-    per_host = p.replicas_per_host
-    width, first = cfg.world_size, p.replica_base_port or p.port + 1
+    per_host = replicas.per_host
+    width, first = cfg.world_size, replicas.first_port
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // per_host
     out = []
-    for i in range(p.replicas):
+    for i in range(replicas.count):
         node, slot = listed[i // per_host], i % per_host
         gpus: list[int] = []
         env = dict(cfg.extra_env)
@@ -99,10 +106,10 @@ def placements(p: Params, cfg: ServerConfig) -> list[Placement]:
     return out
 
 
-def preflight(p: Params, cfg: ServerConfig, placed: list[Placement]) -> list[multinode.NodeProbe]:
+def preflight(replicas: ReplicaSection, cfg: ServerConfig, placed: list[Placement]) -> list[multinode.NodeProbe]:
     """Every replica machine probed before anything starts (software, checkpoint, address, its replicas' ports,
     free GPUs); the ports of servers servebook already runs are left to their reuse or refusal."""
-    nodes = machines(p)
+    nodes = machines(replicas)
     if nodes is None:
         return []
     ours = {r.port for r in server.all_registered()}

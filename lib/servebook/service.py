@@ -16,7 +16,7 @@ from pathlib import Path
 
 from servebook import client, models, remote, server, server_config, systemd
 from servebook.errors import DeployFailed
-from servebook.params import Params
+from servebook.params import DeploySection
 from servebook.records import Command, DeployRecord, DryRun, LaunchRecord, NodeUnitRecord
 from servebook.secrets import MASK
 
@@ -255,12 +255,12 @@ def replace_ad_hoc(record: DeployRecord, launch: LaunchRecord, ports: list[int])
 
 
 def one_server(
-    p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
+    deploy: DeploySection, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
 ) -> DeployRecord:
     """One server's unit (a server across nodes: with a worker unit per other node, which it starts and stops over
     SSH): rendered, verified, proven by a dry run as systemd would start it, installed only when asked."""
     size, _ = models.checkpoint_bytes(launch.model_path)
-    unit = unit_spec(name, launch, nccl_env, server_config.load_budget_s(size), p.deploy_user)
+    unit = unit_spec(name, launch, nccl_env, server_config.load_budget_s(size), deploy.user)
     node_units = worker_units(unit, launch, run_dir)
     unit_text, unit_path, env_path, watchdog = write_unit_files(unit, run_dir)
     dropped = [
@@ -276,7 +276,7 @@ def one_server(
     )
     if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
         record.ad_hoc_server_stopped = server.stop(port=unit.port).summary  # the service replaces it
-    if p.deploy_install:
+    if deploy.install:
         install_node_units(launch, node_units)
         install_front(record, unit, unit_text, launch.config.target(timeout_s=120))
     elif node_units:

@@ -344,7 +344,9 @@ def test_a_hybrid_server_deploys_as_the_heads_unit_behind_the_routers(tmp_path):
     launch = LaunchRecord.planned(head_cfg).model_copy(
         update={"workers": workers, "router": routed, "replicas": replicas, "topology": "hybrid"}
     )
-    record = HybridServer.deploy_units(p.model_copy(update={"deploy_install": False}), tmp_path, launch, "mm", None)
+    record = HybridServer.deploy_units(
+        params.DeploySection(user=p.deploy_user, install=False), tmp_path, launch, "mm", None
+    )
     name = "servebook-mm.service"
     assert record.unit_name == name and [u.unit_name for u in record.replica_units] == ["servebook-mm-dp.service"]
     assert [u.unit_name for u in record.node_units] == ["servebook-mm-dp-node1.service"]

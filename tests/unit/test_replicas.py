@@ -32,13 +32,13 @@ def test_a_missing_router_is_refused_with_the_install_command(monkeypatch):
 def test_each_replica_gets_its_port_and_its_slice_of_the_gpus():
     p = params.validate({"replicas": 2, "tensor_parallel_size": 4, "port": 9000, "device": "cuda"})
     cfg = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", layout=Parallelism(tp=4))
-    first, second = (pl.config for pl in replicas.placements(p, cfg))
+    first, second = (pl.config for pl in replicas.placements(p.replica_section, cfg))
     assert (first.port, first.gpu_ids, second.port, second.gpu_ids) == (9001, [0, 1, 2, 3], 9002, [4, 5, 6, 7])
     listed = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", layout=Parallelism(tp=4),
                           gpu_ids=[7, 6, 5, 4, 3, 2, 1, 0])  # fmt: skip
     p = params.validate({"replicas": 2, "tensor_parallel_size": 4, "replica_base_port": 9100,
                          "gpu_ids": [7, 6, 5, 4, 3, 2, 1, 0]})  # fmt: skip
-    a, b = (pl.config for pl in replicas.placements(p, listed))
+    a, b = (pl.config for pl in replicas.placements(p.replica_section, listed))
     assert (a.port, a.gpu_ids, b.port, b.gpu_ids) == (9100, [7, 6, 5, 4], 9101, [3, 2, 1, 0])
 
 
@@ -156,7 +156,7 @@ def test_replicas_spread_over_machines_get_their_machine_its_address_and_the_sam
     p = params.validate({"replicas": 4, "replica_hosts": ["local", "gpu-b"], "replica_addresses": ["10.0.0.1",
                          "10.0.0.2"], "tensor_parallel_size": 4, "port": 9000, "device": "cuda", "ab_variants": []})  # fmt: skip
     cfg = ServerConfig(model="m", model_path="/m", served_model_name="m", device="cuda", layout=Parallelism(tp=4))
-    placed = replicas.placements(p, cfg)
+    placed = replicas.placements(p.replica_section, cfg)
     assert [(pl.node.ssh, pl.config.port, pl.config.gpu_ids) for pl in placed] == [
         ("", 9001, [0, 1, 2, 3]), ("", 9002, [4, 5, 6, 7]), ("gpu-b", 9003, [0, 1, 2, 3]), ("gpu-b", 9004, [4, 5, 6, 7])
     ]  # fmt: skip

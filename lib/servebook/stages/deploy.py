@@ -18,7 +18,7 @@ def run(p: Params, run_dir: str | Path) -> DeployRecord:
     tuned = results.read(run_dir, NcclTuningRecord)
     name = p.deploy_name or launch.served_model_name.replace("/", "-")
     shape = topology.kind(launch.topology)  # the units follow what the launch started, not today's params
-    record = shape.deploy_units(p, run_dir, launch, name, tuned.recommended_env if tuned else None)
+    record = shape.deploy_units(p.deploy_section, run_dir, launch, name, tuned.recommended_env if tuned else None)
     results.write(run_dir, record)
     return record
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from servebook import remote, server, ui
 from servebook.errors import CleanupError, ParamsError
 from servebook.multinode import NodeProbe, NodeSet
-from servebook.params import Params
+from servebook.params import DeploySection, Params
 from servebook.replicas import ReplicaRecord
 from servebook.router import RouterRecord
 from servebook.server_config import ServerConfig
@@ -74,7 +74,7 @@ def machines(p: Params) -> NodeSet | None:
     of a server across nodes, the machines ``replica_hosts`` lists; None when everything runs here."""
     if p.nodes > 1:
         return NodeSet.from_params(p)
-    return NodeSet.for_replicas(p) if p.replica_hosts else None
+    return NodeSet.for_replicas(p.replica_section) if p.replica_hosts else None
 
 
 def shape_of_launch(has_router: bool, workers: list[str]) -> Shape:
@@ -167,14 +167,14 @@ class Topology(abc.ABC):
 
     @classmethod
     def deploy_units(
-        cls, p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
+        cls, deploy: DeploySection, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
     ) -> DeployRecord:
         """This shape's service, from what its launch started: the units rendered beside the records, verified,
         proven where one process can be started as systemd would, installed only when ``deploy_install`` asks.
         One server (and one across nodes, whose head unit starts and stops each other node's) by default."""
         from servebook import service
 
-        return service.one_server(p, run_dir, launch, name, nccl_env)
+        return service.one_server(deploy, run_dir, launch, name, nccl_env)
 
 
 def kind(shape: Shape) -> type[Topology]:

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from servebook import models, router, server, server_config, service, systemd
+from servebook import models, replicas, router, server, server_config, service, systemd
 from servebook.errors import DeployFailed, LaunchError
 from servebook.multinode import NodeProbe
-from servebook.params import Params
+from servebook.params import DeploySection
 from servebook.records import DeployRecord, LaunchRecord, NodeUnitRecord
 from servebook.replicas import ReplicaRecord
 from servebook.topology import Shape, Started
@@ -21,7 +21,7 @@ class HybridServer(MultiNodeServer):
     shape: ClassVar[Shape] = "hybrid"
 
     def api_port(self) -> int:
-        return self.p.replica_base_port or self.p.port + 1
+        return self.p.replica_section.first_port
 
     def ports(self) -> list[int]:
         return [self.p.port, self.api_port()]  # the router's first: it forwards to the nodes' API servers
@@ -47,7 +47,7 @@ class HybridServer(MultiNodeServer):
                     )
                 ready_s.append(launch.seconds_to_ready + seconds)
             routed = router.start(
-                router.RouterConfig(port=p.port, worker_urls=urls, policy=p.router_policy, host=p.host),
+                replicas.router_config(p.replica_section, urls),
                 launch.config.target(timeout_s=120), self.run_dir / "router", run_dir=str(self.run_dir),
             )  # fmt: skip
         except BaseException:
@@ -69,14 +69,14 @@ class HybridServer(MultiNodeServer):
 
     @classmethod
     def deploy_units(
-        cls, p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
+        cls, deploy: DeploySection, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
     ) -> DeployRecord:
         """vLLM's hybrid data parallelism as a service: the head node's ``vllm serve`` (one unit, which starts and
         stops every other node's over SSH, as a multi-node server's does), and vllm-router's unit in front, requiring
         the head's, so the router starts once every node's API server answers. Installed (the other nodes' units
         first) only when asked; no dry run across nodes."""
         size, _ = models.checkpoint_bytes(launch.model_path)
-        head = service.unit_spec(f"{name}-dp", launch, nccl_env, server_config.load_budget_s(size), p.deploy_user)
+        head = service.unit_spec(f"{name}-dp", launch, nccl_env, server_config.load_budget_s(size), deploy.user)
         head.description = f"vLLM serving {launch.served_model_name}, hybrid data parallel (servebook)"
         head.part_of = f"servebook-{name}.service"
         node_units = service.worker_units(head, launch, run_dir)
@@ -96,7 +96,7 @@ class HybridServer(MultiNodeServer):
             load_seconds=routed.seconds_to_ready,
             load_source=head.load_source,
             servebook=head.servebook,
-            user=p.deploy_user,
+            user=deploy.user,
             requires=[head.unit_name],
             wait_urls=[rep.url for rep in launch.replicas[1:]],
         )
@@ -125,7 +125,7 @@ class HybridServer(MultiNodeServer):
             ),
         )
         service.replace_ad_hoc(record, launch, [front.port, head.port])  # the head's stop reaches every node's vLLM
-        if p.deploy_install and not record.access_problems:
+        if deploy.install and not record.access_problems:
             service.install_node_units(launch, node_units)
             started = systemd.install(head, head_text)
             if not started.enabled:

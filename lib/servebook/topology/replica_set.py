@@ -14,7 +14,7 @@ from typing import ClassVar
 from servebook import hardware, replicas, router, server, service, systemd, ui
 from servebook.errors import DeployFailed, PreflightError
 from servebook.multinode import NodeProbe
-from servebook.params import Params
+from servebook.params import DeploySection
 from servebook.records import DeployRecord, LaunchRecord, NodeUnitRecord
 from servebook.replicas import Placement, ReplicaRecord
 from servebook.topology import Shape, Started, Topology
@@ -27,7 +27,7 @@ class ReplicaSet(Topology):
 
     @functools.cached_property
     def placed(self) -> list[Placement]:
-        return replicas.placements(self.p, self.cfg)
+        return replicas.placements(self.p.replica_section, self.cfg)
 
     def ports(self) -> list[int]:
         return [self.p.port] + [pl.config.port for pl in self.placed]  # the router's first
@@ -43,10 +43,10 @@ class ReplicaSet(Topology):
                     f"machine has {have}: lower replicas, or the layout, or list gpu_ids"
                 )
         router.binary()  # refused before any replica starts when vllm-router is missing
-        return replicas.preflight(self.p, self.cfg, placed)
+        return replicas.preflight(self.p.replica_section, self.cfg, placed)
 
     def _start(self) -> Started:
-        placed, nodes = self.placed, replicas.machines(self.p)
+        placed, nodes = self.placed, replicas.machines(self.p.replica_section)
         ports: list[int] = []  # every replica started or reused so far, stopped again if the launch fails
         elsewhere: Elsewhere = {}
         launches: dict[int, server.Launch] = {}
@@ -67,7 +67,7 @@ class ReplicaSet(Topology):
             urls = [launches[pl.index].url if pl.index in launches else elsewhere[pl.index][0].url for pl in placed]
             first = launches[min(launches)]
             routed = router.start(
-                router.RouterConfig(port=self.p.port, worker_urls=urls, policy=self.p.router_policy, host=self.p.host),
+                replicas.router_config(self.p.replica_section, urls),
                 first.config.target(timeout_s=120), self.run_dir / "router", run_dir=str(self.run_dir),
             )  # fmt: skip
         except BaseException:
@@ -105,11 +105,11 @@ class ReplicaSet(Topology):
 
     @classmethod
     def deploy_units(
-        cls, p: Params, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
+        cls, deploy: DeploySection, run_dir: Path, launch: LaunchRecord, name: str, nccl_env: dict[str, str] | None
     ) -> DeployRecord:
         """A router and its replicas: a unit each, verified, the replicas' reach checked as the unit's user; installed
         (replicas first) only when asked. No dry run: it would start every replica as its unit; installing proves them."""
-        front, replicas = router_units(name, launch, nccl_env, p.deploy_user)
+        front, replicas = router_units(name, launch, nccl_env, deploy.user)
         replica_records: list[NodeUnitRecord] = []
         for spec, rep in zip(replicas, launch.replicas, strict=True):
             path = run_dir / spec.unit_name
@@ -138,7 +138,7 @@ class ReplicaSet(Topology):
             ),
         )
         service.replace_ad_hoc(record, launch, [front.port, *(r.port for r in replicas)])
-        if p.deploy_install and not record.access_problems:
+        if deploy.install and not record.access_problems:
             for spec, rep in zip(replicas, launch.replicas, strict=True):
                 if not rep.ssh:
                     systemd.install(spec, systemd.render_unit(spec))
