@@ -330,11 +330,11 @@ def export_k8s(
 ) -> None:
     """A LeaderWorkerSet and a Service (and vllm-router for several replicas) that run the plan's launch on a
     Kubernetes cluster: the same vLLM flags, bound to the variables LWS gives each pod."""
-    from servebook import k8s, params
+    from servebook import k8s, params, topology
 
     try:
         p = params.load(params_file, set_)
-        manifests = k8s.export(p, model_config)
+        manifests = topology.export_k8s(p, model_config)
         problems = k8s.validate(manifests) if validate else []
     except ServebookError as exc:
         _fail(exc, code=2)

@@ -105,12 +105,20 @@ def serve_command(cfg: ServerConfig, model: str, node: list[str]) -> list[str]:
     return ["vllm", "serve", model, *args[:node_at], *node, *args[node_at:]]
 
 
-def node_parts(layout: planner.Parallelism, nodes: int, per_node: int, port: int) -> tuple[list[str], list[str]]:
-    """The leader's and a worker's node flags, with LWS's variables where the cluster decides the value."""
+def node_parts(
+    layout: planner.Parallelism, nodes: int, per_node: int, port: int, *, hybrid: bool = False
+) -> tuple[list[str], list[str]]:
+    """The leader's and a worker's node flags, with LWS's variables where the cluster decides the value;
+    ``hybrid``: every pod serves its own data-parallel ranks' API (vLLM's --data-parallel-hybrid-lb)."""
     if nodes <= 1:
         return [], []
-    leader = multinode.node_flags(layout, nodes, per_node, 0, head_address=LEADER_ADDRESS, port=port)
-    worker = multinode.node_flags(layout, nodes, per_node, 1, head_address=LEADER_ADDRESS, port=port)
+    try:
+        leader, worker = (
+            multinode.node_flags(layout, nodes, per_node, rank, head_address=LEADER_ADDRESS, port=port, hybrid=hybrid)
+            for rank in (0, 1)
+        )
+    except ValueError as exc:
+        raise ServebookError(str(exc)) from exc
     if layout.strategy(per_node) == "dp":
         local = per_node // (layout.tp * layout.pp)
         at = worker.index("--data-parallel-start-rank") + 1
@@ -213,8 +221,24 @@ def _leader_probes(port: int, served_name: str, budget: int) -> JsonObject:
     }
 
 
-def render(p: Params, plan: planner.Plan, layout: planner.Layout) -> Manifests:
-    """The manifests for ``layout`` (accepted by the plan) on ``p.nodes`` nodes of ``plan.device.per_node`` GPUs."""
+def _volumes(model_pvc: str, mount: str, ranks_per_pod: int) -> list[JsonObject]:
+    """The pod's shared memory, and the checkpoint: a claim where one is named, else the same host path."""
+    return [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib(ranks_per_pod)}Gi"}},
+        {"name": "models", **(
+            {"persistentVolumeClaim": {"claimName": model_pvc, "readOnly": True}} if model_pvc
+            else {"hostPath": {"path": mount, "type": "Directory"}}
+        )},
+    ]  # fmt: skip
+
+
+def render(
+    p: Params, plan: planner.Plan, layout: planner.Layout, *, hybrid: bool = False, shape_notes: tuple[str, ...] = ()
+) -> Manifests:
+    """The manifests for ``layout`` (accepted by the plan) on ``p.nodes`` nodes of ``plan.device.per_node`` GPUs;
+    ``hybrid``: every pod serves the API for its own data-parallel ranks and the Service spreads requests over all
+    of them (the serving shape decides: :meth:`servebook.topology.Topology.manifests`); ``shape_notes`` go to the
+    README."""
     if not layout.accepted:
         raise ServebookError(f"layout {layout.name} is not one vLLM accepts here: {layout.reasons[0]}")
     nodes, per_node = plan.device.nodes, plan.device.per_node
@@ -225,19 +249,13 @@ def render(p: Params, plan: planner.Plan, layout: planner.Layout) -> Manifests:
     size_bytes = p.checkpoint_gb * 1e9 if p.checkpoint_gb else models.checkpoint_bytes(cfg.model_path)[0]
     budget = int(load_budget_s(size_bytes, p.load_timeout_s))
     ranks_per_pod = par.world_size // nodes
-    leader_flags, worker_flags = node_parts(par, nodes, per_node, p.node_master_port)
+    leader_flags, worker_flags = node_parts(par, nodes, per_node, p.node_master_port, hybrid=hybrid)
     strategy = par.strategy(per_node) if nodes > 1 else ""
     env = _env(p, cfg, budget)
     leader_cmd = serve_command(cfg, model, leader_flags)
     leader = _container(p, leader_cmd, ranks_per_pod, env, mount, leader=True, shell=False)
     leader |= _leader_probes(p.port, cfg.served_model_name, budget)
-    volumes = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib(ranks_per_pod)}Gi"}},
-        {"name": "models", **(
-            {"persistentVolumeClaim": {"claimName": p.k8s_model_pvc, "readOnly": True}} if p.k8s_model_pvc
-            else {"hostPath": {"path": mount, "type": "Directory"}}
-        )},
-    ]  # fmt: skip
+    volumes = _volumes(p.k8s_model_pvc, mount, ranks_per_pod)
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "servebook"}
     template: JsonObject = {
         "size": nodes,
@@ -248,6 +266,8 @@ def render(p: Params, plan: planner.Plan, layout: planner.Layout) -> Manifests:
     if nodes > 1:
         worker = _container(p, serve_command(cfg, model, worker_flags), ranks_per_pod, env, mount, leader=False,
                             shell=strategy == "dp")  # fmt: skip
+        if hybrid:  # its own API server: ready and alive the way the leader is
+            worker |= _leader_probes(p.port, cfg.served_model_name, budget)
         template["workerTemplate"] = {"metadata": {"labels": {**labels, "role": "worker"}},
                                       "spec": {"containers": [worker], "volumes": volumes}}  # fmt: skip
     else:
@@ -264,17 +284,19 @@ def render(p: Params, plan: planner.Plan, layout: planner.Layout) -> Manifests:
         },
     }  # fmt: skip
     leader_selector = {LWS_NAME_LABEL: name, "role": "leader"}
+    serving_pods = {LWS_NAME_LABEL: name} if hybrid else leader_selector
     service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name if p.replicas == 1 else f"{name}-leaders", "namespace": ns, "labels": labels},
-        "spec": {"selector": leader_selector, "ports": [{"name": "http", "port": p.port, "targetPort": p.port}]},
+        "spec": {"selector": serving_pods, "ports": [{"name": "http", "port": p.port, "targetPort": p.port}]},
     }
     files = {"lws.yaml": _dump([lws]), "service.yaml": _dump([service])}
     notes = [
         f"{p.replicas} group(s) of {nodes} pod(s), {ranks_per_pod} GPU(s) each: {par.name}"
-        + (f", {multinode_strategy(strategy)}" if strategy else ""),
+        + (f", {multinode_strategy(strategy)}" if strategy and not hybrid else ""),
         f"startup probe allows {budget} s ({math.ceil(budget / PROBE_PERIOD_S)} x {PROBE_PERIOD_S} s), the load budget",
+        *shape_notes,
     ]
     if p.replicas > 1:
         files["router.yaml"] = _dump(_router_objects(p, name, ns, labels, leader_selector))
@@ -288,9 +310,10 @@ def render(p: Params, plan: planner.Plan, layout: planner.Layout) -> Manifests:
     return Manifests(name, ns, files, par.name, strategy, nodes, p.replicas, budget, par, plan.device, notes)
 
 
-def export(p: Params, model_config: str = "") -> Manifests:
-    """`servebook export k8s`: plan for the cluster's GPUs (``plan_gpu`` x ``gpus_per_node`` on ``nodes``) as the
-    plan stage does, and render the layout stage 03 would launch.
+def cluster_plan(p: Params, model_config: str = "") -> tuple[planner.Plan, planner.Layout]:
+    """`servebook export k8s`'s plan: for the cluster's GPUs (``plan_gpu`` x ``gpus_per_node`` on ``nodes``) as
+    the plan stage does, and the layout stage 03 would launch (the shape renders it:
+    :func:`servebook.topology.export_k8s`).
 
     ``model_config`` is a config.json to plan from where the Hub cannot be reached; the pods still serve ``model``."""
     if not p.plan_gpu:
@@ -309,7 +332,7 @@ def export(p: Params, model_config: str = "") -> Manifests:
             f"the plan accepts no layout to export for {p.model} on {p.nodes} x {p.per_node} {p.plan_gpu}: {why}; "
             "change the layout, or set layout_from_plan: true"
         )
-    return render(p, planned, chosen)
+    return planned, chosen
 
 
 def multinode_strategy(strategy: str) -> str:

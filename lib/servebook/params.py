@@ -559,7 +559,7 @@ class Params(BaseModel):
     def _hybrid_problems(self) -> list[str]:
         """vLLM's --data-parallel-hybrid-lb: an API server per node for its local ranks, a router in front."""
         problems = []
-        if self.data_parallel_size < self.nodes:
+        if self.data_parallel_size < self.nodes and not self.layout_from_plan:  # else the plan's layout is checked
             problems.append(
                 f"data_parallel_lb: hybrid with data_parallel_size {self.data_parallel_size} on {self.nodes} nodes: "
                 "every node serves its own data-parallel ranks; give each node at least one (data_parallel_size >= "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from servebook import k8s, params, vllm_compat
+from servebook import k8s, params, topology, vllm_compat
 from servebook.errors import ServebookError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,7 +19,7 @@ KIMI = REPO / "params" / "kimi-k2.5-k8s-2x8-h100.yaml"
 
 
 def kimi(*overrides: str) -> k8s.Manifests:
-    return k8s.export(params.load(KIMI, list(overrides)), str(CONFIGS / "kimi-k2.5.json"))
+    return topology.export_k8s(params.load(KIMI, list(overrides)), str(CONFIGS / "kimi-k2.5.json"))
 
 
 def lws_of(m: k8s.Manifests) -> dict:
@@ -67,6 +67,39 @@ def test_the_kimi_example_renders_valid_objects_with_the_plans_flags():
         node1[node1.index("--served-model-name") :], "--host", "--data-parallel-address"
     )
     assert printed[printed.index("--data-parallel-start-rank") + 1] == "2"
+
+
+def test_the_hybrid_shape_exports_an_api_server_in_every_pod_behind_one_service():
+    """#38: each serving shape owns its manifests. Hybrid data parallelism: every pod runs its own ranks' API
+    (--data-parallel-hybrid-lb, never --headless) with the leader's probes, and the Service selects every pod of
+    the set, where the default shape's selects the leaders only."""
+    m = kimi("data_parallel_lb=hybrid")
+    assert k8s.validate(m) == []
+    leader, worker = container(m, "leaderTemplate"), container(m, "workerTemplate")
+    assert "--data-parallel-hybrid-lb" in leader["args"] and "--data-parallel-hybrid-lb" in worker["command"][2]
+    assert "--headless" not in worker["command"][2]
+    assert worker["readinessProbe"] == leader["readinessProbe"] and worker["ports"] == leader["ports"]
+    script = as_kubernetes_expands(worker["command"][2], POD_ENV).replace("exec vllm serve", "printf '%s\\n'", 1)
+    pod = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, check=True, env=POD_ENV)
+    printed = pod.stdout.split()
+    assert printed[printed.index("--data-parallel-start-rank") + 1] == "2"  # worker 1 of 2 ranks per pod
+    selector = next(o for o in m.objects() if o["kind"] == "Service")["spec"]["selector"]
+    assert selector == {k8s.LWS_NAME_LABEL: m.name}
+    assert any("every pod serves the API" in n for n in m.notes) and not any("--headless" in n for n in m.notes)
+    assert "every pod serves the API" in m.files["README.md"]
+    default = next(o for o in kimi().objects() if o["kind"] == "Service")["spec"]["selector"]
+    assert default == {k8s.LWS_NAME_LABEL: m.name, "role": "leader"}
+    assert "--headless" in container(kimi(), "workerTemplate")["command"][2]
+
+
+def test_a_ray_server_is_exported_on_vllms_own_multinode_launch_and_says_so():
+    """The Ray shape in a cluster: the same commands as the mp shape's (LWS wires the pods together; no Ray
+    cluster is started in them), and the README says why."""
+    ray, mp = kimi("distributed_backend=ray"), kimi()
+    assert k8s.validate(ray) == []
+    assert ray.files["lws.yaml"] == mp.files["lws.yaml"]
+    assert any("distributed_backend: ray" in n and "(mp)" in n for n in ray.notes)
+    assert "distributed_backend: ray" in ray.files["README.md"] and "distributed_backend" not in mp.files["README.md"]
 
 
 def _without(args: list[str], *flags: str) -> list[str]:
@@ -133,7 +166,7 @@ def test_the_key_stays_out_of_every_file(monkeypatch):
 
 
 def test_two_replicas_get_vllm_router_with_discovery_and_rights_to_find_the_leaders():
-    m = k8s.export(params.load(REPO / "params" / "minimax-m2.5-2-replicas.yaml", ["plan_gpu=H200"]),
+    m = topology.export_k8s(params.load(REPO / "params" / "minimax-m2.5-2-replicas.yaml", ["plan_gpu=H200"]),
                    str(CONFIGS / "minimax-m2.5.json"))  # fmt: skip
     assert k8s.validate(m) == []
     kinds = sorted(o["kind"] for o in m.objects())
@@ -193,9 +226,9 @@ def test_kubectl_kustomize_renders_the_folder(tmp_path):
 
 def test_what_cannot_be_exported_is_refused_by_name(tmp_path):
     with pytest.raises(ServebookError, match="set plan_gpu"):
-        k8s.export(params.load(KIMI, ["plan_gpu="]), str(CONFIGS / "kimi-k2.5.json"))
+        topology.export_k8s(params.load(KIMI, ["plan_gpu="]), str(CONFIGS / "kimi-k2.5.json"))
     with pytest.raises(ServebookError, match="built on the machine that runs servebook"):
-        k8s.export(params.load(REPO / "params" / "ci.yaml", ["plan_gpu=H100"]))
+        topology.export_k8s(params.load(REPO / "params" / "ci.yaml", ["plan_gpu=H100"]))
 
 
 def test_the_cli_writes_a_new_folder_and_never_overwrites_one(tmp_path):

@@ -30,6 +30,8 @@ from servebook.router import RouterRecord
 from servebook.server_config import ServerConfig
 
 if TYPE_CHECKING:  # the records name the shape: they import this module
+    from servebook import planner
+    from servebook.k8s import Manifests
     from servebook.records import DeployRecord, LaunchRecord
 
 Shape = Literal["single", "nodes", "ray", "hybrid", "replicas"]
@@ -175,6 +177,24 @@ class Topology(abc.ABC):
         from servebook import service
 
         return service.one_server(deploy, run_dir, launch, name, nccl_env)
+
+    @classmethod
+    def manifests(cls, p: Params, plan: planner.Plan, layout: planner.Layout) -> Manifests:
+        """This shape in a Kubernetes cluster (``servebook export k8s``): a LeaderWorkerSet whose group is one
+        server (a pod per node, the leader serving the API), as many groups as replicas, vllm-router in front of
+        several."""
+        from servebook import k8s
+
+        return k8s.render(p, plan, layout)
+
+
+def export_k8s(p: Params, model_config: str = "") -> Manifests:
+    """`servebook export k8s`: the cluster's plan, rendered by the params' shape. As here, except that replicas may
+    each span nodes (LWS groups of several pods), which servebook's own launch refuses."""
+    from servebook import k8s
+
+    shape: Shape = "replicas" if p.replicas > 1 else shape_of(p)
+    return kind(shape).manifests(p, *k8s.cluster_plan(p, model_config))
 
 
 def kind(shape: Shape) -> type[Topology]:

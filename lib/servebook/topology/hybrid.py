@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from servebook import models, replicas, router, server, server_config, service, systemd
+from servebook import k8s, models, planner, replicas, router, server, server_config, service, systemd
 from servebook.errors import DeployFailed, LaunchError
 from servebook.multinode import NodeProbe
-from servebook.params import DeploySection
+from servebook.params import DeploySection, Params
 from servebook.records import DeployRecord, LaunchRecord, NodeUnitRecord
 from servebook.replicas import ReplicaRecord
 from servebook.topology import Shape, Started
@@ -19,6 +19,15 @@ from servebook.topology.mp_nodes import MultiNodeServer
 
 class HybridServer(MultiNodeServer):
     shape: ClassVar[Shape] = "hybrid"
+
+    @classmethod
+    def manifests(cls, p: Params, plan: planner.Plan, layout: planner.Layout) -> k8s.Manifests:
+        """Every pod its own API server for its node's data-parallel ranks (--data-parallel-hybrid-lb) and one
+        Service over all of them: the cluster's load balancing stands where vllm-router stands here."""
+        return k8s.render(p, plan, layout, hybrid=True, shape_notes=(
+            "hybrid data parallelism: every pod serves the API for its own data-parallel ranks; the Service "
+            "spreads requests over all of them (here vllm-router does)",
+        ))  # fmt: skip
 
     def api_port(self) -> int:
         return self.p.replica_section.first_port

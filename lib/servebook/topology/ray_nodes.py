@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
-from servebook import multinode, raycluster, remote, server, ui
+from servebook import k8s, multinode, planner, raycluster, remote, server, ui
 from servebook.multinode import NodeProbe
+from servebook.params import Params
 from servebook.server_config import ServerConfig
 from servebook.topology import Shape, Started, Topology
 
@@ -25,6 +26,16 @@ class RayServer(Topology):
         probes = multinode.preflight(nodes, self.cfg.model_path, [self.p.ray_port], backend="ray")
         self.cfg = raycluster.head_config(self.cfg, self.cluster, self.p.per_node)
         return probes
+
+    @classmethod
+    def manifests(cls, p: Params, plan: planner.Plan, layout: planner.Layout) -> k8s.Manifests:
+        """The same server in a cluster on vLLM's own multi-node launch: the LeaderWorkerSet's pods find each other
+        through LWS, so no Ray cluster is started (Ray in Kubernetes is KubeRay's to run), and the README says so."""
+        mp = p.updated({"distributed_backend": "mp"}, source="the cluster's launch")
+        return k8s.render(mp, plan, layout, shape_notes=(
+            "distributed_backend: ray is how servebook starts this server across machines itself; in the cluster "
+            "the pods run vLLM's own multi-node launch (mp) with the same layout, which LWS wires up",
+        ))  # fmt: skip
 
     def _start(self) -> Started:
         launch = launch_on(
