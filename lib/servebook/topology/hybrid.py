@@ -26,7 +26,7 @@ class HybridServer(MultiNodeServer):
         Service over all of them: the cluster's load balancing stands where vllm-router stands here."""
         return k8s.render(p, plan, layout, hybrid=True, shape_notes=(
             "hybrid data parallelism: every pod serves the API for its own data-parallel ranks; the Service "
-            "spreads requests over all of them (here vllm-router does)",
+            "spreads requests over all of them (where servebook launches it, vllm-router does)",
         ))  # fmt: skip
 
     def api_port(self) -> int:
