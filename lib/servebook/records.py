@@ -229,8 +229,9 @@ class RehearsalCheck(BaseModel):
         if diff is not None and not match:
             note = (
                 f"the real start sized {diff:+.2f} % of the rehearsal's KV"
-                + (" (the compile cache was cold for one of them: a cold compile keeps more in the profile peak)"
-                   if compile_cache == "miss" else "")
+                + (" (this start compiled cold, which keeps more in the profile peak; dummy weights compile under their"
+                   " own key, so the rehearsal may have compiled cold too, and then the gap is vLLM's profile of the"
+                   " real weights)" if compile_cache == "miss" else "")
             )  # fmt: skip
         return cls(candidate=rehearsed.name, rehearsed_kv_tokens=kv, real_kv_tokens=real_kv, kv_diff_pct=diff,
                    kv_match=match, note=note)  # fmt: skip
