@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OLAH = REPO / ".venv-olah" / "bin" / "olah-cli"
+sys.path.insert(0, str(REPO))  # the hub mirror the download tests use
+from tests.support import hub_mirror  # noqa: E402
 
 
 def build_checkpoint(folder: Path, gb: float, shards: int) -> None:
@@ -53,40 +53,20 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--shards", type=int, default=4)
     args = ap.parse_args()
-    if not OLAH.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(OLAH.parents[1])], check=True)
-        subprocess.run([str(OLAH.parent / "pip"), "install", "--quiet", "olah"], check=True)
     root = Path(tempfile.mkdtemp(prefix="servebook-dl-"))
     try:
         mirror = root / "mirrors" / "models" / "bench" / "random-ckpt"
         mirror.mkdir(parents=True)
         t = time.monotonic()
         build_checkpoint(mirror, args.gb, args.shards)
-        git = ["git", "-c", "user.email=b@servebook", "-c", "user.name=bench", "-c", "core.compression=0"]
-        for cmd in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "random"]):
-            subprocess.run([*git, *cmd], cwd=mirror, check=True)
+        hub_mirror.commit_mirror(root, "bench/random-ckpt")
         print(f"built and committed {args.gb:.2f} GB in {time.monotonic() - t:.1f} s")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        (root / "olah.toml").write_text(
-            f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
-            f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n'
-        )
-        olah = subprocess.Popen(
-            [str(OLAH), "-c", str(root / "olah.toml")],
-            cwd=root,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            time.sleep(5)
+        with hub_mirror.serving(root) as endpoint:
             params = root / "p.yaml"
             params.write_text(f"run_name: bench\nmodel: bench/random-ckpt\nmodel_store: {root / 'store'}\n")
             env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
             env.update(
-                HF_ENDPOINT=f"http://127.0.0.1:{port}",
+                HF_ENDPOINT=endpoint,
                 HF_HOME=str(root / "hf"),
                 SERVEBOOK_OUTPUTS=str(root / "out"),
                 HF_HUB_DISABLE_XET="1",
@@ -103,8 +83,6 @@ def main() -> None:
                 raise SystemExit(proc.stderr[-2000:])
             run_dir = Path(proc.stdout.strip().splitlines()[-1])
             got = json.loads((run_dir / "02_download.json").read_text())
-        finally:
-            olah.terminate()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     f, v = got["fetch"], got["verification"]

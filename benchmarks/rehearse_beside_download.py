@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,50 +26,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OLAH = REPO / ".venv-olah" / "bin" / "olah-cli"
+sys.path.insert(0, str(REPO))  # the hub mirror the download tests use
+from tests.support import hub_mirror  # noqa: E402
+
 HUB_REPO = "bench/tiny-slow"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_olah(root: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """olah on 127.0.0.1, offline, serving the mirrors under ``root``."""
-    if not OLAH.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(OLAH.parents[1])], check=True)
-        subprocess.run([str(OLAH.parent / "pip"), "install", "--quiet", "olah"], check=True)
-    port = free_port()
-    (root / "olah.toml").write_text(
-        f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
-        f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n'
-    )
-    olah = subprocess.Popen(
-        [str(OLAH), "-c", str(root / "olah.toml")],
-        cwd=root,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    for _ in range(150):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return olah, port
-        time.sleep(0.2)
-    olah.kill()
-    raise SystemExit("olah did not start")
-
-
-def mirror_tiny_model(root: Path) -> None:
-    from servebook import models
-
-    mirror = root / "mirrors" / "models" / HUB_REPO
-    shutil.copytree(models.build_tiny_model(), mirror)
-    git = ["git", "-c", "user.email=b@servebook", "-c", "user.name=bench"]
-    for cmd in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "tiny"]):
-        subprocess.run([*git, *cmd], cwd=mirror, check=True)
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bytes_per_s: float) -> None:
@@ -90,7 +49,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, byte
 
 def start_slow_link(upstream: int, bytes_per_s: float) -> int:
     """A TCP proxy on 127.0.0.1 to ``upstream`` that passes its answers at ``bytes_per_s`` per connection."""
-    port = free_port()
+    port = hub_mirror.free_port()
     ready = threading.Event()
 
     async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
@@ -114,7 +73,7 @@ def run_pipeline(root: Path, endpoint: str, variants: int) -> tuple[Path, float]
     params = root / "params.yaml"
     params.write_text(
         ci.replace("model: builtin:tiny-qwen3-moe", f"model: {HUB_REPO}")
-        + f"model_store: {root / 'store'}\nport: {free_port()}\n"
+        + f"model_store: {root / 'store'}\nport: {hub_mirror.free_port()}\n"
         + ("rehearse_variants:\n" + listed if variants else "")
     )
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
@@ -165,16 +124,16 @@ def main() -> None:
     ap.add_argument("--variants", type=int, default=1, help="max_num_seqs settings rehearsed beside the layout")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="servebook-beside-"))
-    olah = None
     try:
-        mirror_tiny_model(root)
-        olah, olah_port = start_olah(root)
-        link = start_slow_link(olah_port, args.kb_per_s * 1000)
-        run_dir, wall = run_pipeline(root, f"http://127.0.0.1:{link}", args.variants)
+        from servebook import models
+
+        shutil.copytree(models.build_tiny_model(), root / "mirrors" / "models" / HUB_REPO)
+        hub_mirror.commit_mirror(root, HUB_REPO)
+        with hub_mirror.serving(root) as endpoint:
+            link = start_slow_link(int(endpoint.rsplit(":", 1)[1]), args.kb_per_s * 1000)
+            run_dir, wall = run_pipeline(root, f"http://127.0.0.1:{link}", args.variants)
         report(run_dir, wall)
     finally:
-        if olah:
-            olah.terminate()
         shutil.rmtree(root, ignore_errors=True)
 
 

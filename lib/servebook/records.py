@@ -210,14 +210,17 @@ class RehearsalRecord(Record):
 
 
 class RehearsalCheck(BaseModel):
-    """The real launch against its rehearsal: KV must match (same compile-cache state), throughput is compared by
-    the benchmark."""
+    """The real launch against its rehearsal: KV must match, throughput is compared by the benchmark. vLLM sizes
+    the KV cache from its profile peak, which a cold torch.compile raises; so a gap is read against both starts'
+    compile-cache states."""
 
     candidate: str
     rehearsed_kv_tokens: int | None
     real_kv_tokens: int | None
     kv_diff_pct: float | None
     kv_match: bool
+    rehearsed_compile_cache: str | None = None
+    real_compile_cache: str | None = None
     note: str = ""
 
     @classmethod
@@ -227,14 +230,27 @@ class RehearsalCheck(BaseModel):
         match = diff is not None and abs(diff) <= 0.1
         note = ""
         if diff is not None and not match:
-            note = (
-                f"the real start sized {diff:+.2f} % of the rehearsal's KV"
-                + (" (this start compiled cold, which keeps more in the profile peak; dummy weights compile under their"
-                   " own key, so the rehearsal may have compiled cold too, and then the gap is vLLM's profile of the"
-                   " real weights)" if compile_cache == "miss" else "")
-            )  # fmt: skip
+            note = f"the real start sized {diff:+.2f} % of the rehearsal's KV" + _compile_reading(
+                rehearsed.compile_cache, compile_cache
+            )
         return cls(candidate=rehearsed.name, rehearsed_kv_tokens=kv, real_kv_tokens=real_kv, kv_diff_pct=diff,
-                   kv_match=match, note=note)  # fmt: skip
+                   kv_match=match, rehearsed_compile_cache=rehearsed.compile_cache, real_compile_cache=compile_cache,
+                   note=note)  # fmt: skip
+
+
+def _compile_reading(rehearsed: str | None, real: str | None) -> str:
+    """Why a KV gap between the rehearsal and the real start may be there, from the two compile-cache states."""
+    if rehearsed == real:
+        how = {"miss": "compiled cold", "hit": "loaded their compile caches", None: "compiled nothing"}.get(
+            rehearsed, f"compile cache {rehearsed}"
+        )
+        return f" (both starts {how}, so the gap is vLLM's profile of the real weights against dummy ones)"
+    cold_peak = "a cold compile keeps more in the profile peak"
+    if real == "miss" and rehearsed == "hit":
+        return f" (this start compiled cold and the rehearsal loaded its compile cache: {cold_peak})"
+    if real == "hit" and rehearsed == "miss":
+        return f" (the rehearsal compiled cold and this start loaded its compile cache: {cold_peak})"
+    return f" (compile cache: rehearsal {rehearsed or 'not recorded'}, this start {real or 'nothing compiled'})"
 
 
 # ---------------------------------------------------------------- 03 launch

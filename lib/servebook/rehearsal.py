@@ -141,6 +141,7 @@ class Rehearsed(BaseModel):
     seconds: float = 0.0  # start, sweep and stop
     seconds_to_ready: float | None = None
     phases: dict[str, float] = {}  # the start's phases, seconds
+    compile_cache: str | None = None  # "hit", "miss", or None where nothing was compiled (enforce_eager)
     kv_cache_tokens: int | None = None
     predicted_kv_tokens: int | None = None
     kv_error_pct: float | None = None  # the plan against the rehearsal
@@ -301,6 +302,7 @@ class Runner:
         v = self.last_values = launch.values
         found.seconds_to_ready = round(launch.seconds_to_ready, 1)
         found.phases = {ph.name: round(ph.seconds, 1) for ph in launch.timeline.phases} if launch.timeline else {}
+        found.compile_cache = v.compile_cache
         found.kv_cache_tokens, found.weights_gib = v.kv_cache_tokens, v.model_memory_gib
         found.activation_peak_gib, found.non_torch_gib = v.activation_peak_gib, v.non_torch_gib
         found.graph_estimate_gib = v.graph_estimate_gib

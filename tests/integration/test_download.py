@@ -3,68 +3,29 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from servebook import models
 
+from ..support import hub_mirror
+
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-OLAH_VENV = REPO / ".venv-olah"  # olah pins a FastAPI that conflicts with vLLM's: its own virtualenv
 HUB_REPO = "servebook/tiny-qwen3-moe"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def hub(tmp_path_factory):
     """olah on 127.0.0.1 serving the tiny checkpoint from a local git repository, offline."""
-    olah = OLAH_VENV / "bin" / "olah-cli"
-    if not olah.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(OLAH_VENV)], check=True)
-        subprocess.run(
-            [str(OLAH_VENV / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check", "olah"], check=True
-        )
     root = tmp_path_factory.mktemp("hub")
-    mirror = root / "mirrors" / "models" / HUB_REPO
-    shutil.copytree(models.build_tiny_model(), mirror)
-    git = ["git", "-c", "user.email=ci@servebook", "-c", "user.name=servebook"]
-    subprocess.run([*git, "init", "-q", "-b", "main"], cwd=mirror, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=mirror, check=True)
-    subprocess.run([*git, "commit", "-q", "-m", "tiny checkpoint"], cwd=mirror, check=True)
-    port = free_port()
-    config = root / "olah.toml"
-    config.write_text(
-        f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
-        f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n'
-    )
-    proc = subprocess.Popen(
-        [str(olah), "-c", str(config)],
-        cwd=root,
-        stdout=open(root / "olah.log", "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    for _ in range(100):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("olah did not start: " + (root / "olah.log").read_text()[-2000:])
-    yield {"endpoint": f"http://127.0.0.1:{port}", "source": mirror}
-    proc.terminate()
-    proc.wait(timeout=10)
+    shutil.copytree(models.build_tiny_model(), root / "mirrors" / "models" / HUB_REPO)
+    mirror = hub_mirror.commit_mirror(root, HUB_REPO)
+    with hub_mirror.serving(root) as endpoint:
+        yield {"endpoint": endpoint, "source": mirror}
 
 
 def run_download(hub, tmp_path, *sets):

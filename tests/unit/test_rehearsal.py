@@ -124,11 +124,26 @@ def test_a_person_can_pick_another_measured_candidate(tmp_path):
         rehearse.pick(tmp_path, "C")
 
 
-def test_kv_must_match_between_rehearsal_and_real_launch():
-    rehearsed = found("A", [(1, 1, 1, 1)]).model_copy(update={"kv_cache_tokens": 5_387_024})
-    assert RehearsalCheck.of(rehearsed, 5_387_024, "hit").kv_match
-    check = RehearsalCheck.of(rehearsed, 5_306_464, "miss")  # the H200's cold compile kept 1.5 % more
-    assert not check.kv_match and "-1.50 %" in check.note and "cold" in check.note
+@pytest.mark.parametrize(
+    "rehearsed_cache, real_cache, reading",
+    [
+        ("hit", "miss", "this start compiled cold and the rehearsal loaded its compile cache"),
+        ("miss", "hit", "the rehearsal compiled cold and this start loaded its compile cache"),
+        # the H200's Kimi mini: dummy and real weights compile under different keys, both cold, -0.285 %
+        ("miss", "miss", "both starts compiled cold, so the gap is vLLM's profile of the real weights"),
+        (None, None, "both starts compiled nothing"),
+    ],
+)
+def test_kv_must_match_between_rehearsal_and_real_launch_read_against_both_compile_caches(
+    rehearsed_cache, real_cache, reading
+):
+    rehearsed = found("A", [(1, 1, 1, 1)]).model_copy(
+        update={"kv_cache_tokens": 5_387_024, "compile_cache": rehearsed_cache}
+    )
+    assert RehearsalCheck.of(rehearsed, 5_387_024, real_cache).kv_match
+    check = RehearsalCheck.of(rehearsed, 5_306_464, real_cache)  # the H200's cold compile kept 1.5 % more
+    assert not check.kv_match and "-1.50 %" in check.note and reading in check.note
+    assert (check.rehearsed_compile_cache, check.real_compile_cache) == (rehearsed_cache, real_cache)
 
 
 def test_02_names_the_download_and_the_rehearsal_in_pipeline_order():

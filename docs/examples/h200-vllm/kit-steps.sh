@@ -21,3 +21,20 @@ finish() {
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   pack
 }
+
+# go's common part: the run's own lines (read from stdin) written to /tmp/run-all.sh between the kit's environment
+# and "=== done", and started in a session of its own so that it outlives the call. Inside, `stages OUT ARGS...`
+# runs `servebook run ARGS` with its outputs under OUT, keeps the server logs there and stops what it started.
+start_run() {
+  servebook stop >/dev/null 2>&1
+  {
+    echo "set -u; cd $PWD; source /tmp/kit/unpack.sh >/dev/null 2>&1"
+    echo 'stages() { local out=$1; shift; SERVEBOOK_OUTPUTS=$out servebook run "$@" 2>&1 | cut -c1-400;'
+    echo '  cp outputs/servers/*.log "$out"/ 2>/dev/null; servebook stop 2>&1 | tail -1; }'
+    cat
+    echo 'nvidia-smi --query-gpu=memory.used --format=csv,noheader'
+    echo 'echo "=== done $(date +%T)"'
+  } > /tmp/run-all.sh
+  setsid bash /tmp/run-all.sh > $R/console.log 2>&1 < /dev/null &
+  sleep 20; tail -5 $R/console.log
+}

@@ -16,22 +16,13 @@ kit1)
   du -sh $MODELS/*; sync ;;
 kit2) ls $STAGE ;;
 go)
-  servebook stop >/dev/null 2>&1
-  cat > /tmp/run-all.sh <<SCRIPT
-set -u
-cd $PWD
-source /tmp/kit/unpack.sh >/dev/null 2>&1
+  start_run <<SCRIPT
 echo "=== run \$(date +%T)"
-SERVEBOOK_OUTPUTS=$R/run servebook run $EX/params-minimax-ab.yaml --stages plan,launch,benchmark,nccl_tuning 2>&1 | cut -c1-400
-cp outputs/servers/*.log $R/run/ 2>/dev/null
-servebook stop 2>&1 | tail -1
+stages $R/run $EX/params-minimax-ab.yaml --stages plan,launch,benchmark,nccl_tuning
 echo "=== plan again \$(date +%T)"
 SERVEBOOK_OUTPUTS=$R/again servebook run $EX/params-minimax-ab.yaml --stages plan 2>&1 | cut -c1-400
 cp \$(python3 -c "from servebook.planner import truth; print(truth.history_path())") $R/plans.jsonl
-nvidia-smi --query-gpu=memory.used --format=csv,noheader
-echo "=== done \$(date +%T)"
 SCRIPT
-  setsid bash /tmp/run-all.sh > $R/console.log 2>&1 < /dev/null &
-  sleep 20; tail -5 $R/console.log ;;
+  ;;
 wait) finish ;;
 esac

@@ -23,28 +23,16 @@ kit1)
   du -sh $MODELS/*; df -h /tmp | tail -1; sync ;;
 kit2) ls $STAGE ;;
 go)
-  servebook stop >/dev/null 2>&1
-  cat > /tmp/run-all.sh <<SCRIPT
-set -u
-cd $PWD
-source /tmp/kit/unpack.sh >/dev/null 2>&1
+  start_run <<SCRIPT
 for n in $LAYERS; do
   echo "=== q3moe-bf16-\${n}l \$(date +%T)"
-  SERVEBOOK_OUTPUTS=$R/q3-\${n}l servebook run $EX/params-bf16-tp1.yaml --stages plan,launch,benchmark \
-    --set model=$MODELS/q3moe-bf16-\${n}l --set run_name=h200-bf16-tp1-\${n}l --set bench_max_concurrency=128 \
-    --set extra_env={} 2>&1 | cut -c1-400
-  cp outputs/servers/*.log $R/q3-\${n}l/ 2>/dev/null
-  servebook stop 2>&1 | tail -1
+  stages $R/q3-\${n}l $EX/params-bf16-tp1.yaml --stages plan,launch,benchmark --set model=$MODELS/q3moe-bf16-\${n}l \\
+    --set run_name=h200-bf16-tp1-\${n}l --set bench_max_concurrency=128 --set extra_env={}
 done
 echo "=== minimax skewed \$(date +%T)"
-SERVEBOOK_OUTPUTS=$R/minimax servebook run $EX/params-minimax-rehearse.yaml --stages plan,rehearse \
-  --set max_num_batched_tokens=2048 --set rehearse_variants=[] --set rehearse_min_level_s=3 2>&1 | cut -c1-400
-cp outputs/servers/*.log $R/minimax/ 2>/dev/null
-servebook stop 2>&1 | tail -1
-nvidia-smi --query-gpu=memory.used --format=csv,noheader
-echo "=== done \$(date +%T)"
+stages $R/minimax $EX/params-minimax-rehearse.yaml --stages plan,rehearse \\
+  --set max_num_batched_tokens=2048 --set rehearse_variants=[] --set rehearse_min_level_s=3
 SCRIPT
-  setsid bash /tmp/run-all.sh > $R/console.log 2>&1 < /dev/null &
-  sleep 20; tail -5 $R/console.log ;;
+  ;;
 wait) finish ;;
 esac

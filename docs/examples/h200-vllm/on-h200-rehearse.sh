@@ -7,7 +7,7 @@
 #   kit2   carry .gpu/c2: the second kernel part
 #   go     carry .gpu/c3: kernels in place, then the whole run in a session of its own (it outlives the call):
 #          for each model, stages plan, rehearse, launch (the winner, real weights) and benchmark
-#          (RUN_SETS: more `--set` arguments for every model's run)
+#          (RUN_SETS: more `--set` arguments for every model's run; STAGES: other stages)
 #   wait   keep the machine while the run goes on (WAIT_S, default 560 s), then bring back what is done
 # Results go to $OUT (tarred); README.md beside this script has the tables.
 source "$(dirname "$0")/kit-steps.sh" "$1" rehearse
@@ -21,20 +21,12 @@ kit1)
   du -sh $MODELS/*; sync ;;
 kit2) ls $STAGE ;;
 go)
-  servebook stop >/dev/null 2>&1
-  cat > /tmp/run-all.sh <<SCRIPT
-set -u
-cd $PWD
-source /tmp/kit/unpack.sh >/dev/null 2>&1
+  start_run <<SCRIPT
 for m in ${MODELS_TO_RUN:-kimi minimax}; do
   echo "=== \$m \$(date +%T)"
-  SERVEBOOK_OUTPUTS=$R/\$m servebook run $EX/params-\$m-rehearse.yaml --stages plan,rehearse,launch,benchmark ${RUN_SETS:-} 2>&1 | cut -c1-400
-  cp outputs/servers/*.log $R/\$m/ 2>/dev/null
-  servebook stop 2>&1 | tail -1
+  stages $R/\$m $EX/params-\$m-rehearse.yaml --stages ${STAGES:-plan,rehearse,launch,benchmark} ${RUN_SETS:-}
 done
-echo "=== done \$(date +%T)"
 SCRIPT
-  setsid bash /tmp/run-all.sh > $R/console.log 2>&1 < /dev/null &
-  sleep 20; tail -5 $R/console.log ;;
+  ;;
 wait) finish ;;
 esac

@@ -243,7 +243,7 @@ def table(record: RehearsalRecord) -> pd.DataFrame:
         best = c.best
         rows.append({
             "rank": c.rank, "candidate": c.name, "status": c.status,
-            "ready s": c.seconds_to_ready, "KV tokens": c.kv_cache_tokens, "plan KV tokens": c.predicted_kv_tokens,
+            "ready s": c.seconds_to_ready, "compile cache": c.compile_cache or "", "KV tokens": c.kv_cache_tokens, "plan KV tokens": c.predicted_kv_tokens,
             "plan KV error %": c.kv_error_pct,
             "best tok/s": best.output_tok_s if best else None,
             "band": f"{best.low:,.1f}-{best.high:,.1f}" if best else "",
