@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from servebook import remote, vllm_compat
 from servebook.errors import LaunchError, PreflightError, RemoteError
-from servebook.params import Params, ReplicaSection
+from servebook.params import NodesSection, ReplicaSection
 from servebook.planner import Parallelism, nodes_rule
 from servebook.secrets import mask
 from servebook.server_config import ServerConfig
@@ -66,13 +66,14 @@ class NodeSet(BaseModel):
         return self.python or sys.executable
 
     @classmethod
-    def from_params(cls, p: Params) -> NodeSet:
+    def for_nodes(cls, nodes: NodesSection) -> NodeSet:
+        """The nodes of one server across machines, head first."""
         return cls(
-            nodes=_nodes(p.node_hosts, p.node_addresses, "node"),
-            gpus_per_node=p.per_node,
-            python=p.node_python,
-            ssh_config=p.node_ssh_config,
-            master_port=p.node_master_port,
+            nodes=_nodes(list(nodes.hosts), list(nodes.addresses), "node"),
+            gpus_per_node=nodes.per_node,
+            python=nodes.python,
+            ssh_config=nodes.ssh_config,
+            master_port=nodes.master_port,
         )
 
     @classmethod

@@ -109,6 +109,38 @@ class ReplicaSection(BaseModel):
         return self.count // max(1, len(self.hosts))
 
 
+class NodesSection(BaseModel):
+    """The machines one server spans (:attr:`Params.nodes_section`): who they are, how they are reached, and how
+    vLLM's processes on them find each other (vLLM's own launcher, or a Ray cluster servebook starts)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    count: int = Field(1, ge=1)
+    hosts: tuple[str, ...] = ()  # SSH destinations, this machine first ('local')
+    addresses: tuple[str, ...] = ()  # where the nodes reach each other; empty: the hosts
+    per_node: int = Field(1, ge=1)  # GPUs (or CPU workers) each node gives the server
+    python: str = ""  # the Python with vLLM on the other nodes; empty: the same path as here
+    ssh_config: str = ""
+    master_port: int = 29500
+    backend: Literal["mp", "ray"] = "mp"
+    data_parallel_lb: Literal["internal", "hybrid"] = "internal"
+    ray_port: int = 6379
+    ray_start_args: tuple[str, ...] = ()
+    ray_join_timeout_s: float = 300.0
+
+
+class TopologySection(BaseModel):
+    """What a serving shape needs besides the server's own configuration (:attr:`Params.topology_section`): its
+    nodes, its replicas, and how its starts behave."""
+
+    model_config = ConfigDict(frozen=True)
+
+    nodes: NodesSection
+    replicas: ReplicaSection
+    stop_leftovers: bool = False
+    interactive: bool = False
+
+
 class DeploySection(BaseModel):
     """The deploy stage's fields (:attr:`Params.deploy_section`): the unit's name and user, and whether to install."""
 
@@ -544,6 +576,23 @@ class Params(BaseModel):
             first_port=self.replica_base_port or self.port + 1, router_port=self.port, router_host=self.host,
             router_policy=self.router_policy, server_gpus=self.world_size, ssh_config=self.node_ssh_config,
             python=self.node_python,
+        )  # fmt: skip
+
+    @property
+    def nodes_section(self) -> NodesSection:
+        """The nodes' fields as one typed value, for the code that probes, starts and stops them."""
+        return NodesSection(
+            count=self.nodes, hosts=tuple(self.node_hosts), addresses=tuple(self.node_addresses),
+            per_node=self.per_node, python=self.node_python, ssh_config=self.node_ssh_config,
+            master_port=self.node_master_port, backend=self.distributed_backend, data_parallel_lb=self.data_parallel_lb,
+            ray_port=self.ray_port, ray_start_args=tuple(self.ray_start_args), ray_join_timeout_s=self.ray_join_timeout_s,
+        )  # fmt: skip
+
+    @property
+    def topology_section(self) -> TopologySection:
+        return TopologySection(
+            nodes=self.nodes_section, replicas=self.replica_section, stop_leftovers=self.stop_leftovers,
+            interactive=self.interactive,
         )  # fmt: skip
 
     @property

@@ -27,7 +27,7 @@ from pathlib import Path
 from servebook import remote
 from servebook.errors import LaunchError, RemoteError
 from servebook.multinode import NodeSet, start_on_node
-from servebook.params import Params
+from servebook.params import NodesSection
 from servebook.secrets import mask
 from servebook.server_config import ServerConfig
 
@@ -61,17 +61,17 @@ class RayCluster:
     join_timeout_s: float = 300.0
 
     @classmethod
-    def from_params(cls, p: Params) -> RayCluster:
-        nodes = NodeSet.from_params(p)
+    def for_nodes(cls, section: NodesSection) -> RayCluster:
+        nodes = NodeSet.for_nodes(section)
         return cls(
             nodes=[
                 RayNode(n.name, n.ssh, n.address, sys.executable if not n.ssh else nodes.node_python)
                 for n in nodes.nodes
             ],
-            port=p.ray_port,
-            start_args=list(p.ray_start_args),
-            ssh_config=p.node_ssh_config,
-            join_timeout_s=p.ray_join_timeout_s,
+            port=section.ray_port,
+            start_args=list(section.ray_start_args),
+            ssh_config=section.ssh_config,
+            join_timeout_s=section.ray_join_timeout_s,
         )
 
     @property

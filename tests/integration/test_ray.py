@@ -108,7 +108,9 @@ def test_a_node_without_the_heads_ray_is_refused_before_anything_starts(namespac
         node_ssh_config=str(namespaces.ssh_config), node_python="/usr/bin/python3", distributed_backend="ray",
     )  # fmt: skip
     with pytest.raises(PreflightError) as refused:
-        multinode.preflight(multinode.NodeSet.from_params(p), models.resolve(p.model), [p.ray_port], backend="ray")
+        multinode.preflight(
+            multinode.NodeSet.for_nodes(p.nodes_section), models.resolve(p.model), [p.ray_port], backend="ray"
+        )
     text = str(refused.value)
     assert "node1 (ray-1): Ray is not installed for /usr/bin/python3; pip install ray==" in text, text
     assert "node1 (ray-1): vllm missing, but node0 (this machine) has" in text, text

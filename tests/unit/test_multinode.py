@@ -217,7 +217,7 @@ def test_params_describe_the_nodes_and_refuse_what_vllm_would(tmp_path):
         nodes=2, gpus_per_node=8, tensor_parallel_size=16, node_interconnect="8x400Gb/s InfiniBand",
         node_hosts=["local", "gpu-b"], node_addresses=["10.0.0.1", "10.0.0.2"], device="cuda",
     )  # fmt: skip
-    assert ok.per_node == 8 and multinode.NodeSet.from_params(ok).nodes[1].ssh == "gpu-b"
+    assert ok.per_node == 8 and multinode.NodeSet.for_nodes(ok.nodes_section).nodes[1].ssh == "gpu-b"
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         "nodes: 3\ntensor_parallel_size: 8\nnode_interconnect: fast\nnode_hosts: [gpu-a, gpu-b]\ndevice: cuda\n"
@@ -334,7 +334,7 @@ def test_a_hybrid_server_deploys_as_the_heads_unit_behind_the_routers(tmp_path):
 
     p = params.load(Path(__file__).parents[2] / "params" / "minimax-m2.5-2x8-hybrid.yaml")
     cfg = server_config.ServerConfig.from_params(p, "cuda")
-    head_cfg, workers = multinode.prepare(cfg, multinode.NodeSet.from_params(p), tmp_path, api_port=8001)
+    head_cfg, workers = multinode.prepare(cfg, multinode.NodeSet.for_nodes(p.nodes_section), tmp_path, api_port=8001)
     urls = ["http://127.0.0.1:8001", "http://10.0.0.2:8001"]
     routed = router.RouterRecord(url="http://127.0.0.1:8000", port=8000, policy="cache_aware", worker_urls=urls,
                                  command=["/bin/true", "--port", "8000", "--worker-urls", *urls],

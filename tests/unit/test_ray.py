@@ -32,7 +32,7 @@ def head_args(tmp_path, layout: Parallelism, gpus_per_node: int = 8) -> tuple[li
     cfg = server_config.ServerConfig(
         model=model, model_path=model, served_model_name="m", device="cuda", distributed_backend="ray", nodes=2
     )
-    cfg = raycluster.head_config(dataclasses.replace(cfg, layout=layout), raycluster.RayCluster.from_params(p),
+    cfg = raycluster.head_config(dataclasses.replace(cfg, layout=layout), raycluster.RayCluster.for_nodes(p.nodes_section),
                                  gpus_per_node)  # fmt: skip
     (only,) = multinode.node_configs(cfg, 2, gpus_per_node, "10.0.0.1", 29500)  # on Ray only the head runs vLLM
     return only.serve_args(), only.extra_env
@@ -70,8 +70,8 @@ print(json.dumps(out))
 
 
 def test_each_nodes_ray_start_registers_its_own_address_and_blocks():
-    head, worker = raycluster.RayCluster.from_params(
-        ray_params(ray_port=6400, ray_start_args=["--num-gpus=8"])
+    head, worker = raycluster.RayCluster.for_nodes(
+        ray_params(ray_port=6400, ray_start_args=["--num-gpus=8"]).nodes_section
     ).commands()
     assert head[0] == sys.executable and worker[0] == "/opt/vllm/bin/python"  # the other nodes' Python
     for argv in (head, worker):
@@ -143,7 +143,7 @@ def test_deploy_writes_a_unit_per_ray_node_and_the_heads_waits_for_every_node_be
     from servebook.records import LaunchRecord
 
     p = params.load(REPO / "params" / "kimi-k2.5-2x8-h100-ray.yaml")
-    cluster = raycluster.RayCluster.from_params(p)
+    cluster = raycluster.RayCluster.for_nodes(p.nodes_section)
     cfg = raycluster.head_config(server_config.ServerConfig.from_params(p, "cuda"), cluster, p.per_node)
     workers = [w.model_copy(update={"pid": 100 + i}) for i, w in enumerate(cluster.records(tmp_path))]
     launch = LaunchRecord.planned(cfg).model_copy(update={"workers": workers, "topology": "ray"})

@@ -36,7 +36,9 @@ def test_a_two_node_plan_prints_each_nodes_launch_command(tmp_path):
          "node_interconnect=100GbE", "max_num_seqs=8"],
     )  # fmt: skip
     planned = plan.make_plan(p, plan.device_for(p, tmp_path))
-    head_cfg, workers = multinode.prepare(launch.config_for(p, tmp_path), multinode.NodeSet.from_params(p), tmp_path)
+    head_cfg, workers = multinode.prepare(
+        launch.config_for(p, tmp_path), multinode.NodeSet.for_nodes(p.nodes_section), tmp_path
+    )
     assert planned.node_commands == [head_cfg.command(), *(w.command for w in workers)]
     head, worker = planned.node_commands
     assert "--headless" in worker and "--headless" not in head and "--max-num-seqs" in worker

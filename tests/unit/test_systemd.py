@@ -128,7 +128,7 @@ def test_a_two_node_server_gets_a_unit_per_node_and_the_heads_starts_and_stops_t
 
     p = params.load(REPO / "params" / "kimi-k2.5-2x8-h100.yaml")
     cfg = server.ServerConfig.from_params(p, "cuda")
-    head_cfg, workers = multinode.prepare(cfg, multinode.NodeSet.from_params(p), tmp_path)
+    head_cfg, workers = multinode.prepare(cfg, multinode.NodeSet.for_nodes(p.nodes_section), tmp_path)
     launch = LaunchRecord.planned(head_cfg).model_copy(update={"workers": workers, "topology": "nodes"})
     unit = service.unit_spec(p.run_name, launch, predicted_load_s=2400)
     node_units = service.worker_units(unit, launch, tmp_path)

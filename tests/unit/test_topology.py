@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from servebook import params, topology
 from servebook.errors import ParamsError
@@ -31,6 +32,10 @@ def test_each_shape_is_read_once_from_the_params_and_built_as_its_own_class(valu
     built = topology.of(p, cfg, tmp_path)
     assert topology.shape_of(p) == shape and type(built) is cls and built.shape == shape
     assert built.describe() == topology.SHAPES[shape]
+    # it holds its typed section, never the whole params, and the section cannot be changed past validation
+    assert built.section == p.topology_section and not any(isinstance(v, params.Params) for v in vars(built).values())
+    with pytest.raises(ValidationError, match="frozen"):
+        built.section.nodes.count = 3  # type: ignore[misc]
 
 
 def test_one_file_per_shape():

@@ -172,7 +172,7 @@ def run(p: Params, run_dir: str | Path, log: Callable[[str], None] = print) -> N
             repeats=p.ab_repeats,
             min_seconds=p.bench_min_level_s,
         )
-        nodes = multinode.NodeSet.from_params(p) if p.nodes > 1 else None
+        nodes = multinode.NodeSet.for_nodes(p.nodes_section) if p.nodes > 1 else None
         across = (lambda cfg, folder: multinode.prepare(cfg, nodes, folder)) if nodes else None
         dummy, no_routing = dummy_weights(p, launch)
         already, not_reused = None, ""

@@ -88,7 +88,8 @@ def ray_commands(p: Params) -> list[list[str]]:
     """Each node's ``ray start``, head first, as the launch runs them before the head's ``vllm serve``."""
     addresses = list(p.node_addresses) or [multinode.HEAD_ADDRESS] + [f"NODE{i}_ADDRESS" for i in range(1, p.nodes)]
     hosts = list(p.node_hosts) or ["local"] + [f"node{i}" for i in range(1, p.nodes)]
-    return raycluster.RayCluster.from_params(p.updated({"node_addresses": addresses, "node_hosts": hosts})).commands()
+    nodes = p.updated({"node_addresses": addresses, "node_hosts": hosts}).nodes_section
+    return raycluster.RayCluster.for_nodes(nodes).commands()
 
 
 def run(p: Params, run_dir: str | Path) -> PlanRecord:

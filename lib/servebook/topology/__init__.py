@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from servebook import remote, server, ui
 from servebook.errors import CleanupError, ParamsError
 from servebook.multinode import NodeProbe, NodeSet
-from servebook.params import DeploySection, Params
+from servebook.params import DeploySection, Params, TopologySection
 from servebook.replicas import ReplicaRecord
 from servebook.router import RouterRecord
 from servebook.server_config import ServerConfig
@@ -75,7 +75,7 @@ def machines(p: Params) -> NodeSet | None:
     """The machines the shape uses besides this one, as reconnaissance and the preflight probe them: the nodes
     of a server across nodes, the machines ``replica_hosts`` lists; None when everything runs here."""
     if p.nodes > 1:
-        return NodeSet.from_params(p)
+        return NodeSet.for_nodes(p.nodes_section)
     return NodeSet.for_replicas(p.replica_section) if p.replica_hosts else None
 
 
@@ -102,12 +102,13 @@ class Started:
 
 class Topology(abc.ABC):
     """One serving shape's life. ``cfg`` is the server's configuration (the params with the plan's layout and the
-    download's folder); :meth:`preflight` may turn it into the head's own part (its node flags, its address)."""
+    download's folder); :meth:`preflight` may turn it into the head's own part (its node flags, its address).
+    ``section`` is the rest the shape needs: its nodes, its replicas, how its starts behave."""
 
     shape: ClassVar[Shape]
 
-    def __init__(self, p: Params, cfg: ServerConfig, run_dir: Path):
-        self.p, self.cfg, self.run_dir = p, cfg, run_dir
+    def __init__(self, section: TopologySection, cfg: ServerConfig, run_dir: Path):
+        self.section, self.cfg, self.run_dir = section, cfg, run_dir
         self.probes: list[NodeProbe] | None = None
 
     def preflight(self) -> list[NodeProbe]:
@@ -133,8 +134,8 @@ class Topology(abc.ABC):
         """The server here (the head, on several nodes, with the other nodes' ``workers``), its load shown as it
         goes."""
         return server.launch(
-            self.cfg, self.run_dir, stop_leftovers=self.p.stop_leftovers,
-            on_progress=ui.load_progress(self.p.interactive), workers=workers or [],
+            self.cfg, self.run_dir, stop_leftovers=self.section.stop_leftovers,
+            on_progress=ui.load_progress(self.section.interactive), workers=workers or [],
         )  # fmt: skip
 
     def ports(self) -> list[int]:
@@ -213,4 +214,4 @@ def kind(shape: Shape) -> type[Topology]:
 
 def of(p: Params, cfg: ServerConfig, run_dir: Path) -> Topology:
     """The topology the params describe, for this server configuration."""
-    return kind(shape_of(p))(p, cfg, run_dir)
+    return kind(shape_of(p))(p.topology_section, cfg, run_dir)

@@ -30,17 +30,18 @@ class HybridServer(MultiNodeServer):
         ))  # fmt: skip
 
     def api_port(self) -> int:
-        return self.p.replica_section.first_port
+        return self.section.replicas.first_port
 
     def ports(self) -> list[int]:
-        return [self.p.port, self.api_port()]  # the router's first: it forwards to the nodes' API servers
+        # the router's first: it forwards to the nodes' API servers
+        return [self.section.replicas.router_port, self.api_port()]
 
     def _preflight(self) -> list[NodeProbe]:
         router.binary()  # refused before any node starts when vllm-router is missing
         return super()._preflight()
 
     def _start(self) -> Started:
-        p, cfg = self.p, self.cfg
+        cfg = self.cfg
         launch = self._launch(self.workers)
         started = server.registered(cfg.port)
         nodes = started.workers if started else []
@@ -56,7 +57,7 @@ class HybridServer(MultiNodeServer):
                     )
                 ready_s.append(launch.seconds_to_ready + seconds)
             routed = router.start(
-                replicas.router_config(p.replica_section, urls),
+                replicas.router_config(self.section.replicas, urls),
                 launch.config.target(timeout_s=120), self.run_dir / "router", run_dir=str(self.run_dir),
             )  # fmt: skip
         except BaseException:

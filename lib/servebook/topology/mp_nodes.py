@@ -22,7 +22,7 @@ class MultiNodeServer(Topology):
     def _preflight(self) -> list[NodeProbe]:
         """Every node probed (software, checkpoint, ports, GPUs, clock), then the head's and each other node's
         command. ``server.launch`` checks the head's API port here, ``router.start`` the router's."""
-        nodes = multinode.NodeSet.from_params(self.p)
+        nodes = multinode.NodeSet.for_nodes(self.section.nodes)
         api = self.api_port()
         probes = multinode.preflight(nodes, self.cfg.model_path, [nodes.master_port], node_ports=[api] if api else [])
         self.cfg, self.workers = multinode.prepare(self.cfg, nodes, self.run_dir, api)

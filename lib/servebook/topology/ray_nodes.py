@@ -21,10 +21,12 @@ class RayServer(Topology):
     cluster: raycluster.RayCluster
 
     def _preflight(self) -> list[NodeProbe]:
-        self.cluster = raycluster.RayCluster.from_params(self.p)
-        nodes = multinode.NodeSet.from_params(self.p)
-        probes = multinode.preflight(nodes, self.cfg.model_path, [self.p.ray_port], backend="ray")
-        self.cfg = raycluster.head_config(self.cfg, self.cluster, self.p.per_node)
+        section = self.section.nodes
+        self.cluster = raycluster.RayCluster.for_nodes(section)
+        probes = multinode.preflight(
+            multinode.NodeSet.for_nodes(section), self.cfg.model_path, [section.ray_port], backend="ray"
+        )
+        self.cfg = raycluster.head_config(self.cfg, self.cluster, section.per_node)
         return probes
 
     @classmethod
@@ -39,8 +41,8 @@ class RayServer(Topology):
 
     def _start(self) -> Started:
         launch = launch_on(
-            self.cluster, self.cfg, self.run_dir, stop_leftovers=self.p.stop_leftovers,
-            on_progress=ui.load_progress(self.p.interactive),
+            self.cluster, self.cfg, self.run_dir, stop_leftovers=self.section.stop_leftovers,
+            on_progress=ui.load_progress(self.section.interactive),
         )  # fmt: skip
         return Started(launch, probes=self.preflight())
 

@@ -27,10 +27,10 @@ class ReplicaSet(Topology):
 
     @functools.cached_property
     def placed(self) -> list[Placement]:
-        return replicas.placements(self.p.replica_section, self.cfg)
+        return replicas.placements(self.section.replicas, self.cfg)
 
     def ports(self) -> list[int]:
-        return [self.p.port] + [pl.config.port for pl in self.placed]  # the router's first
+        return [self.section.replicas.router_port] + [pl.config.port for pl in self.placed]  # the router's first
 
     def _preflight(self) -> list[NodeProbe]:
         placed = self.placed
@@ -39,14 +39,14 @@ class ReplicaSet(Topology):
             need = max(g for pl in placed if not pl.elsewhere for g in pl.config.gpu_ids) + 1
             if need > have:
                 raise PreflightError(
-                    f"replicas {self.p.replicas} x {self.cfg.layout.name} need GPUs up to index {need - 1}; this "
+                    f"replicas {self.section.replicas.count} x {self.cfg.layout.name} need GPUs up to index {need - 1}; this "
                     f"machine has {have}: lower replicas, or the layout, or list gpu_ids"
                 )
         router.binary()  # refused before any replica starts when vllm-router is missing
-        return replicas.preflight(self.p.replica_section, self.cfg, placed)
+        return replicas.preflight(self.section.replicas, self.cfg, placed)
 
     def _start(self) -> Started:
-        placed, nodes = self.placed, replicas.machines(self.p.replica_section)
+        placed, nodes = self.placed, replicas.machines(self.section.replicas)
         ports: list[int] = []  # every replica started or reused so far, stopped again if the launch fails
         elsewhere: Elsewhere = {}
         launches: dict[int, server.Launch] = {}
@@ -67,7 +67,7 @@ class ReplicaSet(Topology):
             urls = [launches[pl.index].url if pl.index in launches else elsewhere[pl.index][0].url for pl in placed]
             first = launches[min(launches)]
             routed = router.start(
-                replicas.router_config(self.p.replica_section, urls),
+                replicas.router_config(self.section.replicas, urls),
                 first.config.target(timeout_s=120), self.run_dir / "router", run_dir=str(self.run_dir),
             )  # fmt: skip
         except BaseException:
@@ -88,8 +88,8 @@ class ReplicaSet(Topology):
             + (f", GPUs {rcfg.gpu_ids}" if rcfg.gpu_ids else "")
         )
         return server.launch(
-            rcfg, self.run_dir / f"replica-{pl.index}", stop_leftovers=self.p.stop_leftovers,
-            on_progress=ui.load_progress(self.p.interactive, f"replica {pl.index}"),
+            rcfg, self.run_dir / f"replica-{pl.index}", stop_leftovers=self.section.stop_leftovers,
+            on_progress=ui.load_progress(self.section.interactive, f"replica {pl.index}"),
         )  # fmt: skip
 
     def _wait_elsewhere(self, placed: list[Placement], elsewhere: Elsewhere) -> dict[int, float]:
