@@ -1,18 +1,23 @@
-"""The sweep against real vLLM: exact lengths, tables, and a server that dies mid-level."""
+"""The sweep against real vLLM: exact lengths, tables, a batch limit, and an API server killed mid-level whose
+orphaned engine `servebook stop` finds."""
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pandas as pd
+import psutil
 import pytest
 
-from servebook import bench, levels, loadgen, metrics, server
+from servebook import bench, hardware, levels, loadgen, metrics, server
+from servebook.errors import PreflightError
 
-from .conftest import config
+from .conftest import config, ours_left
 
 pytestmark = pytest.mark.integration
 
@@ -85,11 +90,19 @@ def test_windows_last_their_seconds_and_a_broken_objective_ends_the_sweep(shared
     assert any("spread still above bench_max_spread_pct" in w for w in data.warnings)
 
 
-def test_a_level_past_max_num_seqs_is_a_batch_limit_and_a_killed_server_stops_the_sweep(tmp_path):
-    """vLLM admits 4 sequences; at 8 streams the other 4 wait in its queue, and the level says so. Then a second
-    sweep on the same server, which is SIGKILLed mid-level: the sweep stops on the fault and keeps what it measured
-    (one server for both: each start costs half a minute on two cores)."""
-    launched = server.launch(config(8137, max_num_seqs=4), tmp_path / "server", log=print)
+@pytest.fixture(scope="module")
+def four_seqs(tmp_path_factory):
+    """A server that admits 4 sequences, for the batch-limit sweep and then the killed-server test, which ends it
+    (one start for both: each start costs half a minute on two cores). Whatever is left is stopped here."""
+    launched = server.launch(config(8137, max_num_seqs=4), tmp_path_factory.mktemp("four-seqs"), log=print)
+    yield launched
+    server.stop(port=8137, orphans=True)
+    assert ours_left(launched.pgid) == [] and server.vllm_orphans() == []
+
+
+def test_a_level_past_max_num_seqs_is_a_batch_limit(four_seqs, tmp_path):
+    """vLLM admits 4 sequences; at 8 streams the other 4 wait in its queue, and the level says so."""
+    launched = four_seqs
     # a fresh CPU server stalls for seconds the first time it meets each batch shape, and a stalled level's
     # gauges miss the full batch: one uncounted level at 8 streams shows it every shape first
     maker = loadgen.PromptMaker(loadgen.load_tokenizer(launched.config.model_path), seed=8)
@@ -105,17 +118,7 @@ def test_a_level_past_max_num_seqs_is_a_batch_limit_and_a_killed_server_stops_th
         min_level_s=5.0,
         max_num_seqs=4,
     )
-    try:
-        data = bench.sweep(launched.config.target(), launched.config.model_path, cfg, tmp_path / "batch")
-        killed = sweep_killed_mid_level(launched, tmp_path / "killed")
-    finally:
-        server.stop(port=8137)
-    assert killed.stopped_by == "fault" and "concurrency" in killed.fault and "connection" in killed.fault
-    # the window the server died in is no level: its throughput was the crash's (CI once read "best 273 tok/s")
-    faulted = int(killed.fault.split("at concurrency ")[1].split(" ")[0])
-    assert all(r.summary.failed == 0 for r in killed.runs) and faulted not in [lv.concurrency for lv in killed.levels]
-    reqs = pd.read_parquet(tmp_path / "killed" / "sweep_requests.parquet")
-    assert (reqs.error != "").any() and (reqs.error == "").any()  # what was measured before the fault is kept
+    data = bench.sweep(launched.config.target(), launched.config.model_path, cfg, tmp_path)
     by_c = {level.concurrency: level for level in data.levels}
     evidence = [(lv.concurrency, lv.limit, lv.running_peak, lv.waiting_peak, lv.server_queue_ms) for lv in data.levels]
     assert by_c[8].limit_kind == "batch", evidence
@@ -169,7 +172,6 @@ def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_
 def test_a_dataset_sweep_sends_each_request_with_its_own_lengths(shared_server, tmp_path):
     """Requests from the repository's JSONL dataset against real vLLM: every answer has the length its line asked
     for, and the server counts every prompt as the tokenizer did."""
-    from pathlib import Path
 
     from servebook import datasets
 
@@ -274,8 +276,13 @@ def test_a_connection_idle_past_vllms_keep_alive_is_not_reused(shared_server):
     assert second.new_connection  # the idle connection was dropped by the client before the server dropped it
 
 
-def sweep_killed_mid_level(launched: server.Launch, out: Path) -> bench.SweepResult:
-    """A sweep whose server's whole process group is SIGKILLed 25 s in, mid-level."""
+def test_a_killed_api_server_stops_the_sweep_and_leaves_orphans_that_stop_finds(four_seqs, tmp_path):
+    """The API server SIGKILLed 25 s into a sweep, mid-level: the sweep stops on the fault and keeps what it
+    measured; the engine core outlives it (vllm#55510), `servebook status` says so, the next launch's preflight
+    refuses to start beside it even with the registry lost, and `servebook stop --orphans` finds it by title."""
+    launched = four_seqs
+    engine = [p for p in server.group_members(launched.pgid) if p.pid != launched.pid]
+    assert engine, "vLLM should run its engine core in a child process"
     cfg = levels.SweepConfig(
         workload=loadgen.Workload(input_len=32, output_len=256),
         max_concurrency=8,
@@ -283,9 +290,37 @@ def sweep_killed_mid_level(launched: server.Launch, out: Path) -> bench.SweepRes
         prompts_per_level=64,
         request_timeout_s=30,
     )
-    killer = threading.Timer(25.0, lambda: os.killpg(launched.pgid, signal.SIGKILL))
+    killer = threading.Timer(25.0, lambda: os.kill(launched.pid, signal.SIGKILL))
     killer.start()
     try:
-        return bench.sweep(launched.config.target(), launched.config.model_path, cfg, out)
+        killed = bench.sweep(launched.config.target(), launched.config.model_path, cfg, tmp_path)
     finally:
         killer.cancel()
+    assert killed.stopped_by == "fault" and "concurrency" in killed.fault and "connection" in killed.fault
+    # the window the server died in is no level: its throughput was the crash's (CI once read "best 273 tok/s")
+    faulted = int(killed.fault.split("at concurrency ")[1].split(" ")[0])
+    assert all(r.summary.failed == 0 for r in killed.runs) and faulted not in [lv.concurrency for lv in killed.levels]
+    reqs = pd.read_parquet(tmp_path / "sweep_requests.parquet")
+    assert (reqs.error != "").any() and (reqs.error == "").any()  # what was measured before the fault is kept
+
+    time.sleep(1.0)
+    survivors = [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert survivors, "the engine core outlives a SIGKILLed API server (vllm#55510)"
+    assert any(hardware.title(p).startswith("VLLM::") for p in survivors)
+    # `servebook status` says what is true: nothing answers, and the engine still holds its memory
+    row = next(r for r in server.status() if r.port == 8137)
+    assert row.health == "API server gone" and "orphaned, still holding memory" in row.detail
+    # the next launch's preflight sees them by title, even with the registry lost, and refuses to start beside them
+    server.unregister(8137)
+    with pytest.raises(PreflightError, match="orphaned vLLM processes"):
+        server.preflight(config(8137), log=print)
+    # `servebook stop` finds them by title and stops them; nothing is left
+    proc = subprocess.run(
+        [sys.executable, "-m", "servebook.cli", "stop", "--port", "8137", "--orphans"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing left" in proc.stdout
+    assert ours_left(launched.pgid) == [] and server.vllm_orphans() == []

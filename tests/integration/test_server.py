@@ -1,20 +1,17 @@
 """Launch, reuse, refuse, fail and stop with real vLLM (no fake server)."""
 
 import dataclasses
-import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
-from servebook import client, hardware, modelspec, params, planner, server
+from servebook import client, modelspec, params, planner, server
 from servebook.errors import LaunchError, ParamsError, PreflightError
 
-from .conftest import SHARED_PORT, config, ours_left, vllm_titles
+from .conftest import SHARED_PORT, config, vllm_titles
 
 pytestmark = pytest.mark.integration
 
@@ -125,34 +122,3 @@ def test_a_crash_during_start_reports_the_root_cause_and_leaves_nothing(tmp_path
     assert err.log_tail and err.log_path.endswith("server.log")
     assert server.registered(8134) is None
     assert server.vllm_orphans() == []
-
-
-def test_sigkilled_api_server_leaves_orphans_that_stop_finds(tmp_path):
-    launched = server.launch(config(8135), tmp_path, log=print)
-    engine = [p for p in server.group_members(launched.pgid) if p.pid != launched.pid]
-    assert engine, "vLLM should run its engine core in a child process"
-    os.kill(launched.pid, signal.SIGKILL)
-    time.sleep(1.0)
-    survivors = [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert survivors, "the engine core outlives a SIGKILLed API server (vllm#55510)"
-    assert any(hardware.title(p).startswith("VLLM::") for p in survivors)
-
-    # `servebook status` says what is true: nothing answers, and the engine still holds its memory
-    row = next(r for r in server.status() if r.port == 8135)
-    assert row.health == "API server gone" and "orphaned, still holding memory" in row.detail
-
-    # The next launch's preflight sees them by title, even with the registry lost, and refuses to start beside them.
-    server.unregister(8135)
-    with pytest.raises(PreflightError, match="orphaned vLLM processes"):
-        server.preflight(config(8135), log=print)
-
-    # `servebook stop` finds them by title and stops them; nothing is left.
-    proc = subprocess.run(
-        [sys.executable, "-m", "servebook.cli", "stop", "--port", "8135", "--orphans"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "nothing left" in proc.stdout
-    assert ours_left(launched.pgid) == [] and server.vllm_orphans() == []
