@@ -230,8 +230,10 @@ class RehearsalCheck(BaseModel):
         match = diff is not None and abs(diff) <= 0.1
         note = ""
         if diff is not None and not match:
-            note = f"the real start sized {diff:+.2f} % of the rehearsal's KV" + _compile_reading(
-                rehearsed.compile_cache, compile_cache
+            more_or_less = "fewer" if diff < 0 else "more"
+            note = (
+                f"the real start sized {abs(diff):.2f} % {more_or_less} KV tokens than the rehearsal"
+                + _compile_reading(rehearsed.compile_cache, compile_cache)
             )
         return cls(candidate=rehearsed.name, rehearsed_kv_tokens=kv, real_kv_tokens=real_kv, kv_diff_pct=diff,
                    kv_match=match, rehearsed_compile_cache=rehearsed.compile_cache, real_compile_cache=compile_cache,
