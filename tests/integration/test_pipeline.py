@@ -99,11 +99,17 @@ def test_pipeline_runs_every_stage_against_a_keyed_server_and_stops_it(tmp_path)
     # measured at both concurrencies (its verdict is the noise's to decide: one window per start on two cores once
     # read 3,226 and 652 tok/s for the same dummy baseline at 8 streams)
     assert [r["concurrency"] for r in seqs] == [1, 8] and all(r["variant_median"] for r in seqs), seqs
-    assert len(rehearsed_ab["dummy"]["samples"]["baseline"]["1"]) == 2 and rehearsed_ab["winner"] == ""
+    assert len(rehearsed_ab["dummy"]["samples"]["baseline"]["1"]) == 2
     assert "load_format=dummy" in (run_dir / "dummy" / "ab-00-baseline" / "server.log").read_text()
-    assert len(tuning["ab"]["samples"]["baseline"]["1"]) == 1 and tuning["ab"]["rows"] == []  # as it ran
-    assert [r["name"] for r in tuning["ab"]["cost"]["relaunches"]] == ["baseline"]
-    assert any("never relaunched with the real weights" in n for n in tuning["notes"])
+    relaunched = [r["name"] for r in tuning["ab"]["cost"]["relaunches"]]
+    if rehearsed_ab["winner"] == "":  # the usual verdict
+        assert len(tuning["ab"]["samples"]["baseline"]["1"]) == 1 and tuning["ab"]["rows"] == []  # as it ran
+        assert relaunched == ["baseline"]
+        assert any("never relaunched with the real weights" in n for n in tuning["notes"])
+    else:  # a busy two-core machine once crowned it on dummy weights: then it alone is confirmed on the real ones
+        assert rehearsed_ab["winner"] == "max-4-seqs" and "max-4-seqs" in relaunched, relaunched
+        assert any("max-4-seqs beat the dummy baseline and was confirmed on the real weights" in n
+                   for n in tuning["notes"])  # fmt: skip
     deploy = json.loads((run_dir / "07_deploy.json").read_text())
     assert deploy["verify"]["ok"] and deploy["pre_start_with_ad_hoc_server"]["returncode"] == 1
     assert deploy["dry_run"]["pre_start"]["returncode"] == 0 and deploy["dry_run"]["post_start"]["returncode"] == 0
