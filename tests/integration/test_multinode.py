@@ -12,10 +12,11 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
-from servebook import client, models, params, remote, results, router, server
+from servebook import client, k8s, limits, models, params, remote, results, router, server
 from servebook.errors import PreflightError
 from servebook.records import BenchmarkRecord
 from servebook.runner import stop_started_servers
@@ -224,16 +225,19 @@ def test_hybrid_data_parallel_serves_an_api_on_each_node_behind_the_router(node_
     assert server.registered(PORT) is None and server.registered(api) is None
 
 
-def test_replicas_on_two_machines_serve_behind_the_router_and_stop_on_both(node_b, tmp_path, monkeypatch):
-    """Two independent replicas, one on each machine (replica_hosts): node-b's started over SSH on its own address
-    with the key over SSH's stdin, this machine's as usual, vllm-router in front here; smoke-tested and benchmarked
-    through the router with each replica's share, then stopped the way an interrupted run stops what it started,
-    nothing left on either machine."""
+def test_replicas_on_two_machines_serve_fail_over_behind_the_router_and_stop_on_both(node_b, tmp_path, monkeypatch):
+    """The replicas shape end to end (its one such test): two independent replicas, one on each machine
+    (replica_hosts): node-b's started over SSH on its own address with the key over SSH's stdin, this machine's as
+    usual, vllm-router in front here; smoke-tested and benchmarked through the router with each replica's share,
+    this machine's replica SIGKILLed mid-sweep (the levels after it name it and the router marks it down), then
+    stopped the way an interrupted run stops what it started, nothing left on either machine, and the service's
+    units rendered for both machines."""
     monkeypatch.setenv(KEY_ENV, KEY)
     router_port = PORT + 10
     p = two_nodes(node_b, nodes=1, node_hosts=[], node_addresses=[], tensor_parallel_size=1, replicas=2,
                   replica_hosts=["local", "node-b"], replica_addresses=["127.0.0.2", "127.0.0.3"], port=router_port,
-                  router_policy="round_robin", api_key_env=KEY_ENV, bench_max_concurrency=4, ab_variants=[])  # fmt: skip
+                  router_policy="round_robin", api_key_env=KEY_ENV, bench_max_concurrency=8, bench_output_len=32,
+                  bench_prompts_per_level=16, ab_variants=[])  # fmt: skip
     record = None
     try:
         record = launch.run(p, tmp_path)
@@ -243,23 +247,51 @@ def test_replicas_on_two_machines_serve_behind_the_router_and_stop_on_both(node_
         assert there.command[there.command.index("--host") + 1] == "127.0.0.3"
         assert [n.node for n in record.nodes] == ["machine0 (this machine)", "machine1 (node-b)"]
         assert all(w.healthy for w in router.workers(record.router.url)) and len(record.router.worker_urls) == 2
+        assert "2 replicas behind vllm-router (round_robin)" in launch.summary(record)
         # the key reached node-b's vLLM on stdin: it refuses a keyless request, and no command line holds the key
         assert [client.keyless_status(r.url) for r in record.replicas] == [401, 401]
+        # the router forwards the client's key; without it the replicas refuse, through the router too
+        keyless = httpx.post(f"{record.router.url}/v1/completions", json={"model": record.served_model_name,
+                             "prompt": "hi", "max_tokens": 2}, timeout=30)  # fmt: skip
+        assert keyless.status_code == 401
         assert KEY not in open(f"/proc/{there.pid}/cmdline", "rb").read().decode()
         assert KEY not in " ".join(there.command) and KEY not in (tmp_path / "03_launch.json").read_text()
         mine = next(s for s in server.status() if s.port == router_port + 2)
         assert mine.health == "ready" and "a replica on machine1 (node-b), running there" in mine.detail
         table = launch.replica_table(record)
         assert list(table["machine"]) == ["this one", "machine1 (node-b)"] and all(table["healthy at the router"])
+        # the readiness probe `servebook export k8s` renders, run the way the kubelet runs it in the leader
+        probe = k8s.readiness_script(here.port, record.served_model_name)
+        for key, ready in ((KEY, True), ("sk-wrong", False)):
+            ran = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "VLLM_API_KEY": key},
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert (ran.returncode == 0) is ready, ran.stderr[-400:]
 
-        assert smoke_test.run(p, tmp_path).passed
-        swept = benchmark.run(p, tmp_path)
-        assert not swept.fault and all(level.failed == 0 for level in swept.levels)
-        top = swept.levels[-1]
-        assert set(top.replica_shares) == {here.url, there.url}
-        assert all(0.3 <= share <= 0.7 for share in top.replica_shares.values()), top.replica_shares
-        print(f"two replicas on two machines: best {swept.best.output_throughput:.1f} tok/s; shares "
-              f"{top.replica_shares}; ready in {record.seconds_to_ready:.0f} s, node-b's in {there.seconds_to_ready:.0f} s")  # fmt: skip
+        smoke = smoke_test.run(p, tmp_path)
+        assert smoke.passed, smoke.failed()
+        assert smoke.stream.vllm_tpot_ms, "vLLM's own decode speed, from the replicas' /metrics"
+        swept = sweep_killing_a_replica(p, tmp_path, here)
+        first, *after_kill = swept.levels
+        assert first.failed == 0 and first.dead_replicas == [] and first.router_retries == 0
+        assert set(first.replica_shares) == {here.url, there.url}
+        assert all(0.3 <= share <= 0.7 for share in first.replica_shares.values()), first.replica_shares
+        assert sum(first.replica_shares.values()) == pytest.approx(1.0, abs=0.01)
+        # the levels after the kill name the dead replica and say what the router retried and what was lost
+        assert after_kill and all(level.dead_replicas == [here.url] for level in after_kill), swept.levels
+        hit = after_kill[0]
+        assert hit.router_retries is not None and hit.router_errors is not None
+        said = limits.failover_text(hit)
+        assert f"{here.url} stopped answering" in said and "request(s) lost" in said
+        table = benchmark.replica_table(swept.levels)
+        assert set(table[table["replica"] == here.url]["answered"][1:]) == {"no: stopped during the level"}
+        assert all(level.replica_shares[there.url] == 1.0 for level in after_kill)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and all(w.healthy for w in router.workers(record.router.url)):
+            time.sleep(1)
+        assert {w.url: w.healthy for w in router.workers(record.router.url)} == {here.url: False, there.url: True}
+        print(f"two replicas on two machines: first level {first.output_throughput:.1f} tok/s; shares "
+              f"{first.replica_shares}; failover: {said}; ready in {record.seconds_to_ready:.0f} s, node-b's in "
+              f"{there.seconds_to_ready:.0f} s")  # fmt: skip
     finally:
         said = stop_started_servers(tmp_path, print)  # what an interrupted run does: every server it started
     assert record is not None
@@ -268,6 +300,13 @@ def test_replicas_on_two_machines_serve_behind_the_router_and_stop_on_both(node_
                                        log_path="", command=[])  # fmt: skip
     assert ours_left(here.pgid) == [] and remote.leftovers(there_worker) == []
     assert [server.registered(router_port + i) for i in range(3)] == [None, None, None]
+    # a stage that needs the server, after it stopped: one line naming the record, the URL and the fix
+    with pytest.raises(PreflightError) as stopped:
+        smoke_test.run(p, tmp_path)
+    assert str(stopped.value).startswith(
+        f"smoke_test needs the server in 03_launch.json, and http://127.0.0.1:{router_port} does"
+    )
+    assert "run 03_launch" in str(stopped.value)
 
     # the service: the router's unit requires this machine's replica and starts node-b's over SSH before it
     deployed = deploy.run(p, tmp_path)
@@ -282,6 +321,11 @@ def test_replicas_on_two_machines_serve_behind_the_router_and_stop_on_both(node_
     assert [u.node for u in deployed.replica_units] == [f"replica 0 on port {router_port + 1}",
                                                         f"replica 1 on port {router_port + 2} on machine1 (node-b)"]  # fmt: skip
     assert all(u.verify.ok for u in deployed.replica_units if u.verify.ran), deployed.replica_units
+    here_unit = (tmp_path / f"servebook-{name}-replica0.service").read_text()
+    assert f"PartOf=servebook-{name}.service" in here_unit and f"--port {router_port + 1}" in here_unit
+    assert "VLLM_CPU_OMP_THREADS_BIND" in here_unit and KEY not in here_unit  # its own cores, as it ran here
+    assert f"(filled at install from ${KEY_ENV})" in (tmp_path / f"{name}-replica0.env").read_text()
+    assert deployed.verify.ok, deployed.verify.output
     # node-b's load runs inside the router's start (its ExecStartPre): the router's timeout makes room for it
     assert deployed.timeout_start_s >= 1.5 * there.seconds_to_ready + 300
 
@@ -340,3 +384,19 @@ def test_an_interrupted_run_stops_the_replica_it_started_on_the_other_machine(no
     assert remote.leftovers(there) == [] and not remote.alive(there)
     assert all(server.registered(port + i) is None for i in range(3))
     assert server.port_holder("127.0.0.1", port + 1) is None and set(vllm_titles()) <= before
+
+
+def sweep_killing_a_replica(p: params.Params, run_dir: Path, victim) -> BenchmarkRecord:
+    """The benchmark stage through the router, ``victim`` SIGKILLed once the first level is on disk."""
+    swept_box: list[BenchmarkRecord] = []
+    sweeping = threading.Thread(target=lambda: swept_box.append(benchmark.run(p, run_dir)))
+    sweeping.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and sweeping.is_alive():
+        so_far = results.read(run_dir, BenchmarkRecord)
+        if so_far and so_far.levels:
+            break
+        time.sleep(0.5)
+    os.killpg(victim.pgid, signal.SIGKILL)
+    sweeping.join(timeout=600)
+    return swept_box[0]
