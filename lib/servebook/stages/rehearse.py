@@ -243,7 +243,8 @@ def table(record: RehearsalRecord) -> pd.DataFrame:
         best = c.best
         rows.append({
             "rank": c.rank, "candidate": c.name, "status": c.status,
-            "ready s": c.seconds_to_ready, "compile cache": c.compile_cache or "", "KV tokens": c.kv_cache_tokens, "plan KV tokens": c.predicted_kv_tokens,
+            "ready s": c.seconds_to_ready, "compile cache": _compile_cache(c),
+            "KV tokens": c.kv_cache_tokens, "plan KV tokens": c.predicted_kv_tokens,
             "plan KV error %": c.kv_error_pct,
             "best tok/s": best.output_tok_s if best else None,
             "band": f"{best.low:,.1f}-{best.high:,.1f}" if best else "",
@@ -256,6 +257,11 @@ def table(record: RehearsalRecord) -> pd.DataFrame:
         })  # fmt: skip
     frame = pd.DataFrame(rows)
     return frame.sort_values("rank", na_position="last", kind="stable") if not frame.empty else frame
+
+
+def _compile_cache(c: rehearsal.Rehearsed) -> str:
+    """The start's torch.compile cache: hit, miss, not compiled (enforce_eager); blank for a start that failed."""
+    return c.compile_cache or ("not compiled" if c.seconds_to_ready is not None else "")
 
 
 def styled(record: RehearsalRecord) -> Styler:
