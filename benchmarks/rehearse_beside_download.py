@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the hub mirror the download tests use
@@ -130,7 +131,7 @@ def main() -> None:
         shutil.copytree(models.build_tiny_model(), root / "mirrors" / "models" / HUB_REPO)
         hub_mirror.commit_mirror(root, HUB_REPO)
         with hub_mirror.serving(root) as endpoint:
-            link = start_slow_link(int(endpoint.rsplit(":", 1)[1]), args.kb_per_s * 1000)
+            link = start_slow_link(urlsplit(endpoint).port or 80, args.kb_per_s * 1000)
             run_dir, wall = run_pipeline(root, f"http://127.0.0.1:{link}", args.variants)
         report(run_dir, wall)
     finally:

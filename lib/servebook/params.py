@@ -110,20 +110,18 @@ class ReplicaSection(BaseModel):
 
 
 class NodesSection(BaseModel):
-    """The machines one server spans (:attr:`Params.nodes_section`): who they are, how they are reached, and how
-    vLLM's processes on them find each other (vLLM's own launcher, or a Ray cluster servebook starts)."""
+    """The machines one server spans (:attr:`Params.nodes_section`): who they are, how they are reached, and the
+    ports their processes find each other on (vLLM's own launcher's, or the Ray cluster's). Which launcher is the
+    shape's to say (``topology.shape_of``)."""
 
     model_config = ConfigDict(frozen=True)
 
-    count: int = Field(1, ge=1)
     hosts: tuple[str, ...] = ()  # SSH destinations, this machine first ('local')
     addresses: tuple[str, ...] = ()  # where the nodes reach each other; empty: the hosts
     per_node: int = Field(1, ge=1)  # GPUs (or CPU workers) each node gives the server
     python: str = ""  # the Python with vLLM on the other nodes; empty: the same path as here
     ssh_config: str = ""
     master_port: int = 29500
-    backend: Literal["mp", "ray"] = "mp"
-    data_parallel_lb: Literal["internal", "hybrid"] = "internal"
     ray_port: int = 6379
     ray_start_args: tuple[str, ...] = ()
     ray_join_timeout_s: float = 300.0
@@ -582,9 +580,8 @@ class Params(BaseModel):
     def nodes_section(self) -> NodesSection:
         """The nodes' fields as one typed value, for the code that probes, starts and stops them."""
         return NodesSection(
-            count=self.nodes, hosts=tuple(self.node_hosts), addresses=tuple(self.node_addresses),
-            per_node=self.per_node, python=self.node_python, ssh_config=self.node_ssh_config,
-            master_port=self.node_master_port, backend=self.distributed_backend, data_parallel_lb=self.data_parallel_lb,
+            hosts=tuple(self.node_hosts), addresses=tuple(self.node_addresses), per_node=self.per_node,
+            python=self.node_python, ssh_config=self.node_ssh_config, master_port=self.node_master_port,
             ray_port=self.ray_port, ray_start_args=tuple(self.ray_start_args), ray_join_timeout_s=self.ray_join_timeout_s,
         )  # fmt: skip
 

@@ -166,3 +166,40 @@ def test_the_report_says_which_stages_ran_side_by_side():
     text = report._summary_markdown(manifest)
     assert "02_download and 02_rehearse ran side by side for 200 s" in text
     assert "03_launch" not in text.split("side by side")[0].split("\n")[-1]
+
+
+def test_the_compile_cache_states_travel_from_vllms_logs_to_the_launchs_check():
+    """The rehearsal keeps its start's state as vLLM logged it, the launch reads its own the same way, and the check
+    names both (H200 logs of the Kimi-shaped mini: a dummy start that loaded its compile cache, a real cold one)."""
+    from types import SimpleNamespace
+
+    from servebook import levels, vllm_log
+    from servebook.stages import launch as launch_stage
+
+    logs = CONFIGS.parent / "vllm-logs"
+    dummy = vllm_log.read_values((logs / "gpu-0.25.0-h200-kimi-int4-tp1-dummy.log").read_text())
+    real = vllm_log.read_values((logs / "gpu-0.25.0-h200-kimi-int4-tp1-cold.log").read_text())
+    cfg = base_config()
+    candidate = found("TP=1", [(1, 1, 1, 1)])
+    runner = rehearsal.Runner(levels.SweepConfig(), Path("/unused"), routing="", moe=True)
+    spec = rehearsal.CandidateSpec(cfg.layout, rehearsal.AS_SET, cfg, {}, None)
+    runner._logged(candidate, SimpleNamespace(values=dummy, seconds_to_ready=38.0, timeline=None), spec)
+    assert candidate.compile_cache == "hit" and candidate.kv_cache_tokens == 29_089_392
+    record = RehearsalRecord(model_path="/m", routing="", ranked_by="output tok/s", candidates=[candidate],
+                             winner="TP=1")  # fmt: skip
+    check = launch_stage.rehearsal_check(record, SimpleNamespace(config=cfg, reused=False, values=real))
+    assert check is not None and (check.rehearsed_compile_cache, check.real_compile_cache) == ("hit", "miss")
+    assert "this start compiled cold and the rehearsal loaded its compile cache" in check.note
+
+
+def test_the_rehearsal_table_says_not_compiled_for_an_eager_start_and_nothing_for_a_failed_one():
+    from servebook.stages import rehearse
+
+    warm = found("A", [(1, 2, 2, 2)]).model_copy(update={"compile_cache": "hit", "seconds_to_ready": 30.0})
+    eager = found("B", [(1, 1, 1, 1)]).model_copy(update={"seconds_to_ready": 30.0})
+    failed = found("C", [], status="failed")
+    record = RehearsalRecord(model_path="/m", routing="", ranked_by="output tok/s", candidates=[warm, eager, failed],
+                             winner="A")  # fmt: skip
+    rehearsal.rank(record.candidates, by_goodput=False)
+    by_name = dict(zip(rehearse.table(record)["candidate"], rehearse.table(record)["compile cache"], strict=True))
+    assert by_name == {"A": "hit", "B": "not compiled", "C": ""}

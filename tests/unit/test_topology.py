@@ -35,7 +35,7 @@ def test_each_shape_is_read_once_from_the_params_and_built_as_its_own_class(valu
     # it holds its typed section, never the whole params, and the section cannot be changed past validation
     assert built.section == p.topology_section and not any(isinstance(v, params.Params) for v in vars(built).values())
     with pytest.raises(ValidationError, match="frozen"):
-        built.section.nodes.count = 3  # type: ignore[misc]
+        built.section.nodes.per_node = 3  # type: ignore[misc]
 
 
 def test_one_file_per_shape():

@@ -201,8 +201,7 @@ def rehearsal_check(rehearsed: RehearsalRecord | None, launch: server.Launch) ->
     found = rehearsed.matching(launch.config) if rehearsed else None
     if found is None or launch.reused:
         return None
-    compile_cache = launch.timeline.compile_cache if launch.timeline else None
-    return RehearsalCheck.of(found, launch.values.kv_cache_tokens, compile_cache)
+    return RehearsalCheck.of(found, launch.values.kv_cache_tokens, launch.values.compile_cache)
 
 
 def rehearsal_text(record: LaunchRecord) -> str:
