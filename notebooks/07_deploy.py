@@ -35,7 +35,9 @@
 #
 # `systemd-analyze verify` checks the unit. Installing happens only with `deploy_install: true`. Where systemd is
 # not running (containers, these CI machines), the stage runs the pre-start check, the exact serving command and the
-# post-start wait itself, then a smoke test against that server, to prove each piece works.
+# post-start wait itself, then a smoke test against that server, to prove each piece works. That dry run takes the
+# launched server's place on its port; `deploy_dry_run: false` keeps the launched server serving and only renders and
+# verifies the unit.
 
 # %% tags=["parameters"]
 params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
@@ -43,6 +45,7 @@ interactive: bool = True  # widgets and live views (JupyterLab) instead of print
 deploy_name: str = ""  # unit servebook-<name>.service; empty means the served name
 deploy_user: str = "vllm"  # dedicated non-root user the service runs as
 deploy_install: bool = False  # install, enable and start the unit (needs root and a running systemd)
+deploy_dry_run: bool = True  # start the unit's exact command once as systemd would (in place of the launched server) and smoke-test it; false renders and verifies the unit and leaves the launched server serving
 run_dir: str = ""  # run folder for results (set by `servebook run`); empty means outputs/interactive
 
 # %%

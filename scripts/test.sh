@@ -32,13 +32,15 @@ echo "tests: ruff, mypy, nbstripout"
 .venv/bin/nbstripout --verify --extra-keys "metadata.language_info" notebooks/*.ipynb
 
 # nbval checks that every cell of every notebook runs; the keyed pipeline test runs the same notebooks through
-# papermill with an A/B variant that starts a server, so here the A/B keeps only the variant vLLM refuses (named
-# before any start) and stage 06 restarts nothing
+# papermill with every start they can make (the A/B's variant servers, the deploy's dry run) and a full sweep, so
+# here the A/B keeps only the variant vLLM refuses (named before any start), stage 07 renders and verifies its unit
+# without a second server, and the sweeps stop at 4 streams
 rm -rf build/nbval
 .venv/bin/servebook prepare params/ci.yaml --out build/nbval --set port=$nbval_port \
-  --set 'ab_variants=[{name: bogus-flag, extra_args: [--no-such-flag]}]' \
+  --set 'ab_variants=[{name: bogus-flag, extra_args: [--no-such-flag]}]' --set deploy_dry_run=false \
+  --set bench_max_concurrency=4 --set rehearse_max_concurrency=2 \
   --run-dir "$PWD/build/nbval/run" > /dev/null
 
 .venv/bin/python -m pytest tests build/nbval --nbval-lax --nbval-cell-timeout=900 -p no:cacheprovider \
-  --durations=25 -ra "$@"
+  --durations=40 -ra "$@"
 echo "tests: wall time $(( $(date +%s) - started )) s (after setup)"

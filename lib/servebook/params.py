@@ -140,13 +140,15 @@ class TopologySection(BaseModel):
 
 
 class DeploySection(BaseModel):
-    """The deploy stage's fields (:attr:`Params.deploy_section`): the unit's name and user, and whether to install."""
+    """The deploy stage's fields (:attr:`Params.deploy_section`): the unit's name and user, whether to install, and
+    whether to prove the unit by a dry run."""
 
     model_config = ConfigDict(frozen=True)
 
     name: str = ""  # servebook-<name>.service; empty: the served model's name
     user: str = "vllm"
     install: bool = False
+    dry_run: bool = True
 
 
 class Params(BaseModel):
@@ -404,6 +406,11 @@ class Params(BaseModel):
     deploy_install: bool = Field(
         False, description="install, enable and start the unit (needs root and a running systemd)"
     )
+    deploy_dry_run: bool = Field(
+        True,
+        description="start the unit's exact command once as systemd would (in place of the launched server) and "
+        "smoke-test it; false renders and verifies the unit and leaves the launched server serving",
+    )
 
     # smoke test
     smoke_max_tokens: int = Field(
@@ -594,7 +601,9 @@ class Params(BaseModel):
 
     @property
     def deploy_section(self) -> DeploySection:
-        return DeploySection(name=self.deploy_name, user=self.deploy_user, install=self.deploy_install)
+        return DeploySection(
+            name=self.deploy_name, user=self.deploy_user, install=self.deploy_install, dry_run=self.deploy_dry_run
+        )
 
     @property
     def replicas_per_host(self) -> int:

@@ -366,6 +366,21 @@ def _manifest(
     )
 
 
+def require_key(params: params_mod.Params, selected: list[Stage]) -> None:
+    """A run whose stages start or reach a keyed server needs the key before its first stage, not minutes in when
+    the first of them asks for it; a plan-only run does not."""
+    serving = [stage.name for stage in selected if stage.serves]
+    if params.api_key_env and params.api_key_env not in os.environ and serving:
+        raise ParamsError(
+            "api_key_env",
+            [
+                f"api_key_env names {params.api_key_env}, which is not set, and the server's key is needed by "
+                f"{', '.join(serving)}; export {params.api_key_env} before running, or set api_key_env: '' for a "
+                "keyless server"
+            ],
+        )
+
+
 def run(
     params_path: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
@@ -382,6 +397,7 @@ def run(
     params = params_mod.load(params_path, overrides)  # raises before anything exists
     declare_secret(params.api_key_env)  # its value is masked in every notebook, record and report, as the key it is
     selected = stages.select(wanted)
+    require_key(params, selected)
     if any(stage.record.FILE == "03_launch" for stage in selected):
         topology.shape_of(params, str(params_path))  # a shape servebook's own launch cannot start is refused now
     declared = {stage.name: declared_parameters(notebook_of(stage)) for stage in selected}

@@ -228,13 +228,20 @@ def install_node_units(launch: LaunchRecord, node_units: list[NodeUnitRecord]) -
 def dry_run(record: DeployRecord, unit: systemd.UnitSpec, launch: LaunchRecord, run_dir: Path) -> None:
     """The dry run as the unit's user where it can be taken on here, after checking that user reaches what the
     unit runs; as this user otherwise, saying so."""
-    as_unit_user, record.run_as = run_as(unit.user)
-    if as_unit_user:
-        record.access_problems = systemd.access_problems(unit.user, unit_paths(launch, unit))
+    as_unit_user = check_reach(record, unit, launch)
     if record.access_problems:
         record.dry_run_skipped = f"user {unit.user} cannot reach what the unit runs: the service would not start"
         return
     record.dry_run = dry_run_start(unit, run_dir, launch.config.target(timeout_s=120), as_user=as_unit_user)
+
+
+def check_reach(record: DeployRecord, unit: systemd.UnitSpec, launch: LaunchRecord) -> bool:
+    """Whether the unit's user can be taken on here; if so, what of the unit's program and model it cannot reach
+    goes to the record's access problems."""
+    as_unit_user, record.run_as = run_as(unit.user)
+    if as_unit_user:
+        record.access_problems = systemd.access_problems(unit.user, unit_paths(launch, unit))
+    return as_unit_user
 
 
 def install_front(record: DeployRecord, unit: systemd.UnitSpec, unit_text: str, target: client.Target) -> None:
@@ -274,6 +281,12 @@ def one_server(
         load_source="measured" if unit.load_source == "measured" else "predicted",
         node_units=node_units,
     )
+    if not deploy.install and not deploy.dry_run:
+        check_reach(record, unit, launch)
+        record.dry_run_skipped = (
+            "deploy_dry_run is false: the unit is rendered and verified, not started; the launched server keeps serving"
+        )
+        return record
     if record.pre_start_with_ad_hoc_server.returncode != 0 and launch.started_by_this_run:
         record.ad_hoc_server_stopped = server.stop(port=unit.port).summary  # the service replaces it
     if deploy.install:

@@ -3,7 +3,8 @@
 import psutil
 import pytest
 
-from servebook import params, server, topology
+from servebook import params, server, startplan, topology
+from servebook.stages import launch as launch_stage
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +26,11 @@ def params_for(port: int, **kw) -> params.Params:
 
 
 def config(port: int, **kw) -> server.ServerConfig:
-    return server.ServerConfig.from_params(params_for(port, **kw), "cpu")
+    """The server the launch stage would start for these params (its load path chosen), so that a `servebook run`
+    on the same port finds it of the same configuration."""
+    p = params_for(port, **kw)
+    cfg = server.ServerConfig.from_params(p, "cpu")
+    return startplan.with_load_choice(cfg, launch_stage.load_choice_for(p, cfg, None))
 
 
 def ours_left(pgid: int) -> list[str]:

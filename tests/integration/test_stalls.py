@@ -1,8 +1,9 @@
 """A hung engine (SIGSTOP on VLLM::EngineCore, while /health answers 200: vllm-project/vllm#39863) is named within a
 minute in every kind of window and probe: the open-loop rate sweep, the A/B, the smoke test, a relaunch that would
-reuse the server, and a launch whose engine stops while it loads. The session's shared vLLM server on the CPU for
-the windows, one more for the launch."""
+reuse the server, a `servebook run` whose sweep meets it, and a launch whose engine stops while it loads. The
+session's shared vLLM server on the CPU for the windows and the run, one more for the launch."""
 
+import json
 import signal
 import threading
 import time
@@ -13,7 +14,8 @@ import pytest
 from servebook import ab, client, loadgen, ratesweep, server
 from servebook.errors import AbFailed, LaunchError, PreflightError, SmokeTestFailed
 
-from .conftest import config, ours_left
+from .conftest import SHARED_PORT, config, ours_left
+from .test_faults import Run, manifest_of
 
 pytestmark = pytest.mark.integration
 PORT = 8177  # the launch's own server
@@ -86,6 +88,34 @@ def test_the_smoke_test_and_a_reusing_launch_name_a_hung_engine(running):
             server.preflight(running.config)  # same configuration: it would be reused, were it not hung
         assert time.monotonic() - started < 5
     assert client.first_token(target) == ""  # let go, it serves again
+
+
+def test_a_hung_engine_is_named_within_a_minute_while_health_answers(running, tmp_path):
+    """`servebook run` through launch (which finds the shared server with its own configuration and reuses it) and
+    the benchmark; mid-sweep the engine is SIGSTOPped while /health still answers 200: `servebook status` says the
+    server is hung, and the benchmark fails naming the stall instead of waiting out 600-s request timeouts. The run
+    leaves the server it did not start running."""
+    run = Run(tmp_path, "--set", f"port={SHARED_PORT}", "--stages", "launch,benchmark")
+    run.wait_for("concurrency    1 repeat 1")
+    engine = engine_of(running.pgid)
+    engine.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        time.sleep(2)
+        (row,) = [r for r in server.status() if r.port == SHARED_PORT]
+        assert row.health == "hung" and "EngineCore" in row.detail, row
+        run.wait_for("the engine stopped producing tokens while /health answered ready", timeout_s=NAMED_WITHIN_S)
+        print(f"the hang was named {time.monotonic() - stopped_at:.1f} s after the SIGSTOP")
+        code = run.finish(timeout_s=150)
+    finally:
+        if engine.is_running():
+            engine.send_signal(signal.SIGCONT)
+    assert code != 0
+    launch = json.loads((run.run_dir / "03_launch.json").read_text())
+    assert launch["reused"] and not launch["started_by_this_run"], launch.get("reused")
+    failed = [s for s in manifest_of(run)["stages"] if s["status"] == "failed"]
+    assert failed and "SweepAborted" in failed[0]["error"] and "stopped producing tokens" in failed[0]["error"]
+    assert server.registered(SHARED_PORT).pid == running.pid  # still ours to stop at the session's end
 
 
 def test_a_launch_whose_engine_stops_while_loading_fails_naming_it(tmp_path):

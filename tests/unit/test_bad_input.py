@@ -147,3 +147,17 @@ def test_check_says_a_hub_model_out_of_reach(tmp_path):
         capture_output=True, text=True, cwd=REPO, timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     refused(proc, "model:", "nobody-here/no-such-model", "HF_HUB_OFFLINE")
+
+
+def test_a_key_variable_that_is_not_set_is_named_before_the_first_stage_and_a_plan_needs_none(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "SB_UNSET_KEY"} | {"SERVEBOOK_OUTPUTS": str(tmp_path / "out")}
+    args = [sys.executable, "-m", "servebook.cli", "run", CI, "--set", "api_key_env=SB_UNSET_KEY"]
+    proc = subprocess.run([*args, "--stages", "reconnaissance,smoke_test"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=120)  # fmt: skip
+    refused(proc, "api_key_env names SB_UNSET_KEY, which is not set", "needed by smoke_test;", "export SB_UNSET_KEY")
+    assert not (tmp_path / "out").exists()  # refused before a run folder, let alone a stage
+    proc = subprocess.run([*args, "--stages", "reconnaissance"], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -170,3 +170,26 @@ def test_the_watchdog_asks_the_service_for_a_token_and_restarts_it_when_none_com
         path.write_text(text)
         verified = systemd.verify(path)
         assert not verified.ran or verified.ok, verified.output
+
+
+def test_without_a_dry_run_the_launched_server_keeps_serving_and_the_unit_is_still_verified(tmp_path, monkeypatch):
+    """deploy_dry_run: false on a port the launch's own server holds: the unit is rendered and verified, the
+    server this run started is neither stopped nor replaced by a second start, and the summary says why."""
+    p = params.load(REPO / "params" / "ci.yaml", ["deploy_dry_run=false"])
+    assert p.deploy_section.dry_run is False
+    launch = LaunchRecord.planned(server.ServerConfig.from_params(p, "cpu")).model_copy(
+        update={"started_by_this_run": True}
+    )
+
+    def never(*args, **kwargs):
+        raise AssertionError("deploy_dry_run: false started or stopped a server")
+
+    held = Command(command="gpu-check", returncode=1, output=f"port {p.port} is held")
+    monkeypatch.setattr(service, "pre_start_check", lambda unit, as_user=False: held)
+    monkeypatch.setattr(server, "stop", never)
+    monkeypatch.setattr(service, "dry_run_start", never)
+    record = service.one_server(p.deploy_section, tmp_path, launch, "tiny", None)
+    assert record.dry_run is None and record.ad_hoc_server_stopped == ""
+    assert record.dry_run_skipped.startswith("deploy_dry_run is false") and (tmp_path / record.unit_name).is_file()
+    assert "no dry run (deploy_dry_run: false)" in deploy.summary(record)
+    deploy.check(record, p)  # not a failure: what was asked for

@@ -42,6 +42,7 @@ class Stage:
     module: ModuleType
     needs: tuple[str, ...] = ()  # stages whose records it reads when present
     requires: tuple[str, ...] = ()  # stages whose records it cannot run without
+    serves: bool = False  # starts vLLM or talks to it, so it needs the server's key where api_key_env names one
 
     @property
     def number(self) -> int:
@@ -80,12 +81,12 @@ def _table() -> list[Stage]:
         Stage(records.DownloadRecord, download),
         # beside the download where servebook run can (rehearse_during_download); it reads the download's
         # folder when the download has finished, else the checkpoint's config and tokenizer
-        Stage(records.RehearsalRecord, rehearse, needs=("reconnaissance", "plan", "download")),
-        Stage(records.LaunchRecord, launch, needs=("reconnaissance", "plan", "download", "rehearse")),
-        Stage(records.SmokeTestRecord, smoke_test, requires=("launch",)),
-        Stage(records.BenchmarkRecord, benchmark, requires=("launch",)),
-        Stage(records.NcclTuningRecord, nccl_tuning, needs=("reconnaissance",), requires=("launch",)),
-        Stage(records.DeployRecord, deploy, needs=("nccl_tuning",), requires=("launch",)),
+        Stage(records.RehearsalRecord, rehearse, needs=("reconnaissance", "plan", "download"), serves=True),
+        Stage(records.LaunchRecord, launch, needs=("reconnaissance", "plan", "download", "rehearse"), serves=True),
+        Stage(records.SmokeTestRecord, smoke_test, requires=("launch",), serves=True),
+        Stage(records.BenchmarkRecord, benchmark, requires=("launch",), serves=True),
+        Stage(records.NcclTuningRecord, nccl_tuning, needs=("reconnaissance",), requires=("launch",), serves=True),
+        Stage(records.DeployRecord, deploy, needs=("nccl_tuning",), requires=("launch",), serves=True),
     ]
 
 

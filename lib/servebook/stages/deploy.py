@@ -69,6 +69,8 @@ def summary(record: DeployRecord) -> str:
         proven = f"; dry run as {record.run_as} ready and answering" if ok else "; **dry run failed**"
         if ok and record.dry_run.keyless_status == 401:
             proven += " with its key (401 without it)"
+    elif record.dry_run_skipped.startswith("deploy_dry_run is false"):
+        proven = "; no dry run (deploy_dry_run: false)"
     if record.access_problems:
         proven = f"; **its user cannot start it**: {record.access_problems[0]}"
     installed = "; installed" if record.installed and record.installed.enabled else ""
