@@ -2,13 +2,16 @@
 winner against the download's time + one real launch (goal: at most 10 % more).
 
     .venv/bin/python benchmarks/rehearse_beside_download.py [--kb-per-s 15] [--variants 1]
+    python benchmarks/rehearse_beside_download.py --checkpoint /tmp/models/minimax-fp8 \
+        --params docs/examples/h200-vllm/params-minimax-overlap.yaml --kb-per-s 10000 --keep /tmp/results/overlap
 
-Serves the embedded tiny checkpoint from a local hub mirror (olah, offline, as the download tests do) behind a
-proxy that passes the mirror's answers at --kb-per-s (a slow link: the tiny model's 2.9 MB then take longer than
-the rehearsal), runs `servebook run` with stages plan, download, rehearse and launch on params/ci.yaml (the
-rehearsal rehearses the layout as set and --variants settings of max_num_seqs), and prints each stage's start and
-length from the manifest, the overlap, and the wall time to a launched winner against the goal. It prints what a
-pipeline that waits for the download before rehearsing would take (download + rehearsal + launch) beside it.
+Serves a checkpoint (default: the embedded tiny one) from a local hub mirror (olah, offline, as the download tests
+do) behind a proxy that passes the mirror's answers at --kb-per-s (a slow link: the tiny model's 2.9 MB then take
+longer than the rehearsal), runs `servebook run` with stages plan, download, rehearse and launch (on params/ci.yaml
+with --variants settings of max_num_seqs, or on --params as written, its model replaced by the mirror's), and
+prints each stage's start and length from the manifest, the overlap, and the wall time to a launched winner against
+the goal. It prints what a pipeline that waits for the download before rehearsing would take (download + rehearsal
++ launch) beside it. --keep keeps the run folder (and the servers' logs) under that folder.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the hub mirror the download tests use
 from tests.support import hub_mirror  # noqa: E402
 
-HUB_REPO = "bench/tiny-slow"
+HUB_REPO = "bench/slow-link"
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bytes_per_s: float) -> None:
@@ -68,34 +71,50 @@ def start_slow_link(upstream: int, bytes_per_s: float) -> int:
     return port
 
 
-def run_pipeline(root: Path, endpoint: str, variants: int) -> tuple[Path, float]:
-    ci = (REPO / "params" / "ci.yaml").read_text()
+def link_or_copy(src: str, dst: str) -> None:
+    """A hard link where both sides share a file system: a GPU checkpoint of many GB is then not doubled on disk
+    before git stores it."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def ci_params(root: Path, variants: int) -> Path:
+    """params/ci.yaml with ``variants`` settings of max_num_seqs rehearsed beside the layout as set."""
     listed = "".join(f"  - {{name: seqs-{2**i}, max_num_seqs: {2**i}}}\n" for i in range(1, variants + 1))
     params = root / "params.yaml"
     params.write_text(
-        ci.replace("model: builtin:tiny-qwen3-moe", f"model: {HUB_REPO}")
-        + f"model_store: {root / 'store'}\nport: {hub_mirror.free_port()}\n"
+        (REPO / "params" / "ci.yaml").read_text()
+        + f"port: {hub_mirror.free_port()}\n"
         + ("rehearse_variants:\n" + listed if variants else "")
     )
+    return params
+
+
+def run_pipeline(root: Path, endpoint: str, params: Path, outputs: Path) -> tuple[Path, float]:
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env |= {
         "HF_ENDPOINT": endpoint,
         "HF_HOME": str(root / "hf-home"),
         "HF_HUB_DISABLE_XET": "1",
-        "SERVEBOOK_OUTPUTS": str(root / "outputs"),
+        "SERVEBOOK_OUTPUTS": str(outputs),
     }
+    command = [sys.executable, "-m", "servebook.cli", "run", str(params), "--stages", "plan,download,rehearse,launch",
+               "--set", f"model={HUB_REPO}", "--set", f"model_store={root / 'store'}"]  # fmt: skip
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "servebook.cli", "run", str(params), "--stages", "plan,download,rehearse,launch"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-    )
+    lines: list[str] = []
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env
+    ) as proc:
+        for line in proc.stdout or ():  # the pipeline's own lines, as they come
+            print(f"[{time.monotonic() - started:6.1f} s] {line}", end="", flush=True)
+            lines.append(line)
     wall = time.monotonic() - started
     if proc.returncode:
-        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
-    return Path(proc.stdout.strip().splitlines()[-1]), wall
+        raise SystemExit(f"servebook run failed with exit code {proc.returncode}")
+    run_dir = next(Path(line.strip()) for line in reversed(lines) if Path(line.strip()).is_dir())  # said last
+    return run_dir, wall
 
 
 def report(run_dir: Path, wall: float) -> None:
@@ -123,16 +142,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kb-per-s", type=float, default=15.0, help="the link's rate for the mirror's answers")
     ap.add_argument("--variants", type=int, default=1, help="max_num_seqs settings rehearsed beside the layout")
+    ap.add_argument("--checkpoint", type=Path, help="the checkpoint folder the mirror serves (default: the tiny one)")
+    ap.add_argument("--params", type=Path, help="params to run as written (default: params/ci.yaml, --variants)")
+    ap.add_argument("--keep", type=Path, help="keep the run folder under this folder (default: removed)")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="servebook-beside-"))
+    root = Path(tempfile.mkdtemp(prefix="servebook-beside-", dir=os.environ.get("TMPDIR")))
     try:
         from servebook import models
 
-        shutil.copytree(models.build_tiny_model(), root / "mirrors" / "models" / HUB_REPO)
+        mirror = root / "mirrors" / "models" / HUB_REPO
+        shutil.copytree(args.checkpoint or models.build_tiny_model(), mirror, copy_function=link_or_copy)
         hub_mirror.commit_mirror(root, HUB_REPO)
+        params = args.params.resolve() if args.params else ci_params(root, args.variants)
+        outputs = args.keep or root / "outputs"
+        outputs.mkdir(parents=True, exist_ok=True)
         with hub_mirror.serving(root) as endpoint:
             link = start_slow_link(urlsplit(endpoint).port or 80, args.kb_per_s * 1000)
-            run_dir, wall = run_pipeline(root, f"http://127.0.0.1:{link}", args.variants)
+            run_dir, wall = run_pipeline(root, f"http://127.0.0.1:{link}", params, outputs)
         report(run_dir, wall)
     finally:
         shutil.rmtree(root, ignore_errors=True)

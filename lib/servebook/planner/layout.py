@@ -232,12 +232,13 @@ class Reserve(BaseModel):
 
     cuda_hidden: float  # x gpu_memory_utilization: vLLM takes its share of what CUDA reports, not of NVML's total
     non_torch: float
-    activation: float  # the profile run's torch peak: the larger of the forward and the sampler below
+    activation: float  # the profile run's torch peak: what the forward keeps, then its transient part or the sampler
     cuda_graphs: float  # vLLM's CUDA-graph estimate: first capture + (captures - 1) x per graph
     tokens: int  # max_num_batched_tokens the activation is sized for
     flat: bool = False  # a fixed reserve from the params (plan_reserve_gib), not the model
     forward: float = 0.0  # the profile forward's peak at max_num_batched_tokens
-    sampler: float = 0.0  # the dummy sampler run's logits for min(max_num_seqs, tokens) requests, float32
+    transient: float = 0.0  # the part of it freed before the sampler runs
+    sampler: float = 0.0  # the dummy sampler run for min(max_num_seqs, tokens) requests
     graph_captures: int = 0  # CUDA graphs vLLM captures (decode FULL and mixed PIECEWISE sizes)
     max_num_seqs: int = 0
 
@@ -249,8 +250,9 @@ class Reserve(BaseModel):
         """Each term in GiB, named as vLLM's log names it."""
         return {
             "activation peak": self.activation / GiB,
-            "of which forward": self.forward / GiB,
-            "of which sampler": self.sampler / GiB,
+            "of which the forward keeps": (self.forward - self.transient) / GiB,
+            "of which the larger of the forward's transient part and the sampler": max(self.transient, self.sampler)
+            / GiB,
             "non-torch": self.non_torch / GiB,
             "CUDA-graph estimate": self.cuda_graphs / GiB,
             "memory CUDA does not report": self.cuda_hidden / GiB,

@@ -37,9 +37,21 @@ def capture_sizes(max_num_seqs: int, max_capture: int = 0) -> list[int]:
     return [n for n in sizes if n <= largest]
 
 
-# The dummy sampler run's logits, min(max_num_seqs, tokens) requests x vocabulary, on top of the forward's peak:
-# Kimi-shaped, 163,840 tokens of vocabulary, 1,024 requests against 128 logged 0.41 GiB more (3.0 bytes per logit)
-SAMPLER_BYTES_PER_LOGIT = 3.0
+# vLLM's profile run is the forward at max_num_batched_tokens, then the dummy sampler run on min(max_num_seqs,
+# tokens) requests (gpu_model_runner.py, profile_run and _dummy_sampler_run) with top-k and top-p set, over the
+# whole vocabulary on every GPU (logits_processor.py all-gathers the TP shards): the bf16 logits, their float32
+# copy, the probabilities and random_sample's exponential noise (4 bytes each) and the top-k/top-p kernel's
+# scratch, 16 bytes per logit (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py). By then the forward's
+# transient buffers are freed and what it keeps (fused_moe's workspaces) is still held, so the torch peak is the
+# kept part plus the larger of the transient part and the sampler. GQA's transient share: the Qwen3-235B-shaped
+# FP8 mini (151,936 tokens of vocabulary) logged 1.53 GiB more at 1,024 requests than at 128, and 0.79 GiB less
+# at 2,048 batched tokens than at 8,192 (docs/examples/h200-vllm/run-truth).
+SAMPLER_BYTES_PER_LOGIT = 16.0
+TRANSIENT_SHARE_GQA = 0.42
+# MLA's sampler, fitted as a term on top of its forward: the Kimi-shaped mini (163,840) logged 0.41 GiB more at
+# 1,024 requests than at 128 with real weights, and the same peak at 32, 256 and 1,024 on dummy weights: its
+# forward's transient part covers most of the sampler, in a way these starts cannot yet separate.
+MLA_SAMPLER_BYTES_PER_LOGIT = 3.0
 # MLA's profile forward (DeepSeek-V3 / Kimi shapes, FLASH_ATTN_MLA, Marlin INT4 MoE), fitted on the Kimi-shaped
 # mini at 4,096, 8,192 and 16,384 batched tokens (docs/examples/h200-vllm/README.md): a fixed part (MLA's absorbed
 # weights and the Marlin workspace) and, beside the MoE term every model has, bytes per token and head
@@ -104,23 +116,26 @@ def reserve_for(
         moe = moe_tokens * spec.experts_per_token * (max(2 * inter, spec.hidden) + inter) * 2
     else:
         moe = tokens * (2 * max(spec.dense_intermediate // tp, 1) + spec.hidden) * 2
+    logits = min(seqs, tokens) * spec.vocab
     if spec.mla:
         forward = ACTIVATION_FACTOR * moe + MLA_FIXED_BYTES + tokens * spec.heads / tp * MLA_BYTES_PER_TOKEN_HEAD
         if serving.compile_cache_hit:
             forward -= MLA_COMPILE_MISS_BYTES
+        transient, sampler = 0.0, logits * MLA_SAMPLER_BYTES_PER_LOGIT  # on top of the whole forward, as fitted
     else:
         attention = tokens * (spec.heads + 2 * spec.kv_heads) * spec.head_dim * 2 / tp
         forward = ACTIVATION_FACTOR * (moe + attention)
-    sampler = min(seqs, tokens) * (spec.vocab / tp) * SAMPLER_BYTES_PER_LOGIT
+        transient, sampler = TRANSIENT_SHARE_GQA * forward, logits * SAMPLER_BYTES_PER_LOGIT
     collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 else 0.0
     graphs, captures = graph_estimate(spec, serving, seqs, tokens, max_model_len, tp)
     return Reserve(
         cuda_hidden=gpu_memory_utilization * CUDA_HIDDEN_BYTES,
         non_torch=NON_TORCH_BYTES + collective,
-        activation=forward + sampler,
+        activation=forward - transient + max(transient, sampler),
         cuda_graphs=graphs,
         tokens=tokens,
         forward=forward,
+        transient=transient,
         sampler=sampler,
         graph_captures=captures,
         max_num_seqs=seqs,
