@@ -145,6 +145,9 @@ class Rehearsed(BaseModel):
     kv_cache_tokens: int | None = None
     predicted_kv_tokens: int | None = None
     kv_error_pct: float | None = None  # the plan against the rehearsal
+    # what the first start on the real weights will size: less what such a start keeps beyond dummy weights
+    # (planner.real_first_start_bytes; None where nothing is known to differ)
+    real_kv_tokens_expected: int | None = None
     weights_gib: float | None = None
     activation_peak_gib: float | None = None
     non_torch_gib: float | None = None
@@ -308,6 +311,10 @@ class Runner:
         found.graph_estimate_gib = v.graph_estimate_gib
         if v.kv_cache_tokens and found.predicted_kv_tokens:
             found.kv_error_pct = round(100 * (found.predicted_kv_tokens - v.kv_cache_tokens) / v.kv_cache_tokens, 2)
+        predicted = spec.predicted
+        if v.kv_cache_tokens and predicted and predicted.reserve and predicted.reserve.real_first_start:
+            fewer = predicted.reserve.real_first_start / predicted.kv_bytes_per_token_per_gpu
+            found.real_kv_tokens_expected = v.kv_cache_tokens - round(fewer)
 
     def skewed(self, spec: CandidateSpec, leader: Rehearsed, routing: str) -> Skewed:
         """The leader again with the other routing, one window at its best concurrency."""

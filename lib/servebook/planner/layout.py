@@ -240,6 +240,7 @@ class Reserve(BaseModel):
     transient: float = 0.0  # the part of it freed before the sampler runs
     sampler: float = 0.0  # the dummy sampler run for min(max_num_seqs, tokens) requests
     graph_captures: int = 0  # CUDA graphs vLLM captures (decode FULL and mixed PIECEWISE sizes)
+    real_first_start: float = 0.0  # what a cold start on real weights keeps beyond a dummy-weight one (rehearsal)
     max_num_seqs: int = 0
 
     @property

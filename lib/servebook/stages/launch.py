@@ -211,7 +211,7 @@ def rehearsal_text(record: LaunchRecord) -> str:
         return "no rehearsal of this server in this run"
     if c.rehearsed_kv_tokens is None or c.real_kv_tokens is None:
         return f"rehearsal of {c.candidate}: vLLM logged no KV size for one of the two starts"
-    verdict = "the same KV cache" if c.kv_match else c.note
+    verdict = c.note if c.note else "the same KV cache"
     return (
         f"rehearsal of {c.candidate}: {c.rehearsed_kv_tokens:,} KV tokens on dummy weights, {c.real_kv_tokens:,} "
         f"with the real ones ({c.kv_diff_pct:+.3f} %): {verdict}"
