@@ -127,6 +127,11 @@ def report(run_dir: Path, wall: float) -> None:
     print(f"download: {fetched['bytes_fetched'] / 1e6:.2f} MB in {download['seconds']:.1f} s")
     print(f"rehearsal: {len(record['candidates'])} candidates, winner {record['winner']}, "
           f"{record['download_overlap_s']:.1f} s of it beside the download")  # fmt: skip
+    for c in record["candidates"]:
+        best = max(c["points"], key=lambda pt: pt["output_tok_s"], default=None)
+        print(f"  {c['name']:28s} {c['status']:9s} {c['seconds']:6.1f} s (ready in {c['seconds_to_ready'] or 0:5.1f} s), "
+              f"KV {c['kv_cache_tokens'] or 0:,}, best {best['output_tok_s'] if best else 0:,.0f} tok/s "
+              f"at {best['concurrency'] if best else 0} streams")  # fmt: skip
     launched = launch["started_s"] + launch["seconds"]
     goal = (download["seconds"] + launch["seconds"]) * 1.10
     print(f"launched winner at {launched:.1f} s of the pipeline ({wall:.1f} s with the command's start and end)")

@@ -6,7 +6,7 @@
 #   kit2   carry .gpu/c2: the second kernel part
 #   go     carry .gpu/c3: kernels in place, then in a session of its own (it outlives the call):
 #          benchmarks/rehearse_beside_download.py serving that checkpoint through olah behind a link of KBPS kB/s
-#          (default 10,000: about 740 s for the 7.4 GB, longer than five candidates) to `servebook run` with stages
+#          (default 11,000: about 670 s for the 7.4 GB, longer than four candidates) to `servebook run` with stages
 #          plan, download, rehearse, launch on params-minimax-overlap.yaml
 #   wait   keep the machine while the run goes on (WAIT_S, default 560 s), then bring back what is done
 # Here, to make olahw.tar (olah pins a FastAPI that conflicts with vLLM's, so it gets a tree of its own there):
@@ -31,7 +31,7 @@ go)
   start_run <<SCRIPT
 echo "=== overlap \$(date +%T)"
 TMPDIR=/tmp python3 benchmarks/rehearse_beside_download.py --checkpoint $MODELS/minimax-fp8 \
-  --params $EX/params-minimax-overlap.yaml --kb-per-s ${KBPS:-10000} --keep $R/overlap
+  --params $EX/params-minimax-overlap.yaml --kb-per-s ${KBPS:-11000} --keep $R/overlap
 cp outputs/servers/*.log $R/overlap/ 2>/dev/null; servebook stop 2>&1 | tail -1
 SCRIPT
   ;;
