@@ -25,7 +25,7 @@ REMOVED_ENV_HINTS = {
 
 _PARSE_SCRIPT = r"""
 import contextlib, io, json, sys
-result = {"ok": True, "message": "", "known_env": []}
+commands = json.loads(sys.argv[1])
 try:
     try:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -36,21 +36,28 @@ try:
     except ImportError:
         from vllm.utils import FlexibleArgumentParser
     import vllm.envs as envs
-    result["known_env"] = sorted(envs.environment_variables)
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    result["options"] = sorted({o for a in parser._actions for o in a.option_strings})
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            ns = parser.parse_args(json.loads(sys.argv[1]))
-            validate_parsed_serve_args(ns)
-        except SystemExit as exc:
-            result.update(ok=exc.code in (0, None), message=err.getvalue().strip(), exit_code=exc.code)
-        except Exception as exc:
-            result.update(ok=False, message=f"{type(exc).__name__}: {exc}")
 except Exception as exc:
-    result.update(ok=False, message=f"could not load vLLM's argument parser: {type(exc).__name__}: {exc}")
-print("SERVEBOOK-PARSE " + json.dumps(result))
+    failed = {"ok": False, "message": f"could not load vLLM's argument parser: {type(exc).__name__}: {exc}"}
+    for _ in commands:
+        print("SERVEBOOK-PARSE " + json.dumps(failed), flush=True)
+    sys.exit(0)
+for argv in commands:  # one import, each command line parsed by a parser of its own
+    result = {"ok": True, "message": "", "known_env": sorted(envs.environment_variables)}
+    try:
+        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        result["options"] = sorted({o for a in parser._actions for o in a.option_strings})
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                ns = parser.parse_args(argv)
+                validate_parsed_serve_args(ns)
+            except SystemExit as exc:
+                result.update(ok=exc.code in (0, None), message=err.getvalue().strip(), exit_code=exc.code)
+            except Exception as exc:
+                result.update(ok=False, message=f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        result.update(ok=False, message=f"could not build vLLM's argument parser: {type(exc).__name__}: {exc}")
+    print("SERVEBOOK-PARSE " + json.dumps(result), flush=True)
 """
 
 
@@ -144,7 +151,8 @@ def parse_serve_args(model: str, args: list[str], timeout_s: float = 120) -> Par
 
     Importing vLLM's parser costs about 10 s, so the option list it yields is cached
     per vLLM version: a misspelled flag is then refused in milliseconds, and a
-    command line that passes that test still goes through the full parse.
+    command line that passes that test still goes through the full parse, unless
+    that very command line passed it before (:func:`parse_ahead`).
     """
     import difflib
     import time
@@ -165,26 +173,51 @@ def parse_serve_args(model: str, args: list[str], timeout_s: float = 120) -> Par
             return ParseResult(False, message, time.monotonic() - start, cached["known_env"], cached["options"], True)
         if _args_key(args) in cached.get("accepted", []):
             return ParseResult(True, "", time.monotonic() - start, cached["known_env"], cached["options"], True)
+    return _parse_in_subprocess(model, [args], timeout_s)[0]
+
+
+def parse_ahead(model: str, commands: list[list[str]], timeout_s: float = 300) -> int:
+    """Parse several command lines in one subprocess (one import of vLLM's parser instead of one each) and
+    remember those vLLM accepts, so that each one's own preflight later takes milliseconds: a rehearsal's
+    candidates, and the real-weight launch of each. Those already accepted are skipped; what vLLM refuses is
+    left for the command's own preflight to say. Returns how many were parsed."""
+    cached = _load_cached() or {}
+    accepted = set(cached.get("accepted", []))
+    todo = [args for args in dict.fromkeys(map(tuple, commands)) if _args_key(list(args)) not in accepted]
+    if todo:
+        _parse_in_subprocess(model, [list(args) for args in todo], timeout_s)
+    return len(todo)
+
+
+def _parse_in_subprocess(model: str, commands: list[list[str]], timeout_s: float) -> list[ParseResult]:
+    """vLLM's parser on each command line, in one subprocess; the accepted ones are cached."""
+    import time
+
+    start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", _PARSE_SCRIPT, json.dumps(["--model", model, *args])],
+        [sys.executable, "-c", _PARSE_SCRIPT, json.dumps([["--model", model, *args] for args in commands])],
         capture_output=True,
         text=True,
         timeout=timeout_s,
     )
     seconds = time.monotonic() - start
-    for line in proc.stdout.splitlines():
-        if line.startswith("SERVEBOOK-PARSE "):
-            data = json.loads(line.removeprefix("SERVEBOOK-PARSE "))
-            result = ParseResult(
-                data["ok"],
-                _error_lines(data["message"]) if not data["ok"] else "",
-                seconds,
-                data.get("known_env", []),
-                data.get("options", []),
-            )
-            _store_cache(result, _args_key(args) if result.ok else None)
-            return result
-    return ParseResult(False, f"the parser subprocess failed (exit {proc.returncode}): {proc.stderr[-2000:]}", seconds)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SERVEBOOK-PARSE ")]
+    if len(lines) != len(commands):
+        failed = f"the parser subprocess failed (exit {proc.returncode}): {proc.stderr[-2000:]}"
+        return [ParseResult(False, failed, seconds) for _ in commands]
+    results = []
+    for args, line in zip(commands, lines, strict=True):
+        data = json.loads(line.removeprefix("SERVEBOOK-PARSE "))
+        result = ParseResult(
+            data["ok"],
+            _error_lines(data["message"]) if not data["ok"] else "",
+            seconds,
+            data.get("known_env", []),
+            data.get("options", []),
+        )
+        _store_cache(result, _args_key(args) if result.ok else None)
+        results.append(result)
+    return results
 
 
 def unknown_vllm_env(names: list[str], known: list[str] | frozenset[str]) -> list[str]:

@@ -242,3 +242,21 @@ def test_a_running_server_that_differs_says_how_flag_by_flag():
         "--kv-cache-dtype unset → fp8",
     ]
     assert serving.flag_changes(running, running) == []
+
+
+def test_command_lines_parsed_ahead_in_one_subprocess_then_pass_their_preflights_from_the_cache(tmp_path, monkeypatch):
+    """A rehearsal's candidates and their launches through vLLM's own parser at once: the accepted ones then pass
+    their preflight without a subprocess; one vLLM refuses is not remembered, and its own preflight says why."""
+    from servebook import models
+
+    monkeypatch.setenv("SERVEBOOK_CACHE", str(tmp_path))
+    model = str(models.tiny_model_dir())
+    good = [["--max-model-len", "1024"], ["--max-model-len", "1024", "--max-num-seqs", "4"]]
+    refused = ["--max-num-seqs", "four"]
+    assert vllm_compat.parse_ahead(model, [*good, refused, good[0]]) == 3  # the repeat parsed once
+    for args in good:
+        parsed = vllm_compat.parse_serve_args(model, args)
+        assert parsed.ok and parsed.from_cache and parsed.seconds < 1
+    again = vllm_compat.parse_serve_args(model, refused)
+    assert not again.ok and not again.from_cache and "four" in again.message
+    assert vllm_compat.parse_ahead(model, good) == 0  # nothing left to parse
