@@ -271,6 +271,7 @@ def table(record: RehearsalRecord) -> pd.DataFrame:
             "ready s": c.seconds_to_ready, "compile cache": _compile_cache(c),
             "KV tokens": c.kv_cache_tokens, "plan KV tokens": c.predicted_kv_tokens,
             "plan KV error %": c.kv_error_pct,
+            "KV tokens, first real start": c.real_kv_tokens_expected,
             "best tok/s": best.output_tok_s if best else None,
             "band": f"{best.low:,.1f}-{best.high:,.1f}" if best else "",
             "at streams": best.concurrency if best else None,
@@ -281,7 +282,11 @@ def table(record: RehearsalRecord) -> pd.DataFrame:
             "why": (c.error.splitlines()[0][:160] if c.error else c.stop_reason),
         })  # fmt: skip
     frame = pd.DataFrame(rows)
-    return frame.sort_values("rank", na_position="last", kind="stable") if not frame.empty else frame
+    if frame.empty:
+        return frame
+    if frame["KV tokens, first real start"].isna().all():  # only where real weights keep more (MLA)
+        frame = frame.drop(columns="KV tokens, first real start")
+    return frame.sort_values("rank", na_position="last", kind="stable")
 
 
 def _compile_cache(c: rehearsal.Rehearsed) -> str:
@@ -292,7 +297,9 @@ def _compile_cache(c: rehearsal.Rehearsed) -> str:
 def styled(record: RehearsalRecord) -> Styler:
     """The table as a person reads it: no index column, thousands separated, blanks for what was not measured."""
     frame = table(record)
-    counts = [c for c in ("rank", "KV tokens", "plan KV tokens", "at streams") if c in frame]
+    counts = [
+        c for c in ("rank", "KV tokens", "plan KV tokens", "KV tokens, first real start", "at streams") if c in frame
+    ]
     return (
         frame.style.hide(axis="index")
         .format(na_rep="", precision=1, thousands=",")
