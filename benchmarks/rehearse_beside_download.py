@@ -93,7 +93,7 @@ def ci_params(root: Path, variants: int) -> Path:
 
 
 def run_pipeline(root: Path, endpoint: str, params: Path, outputs: Path) -> tuple[Path, float]:
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env |= {
         "HF_ENDPOINT": endpoint,
         "HF_HOME": str(root / "hf-home"),

@@ -39,7 +39,9 @@
 # fewer when its KV cache takes fewer requests of `max_model_len` at once. The benchmark stage measures.
 #
 # The reserve is what vLLM keeps beside weights and KV cache, modelled per layout as vLLM profiles it: the
-# activation peak of a forward pass over `max_num_batched_tokens` (8,192 on GPUs of 70 GiB or more), non-torch
+# activation peak of a forward pass over `max_num_batched_tokens` (8,192 on GPUs of 70 GiB or more) and of the
+# sampler run after it over `max_num_seqs` requests × the whole vocabulary (with 150k tokens of vocabulary and
+# vLLM's 1,024 sequences, the sampler sets the peak: about 2.3 GiB per GPU), non-torch
 # memory (more once NCCL joins), its CUDA-graph estimate, and the ~0.6 GiB per GPU that NVML counts but CUDA
 # does not report. Calibrated on two H200s with vLLM 0.25 (docs/examples/h200-vllm): KV tokens within 0.11 %
 # of vLLM's log on five layouts. `plan_reserve_gib` replaces it with a fixed figure.
