@@ -185,7 +185,10 @@ def parse_ahead(model: str, commands: list[list[str]], timeout_s: float = 300) -
     accepted = set(cached.get("accepted", []))
     todo = [args for args in dict.fromkeys(map(tuple, commands)) if _args_key(list(args)) not in accepted]
     if todo:
-        _parse_in_subprocess(model, [list(args) for args in todo], timeout_s)
+        try:
+            _parse_in_subprocess(model, [list(args) for args in todo], timeout_s)
+        except subprocess.TimeoutExpired:  # only a head start: each command's own preflight parses it then
+            return 0
     return len(todo)
 
 
