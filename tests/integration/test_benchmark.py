@@ -252,26 +252,31 @@ def test_a_long_context_mix_sends_its_share_at_its_length(shared_server, tmp_pat
     assert all((row.prompt_tokens == 800) == loadgen.is_long(row.index, 0.25) for row in reqs.itertuples())
 
 
-def test_a_connection_idle_past_vllms_keep_alive_is_not_reused(shared_server):
-    """vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); a client that reuses
-    it after that loses the request ('Server disconnected'), as an open-loop level whose client fell seconds
-    behind did in CI (9 of 400 requests at 200 requests/s)."""
+def two_requests_six_seconds_apart(server, prompt: str) -> list[loadgen.RequestRecord]:
+    """Two requests through one client session; between them its event loop does not run for 6 s (a busy
+    client), so it has not yet read vLLM's close of the idle connection (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)."""
     import asyncio
 
     workload = loadgen.Workload(16, 4)
-    path, body = loadgen._body(workload, "tiny-qwen3-moe", "an idle pause between two requests")
+    path, body = loadgen._body(workload, "tiny-qwen3-moe", prompt)
 
-    async def two_requests_six_seconds_apart() -> list[loadgen.RequestRecord]:
+    async def both() -> list[loadgen.RequestRecord]:
         records = [loadgen.RequestRecord(index=i, level="idle", warmup=False, arrival=0.0) for i in range(2)]
         async with loadgen._session() as session:
-            sender = loadgen._Client(session, shared_server.config.target(timeout_s=60), workload)
+            sender = loadgen._Client(session, server.config.target(timeout_s=60), workload)
             await sender.send(path, body, records[0])
-            # a busy client: its event loop does not run, so it has not yet read the server's close
             time.sleep(6)
             await sender.send(path, body, records[1])
         return records
 
-    first, second = asyncio.run(two_requests_six_seconds_apart())
+    return asyncio.run(both())
+
+
+def test_a_connection_idle_past_vllms_keep_alive_is_not_reused(shared_server):
+    """vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); a client that reuses
+    it after that loses the request ('Server disconnected'), as an open-loop level whose client fell seconds
+    behind did in CI (9 of 400 requests at 200 requests/s)."""
+    first, second = two_requests_six_seconds_apart(shared_server, "an idle pause between two requests")
     assert first.ok and second.ok, (first.error, second.error)
     assert second.new_connection  # the idle connection was dropped by the client before the server dropped it
 
@@ -281,22 +286,8 @@ def test_a_request_sent_into_a_connection_the_server_closed_goes_again(shared_se
     requests/s lost to 'Server disconnected' on connections idle under 5 s): a client that keeps a connection
     longer than vLLM does sends into a closed one; the request, unread by the server, goes again on a new
     connection and is answered, timed from its first send."""
-    import asyncio
-
     monkeypatch.setattr(loadgen, "KEEPALIVE_S", 60.0)  # the client keeps what the server drops after 5 s
-    workload = loadgen.Workload(16, 4)
-    path, body = loadgen._body(workload, "tiny-qwen3-moe", "a connection the server closed meanwhile")
-
-    async def second_into_a_closed_connection() -> list[loadgen.RequestRecord]:
-        records = [loadgen.RequestRecord(index=i, level="stale", warmup=False, arrival=0.0) for i in range(2)]
-        async with loadgen._session() as session:
-            sender = loadgen._Client(session, shared_server.config.target(timeout_s=60), workload)
-            await sender.send(path, body, records[0])
-            time.sleep(6)  # the server's close arrives while the loop is not reading
-            await sender.send(path, body, records[1])
-        return records
-
-    first, second = asyncio.run(second_into_a_closed_connection())
+    first, second = two_requests_six_seconds_apart(shared_server, "a connection the server closed meanwhile")
     assert first.ok and second.ok, (first.error, second.error)
     assert second.new_connection and second.completion_tokens == 4
 

@@ -236,8 +236,13 @@ def test_the_first_real_start_is_expected_where_it_keeps_more_than_dummy_weights
     runner._logged(found_, SimpleNamespace(values=dummy, seconds_to_ready=1.0, timeline=None), spec)
     check = RehearsalCheck.of(found_, real.kv_cache_tokens, real.compile_cache)
     assert check.kv_match, check
+    shown = stages.rehearse.table(
+        RehearsalRecord(model_path="/m", routing="", ranked_by="output tok/s", candidates=[found_])
+    )
     if expected_cold_gap:
         assert check.kv_diff_pct == pytest.approx(-0.285, abs=0.001) and abs(check.expected_diff_pct or 1) < 0.1
         assert "from the" in check.note and "expected of a first start on real weights" in check.note
+        assert shown["KV tokens, first real start"].tolist() == [found_.real_kv_tokens_expected]
     else:
         assert found_.real_kv_tokens_expected is None and check.kv_diff_pct == 0.0 and not check.note
+        assert "KV tokens, first real start" not in shown  # the column only where the two starts differ
