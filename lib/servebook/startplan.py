@@ -117,7 +117,8 @@ def learn(
     planner.truth.remember(
         planner.truth.learned(
             planned, plan.device.name, values.vllm_version or plan.vllm_version, source,  # type: ignore[arg-type]
-            values.kv_cache_tokens, weight_gib=values.model_memory_gib, throughput=throughput,
+            values.kv_cache_tokens, weight_gib=values.model_memory_gib, graph_gib=values.graph_estimate_gib,
+            throughput=throughput,
             workload=planner.truth.workload_key(prompt_ratio),
         )
     )  # fmt: skip

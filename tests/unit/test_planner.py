@@ -516,32 +516,105 @@ def kimi_rehearsed(seqs: int, batched: int, history=()) -> planner.Layout:
 
 
 def test_every_rehearsed_start_is_inside_its_band_first_and_after_learning_one(tmp_path, monkeypatch):
-    """Issue #40's replay: each start's KV inside the band the plan stated, before any history and after the
-    history holds the first start; the same command again lands on vLLM's figure."""
+    """Issue #40's replay: each start of the Kimi-shaped mini, counted as the real first start it stands for (a
+    dummy-weight start keeps less than a real one: planner.real_first_start_bytes), inside the band the plan
+    stated before any history and once the history holds the first rehearsed start; with it, every real-start
+    figure within 0.6 % (the max_num_seqs variants keep +0.5 %: MLA's sampler term moves with the requests, these
+    starts' peaks did not), the real launch of the winner within 0.3 %, the same command again on vLLM's figure."""
     from servebook.vllm_log import read_values
 
     monkeypatch.setattr(planner.truth, "history_path", lambda: tmp_path / "plans.jsonl")
     logged = {name: read_values((KIMI_REHEARSAL / f"{name}.log").read_text()) for name, _, _ in KIMI_STARTS}
     first = kimi_rehearsed(0, 0)
-    planner.truth.remember(
-        planner.truth.learned(first, "H200", "0.25.0", "rehearsal", logged["vllm-tp-1"].kv_cache_tokens)
-    )
+    planner.truth.remember(planner.truth.learned(
+        first, "H200", "0.25.0", "rehearsal", logged["vllm-tp-1"].kv_cache_tokens,
+        weight_gib=logged["vllm-tp-1"].model_memory_gib, graph_gib=logged["vllm-tp-1"].graph_estimate_gib,
+    ))  # fmt: skip
     history = planner.truth.history()
-    assert len(history) == 1 and history[0].signature == first.signature
+    assert len(history) == 1 and history[0].signature == first.signature and history[0].real_first_start > 0
+    errors = {}
     for name, seqs, batched in KIMI_STARTS:
-        kv = logged[name].kv_cache_tokens
         before, after = kimi_rehearsed(seqs, batched), kimi_rehearsed(seqs, batched, history)
-        assert before.provenance == "calibrated" and before.bands["kv_tokens"].contains(kv), (name, before.bands)
-        assert after.bands["kv_tokens"].contains(kv), (name, after.bands)
+        assert before.reserve is not None
+        dummy = name != "vllm-real-launch"
+        real = (
+            logged[name].kv_cache_tokens - dummy * before.reserve.real_first_start / before.kv_bytes_per_token_per_gpu
+        )
+        assert before.provenance == "calibrated" and before.bands["kv_tokens"].contains(real), (name, before.bands)
+        assert after.bands["kv_tokens"].contains(real), (name, after.bands)
         # the history is used where it makes the figure surer, and the plan says which it did
         assert after.bands["kv_tokens"].band <= before.bands["kv_tokens"].band <= 0.03
         assert "rehearsal" in after.kv_basis and (after.provenance == "measured") == ("moved by" in after.kv_basis)
-        print(f"{name}: first contact {before.max_kv_tokens / kv - 1:+.2%} ± {before.bands['kv_tokens'].band:.2%}, "
-              f"after one {after.max_kv_tokens / kv - 1:+.2%} ± {after.bands['kv_tokens'].band:.2%} "
-              f"({after.provenance})")  # fmt: skip
+        errors[name] = after.max_kv_tokens / real - 1
+        print(f"{name}: first contact {before.max_kv_tokens / real - 1:+.2%} ± {before.bands['kv_tokens'].band:.2%}, "
+              f"after one {errors[name]:+.2%} ± {after.bands['kv_tokens'].band:.2%} ({after.provenance})")  # fmt: skip
+    assert max(abs(e) for e in errors.values()) < 0.006 and abs(errors["vllm-real-launch"]) < 0.003
     again = kimi_rehearsed(0, 0, history)
-    assert abs(again.max_kv_tokens / logged["vllm-tp-1"].kv_cache_tokens - 1) < 0.0005
-    assert again.bands["kv_tokens"].band == planner.truth.SAME_COMMAND_KV_BAND
+    assert again.bands["kv_tokens"].band == planner.truth.SAME_COMMAND_KV_BAND and abs(errors["vllm-tp-1"]) < 0.0005
+    assert "dummy weights" in again.kv_basis
+
+
+OVERLAP = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-overlap"
+# the MiniMax-shaped block-FP8 mini's rehearsal beside a download (2026-12-05): four candidates on dummy weights,
+# then the winner's real launch; (log, max_num_seqs, max_num_batched_tokens, kv_cache_dtype, dummy weights)
+OVERLAP_STARTS = [("vllm-rehearsal-tp-1", 0, 0, "auto", True), ("vllm-rehearsal-tp-1-seqs-256", 256, 0, "auto", True),
+                  ("vllm-rehearsal-tp-1-batched-2048", 0, 2048, "auto", True),
+                  ("vllm-rehearsal-tp-1-kv-fp8", 0, 0, "fp8", True), ("vllm-real-launch", 0, 2048, "auto", False)]  # fmt: skip
+
+
+def minimax_overlap(seqs: int, batched: int, kv_dtype: str, history=()) -> planner.Layout:
+    return planner.plan(
+        spec("minimax-m2.5-shapes-2l-fp8"), h200s(1), max_model_len=8192, gpu_memory_utilization=0.92,
+        kv_cache_dtype=kv_dtype, serving=planner.Serving(seqs, batched, vllm_version="0.25.0"), history=history,
+    ).layouts[0]  # fmt: skip
+
+
+def test_one_start_of_a_signature_puts_every_other_start_within_0_3_percent():
+    """Issue #40's goal after one launch or rehearsal, on the block-FP8 GQA rehearsal beside a download: whichever
+    start the history holds, every other start's KV (other max_num_seqs, batched tokens, KV dtype, real weights)
+    within 0.3 % and inside its band; the same command on vLLM's figure."""
+    from servebook.vllm_log import read_values
+
+    logged = {name: read_values((OVERLAP / f"{name}.log").read_text()) for name, *_ in OVERLAP_STARTS}
+    for teacher, *settings, dummy in OVERLAP_STARTS:
+        values = logged[teacher]
+        entry = planner.truth.learned(
+            minimax_overlap(*settings), "H200", "0.25.0", "rehearsal" if dummy else "launch", values.kv_cache_tokens,
+            weight_gib=values.model_memory_gib, graph_gib=values.graph_estimate_gib,
+        )  # fmt: skip
+        for name, seqs, batched, kv_dtype, _ in OVERLAP_STARTS:
+            planned = minimax_overlap(seqs, batched, kv_dtype, (entry,))
+            kv = logged[name].kv_cache_tokens
+            assert abs(planned.max_kv_tokens / kv - 1) < 0.003, (teacher, name, planned.max_kv_tokens, kv)
+            assert planned.bands["kv_tokens"].contains(kv), (teacher, name)
+            if planned.same_command_measured:
+                assert abs(planned.max_kv_tokens / kv - 1) < 0.0002
+
+
+def test_a_start_teaches_each_term_as_vllm_logged_it():
+    """The history splits a start's miss by vLLM's own terms: the weights' miss moves with the weights, the
+    CUDA-graph miss carries only to a plan that captures the same graphs (the DeepSeek-V3-shaped mini's estimate
+    at 128 requests was 2.14 GiB against 0.56 planned; scaled to 1,024 requests it put the KV 9.6 % low), the rest
+    as measured."""
+    from servebook.vllm_log import read_values
+
+    logged = read_values((HELD_OUT / "dsv3-fp8-mtp-max_num_seqs-128.log").read_text())
+    at_128 = held_out("dsv3-fp8-mtp", "max_num_seqs 128")
+    entry = planner.truth.learned(
+        at_128, "H200", "0.25.0", "launch", logged.kv_cache_tokens, weight_gib=14.8, graph_gib=2.14
+    )
+    parts = entry.gap_parts()
+    assert parts["cuda_graphs"] / GiB == pytest.approx(at_128.reserve.cuda_graphs / GiB - 2.14)
+    assert parts["weights"] / GiB == pytest.approx(at_128.weight_bytes_per_gpu / GiB - 14.8)
+    assert sum(parts.values()) == pytest.approx(entry.kv_gap_bytes)
+    again, defaults = (held_out("dsv3-fp8-mtp", s, [entry]) for s in ("max_num_seqs 128", "defaults"))
+    assert again.learned_bytes == pytest.approx(entry.kv_gap_bytes) and again.same_command_measured
+    assert defaults.reserve is not None
+    taught = entry.gap_for(defaults.weight_bytes_per_gpu, {"cuda_graphs": defaults.reserve.cuda_graphs})
+    assert taught == pytest.approx(parts["weights"] + parts["rest"])  # no graph miss carried
+    assert "set aside" in defaults.kv_basis  # the reserve moved too much for it to be surer than first contact
+    defaults_kv = read_values((HELD_OUT / "dsv3-fp8-mtp-defaults.log").read_text()).kv_cache_tokens
+    assert defaults.bands["kv_tokens"].contains(defaults_kv)
 
 
 def test_history_is_kept_per_signature_gpu_and_vllm_version(tmp_path, monkeypatch):
@@ -565,6 +638,10 @@ def test_an_uncalibrated_shape_says_so_with_a_wider_band():
     kimi = kimi_rehearsed(0, 0)
     assert deepseek.provenance == "extrapolated" and kimi.provenance == "calibrated"
     assert deepseek.bands["activation_gib"].band > kimi.bands["activation_gib"].band
+    # the Kimi-K2 decoder in block FP8 (docs/examples/h200-vllm/mkdsv3.py --shape kimi-k2): the fit's shapes, another
+    # quantization, so another MoE kernel: extrapolated
+    in_fp8 = planner.plan(spec("kimi-k2-shapes-2l-fp8"), h200s(1), max_model_len=8192).layouts[0]
+    assert in_fp8.provenance == "extrapolated" and "/mla/fp8-128x128/" in in_fp8.signature
 
 
 HELD_OUT = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-truth"

@@ -1,7 +1,8 @@
 """A random-weight DeepSeek-V3-shaped checkpoint in block FP8, carrying its next-token-prediction (MTP) layer, built
 where it will be served (issue #40's held-out MLA shape: no fit of servebook's reserve has seen MLA in FP8).
 
-    python3 mkdsv3.py OUT --tokenizer TINY_MODEL_DIR [--layers 2] [--mtp 1] [--device cuda] [--tiny]
+    python3 mkdsv3.py OUT --tokenizer TINY_MODEL_DIR [--shape deepseek-v3|kimi-k2] [--layers 2] [--mtp 1]
+                      [--device cuda] [--tiny]
 
 DeepSeek-V3's shapes per layer: hidden 7168, 128 heads, MLA (q_lora 1536, kv_lora 512, nope 128, rope 64, v 128),
 the first layer dense (intermediate 18432), the others MoE (256 routed experts of 2048, top-8, one shared expert,
@@ -29,6 +30,9 @@ from safetensors.torch import save_file
 BLOCK = 128
 DSV3 = dict(H=7168, NH=128, QL=1536, KVL=512, NOPE=128, ROPE=64, V=128, I=18432, MI=2048, E=256, K=8, NS=1,
             VOCAB=129280, GROUPS=8, TOPK_GROUPS=4)  # fmt: skip
+# Kimi-K2's decoder in DeepSeek-V3's architecture and DeepSeek's block FP8 (issue #40: MLA in FP8 at 64 heads and
+# 384 experts, which no fit has seen; the INT4 Kimi-K2.5 mini of the fit shares every shape but the quantization)
+KIMI_K2 = dict(DSV3, NH=64, E=384, VOCAB=163840, GROUPS=1, TOPK_GROUPS=1)
 TINY = dict(H=256, NH=4, QL=128, KVL=512, NOPE=128, ROPE=64, V=128, I=512, MI=128, E=16, K=4, NS=1, VOCAB=4096,
             GROUPS=4, TOPK_GROUPS=2)  # fmt: skip
 
@@ -40,12 +44,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--mtp", type=int, default=1, help="MTP layers after the decoder's (num_nextn_predict_layers)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", choices=("deepseek-v3", "kimi-k2"), default="deepseek-v3")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config-only", action="store_true", help="write config.json alone (for the plan's tests)")
     a = ap.parse_args()
     t0 = time.time()
-    d = TINY if a.tiny else DSV3
+    d = TINY if a.tiny else KIMI_K2 if a.shape == "kimi-k2" else DSV3
     H, NH, QL, KVL, NOPE, ROPE, V = (d[k] for k in ("H", "NH", "QL", "KVL", "NOPE", "ROPE", "V"))
     I, MI, E, K, NS, VOCAB = (d[k] for k in ("I", "MI", "E", "K", "NS", "VOCAB"))  # noqa: E741
     L, dense = a.layers, 1

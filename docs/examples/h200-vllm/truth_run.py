@@ -43,8 +43,10 @@ def start(model: str, log: Path, max_model_len: int, seqs: int, batched: int) ->
     cmd += ["--max-num-seqs", str(seqs)] if seqs else []
     cmd += ["--max-num-batched-tokens", str(batched)] if batched else []
     began = time.monotonic()
+    # DEBUG logs vLLM's memory profile term by term (activation peak, non-torch) and each graph mode's estimate
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="DEBUG")
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         while time.monotonic() - began < 480 and proc.poll() is None:
             if "Application startup complete" in log.read_text(errors="replace"):
@@ -86,6 +88,8 @@ def main() -> None:
                 "start": name, "seconds": round(seconds, 1), "signature": first.signature,
                 "provenance": first.provenance, "logged_kv": v.kv_cache_tokens, "logged_weights_gib": v.model_memory_gib,
                 "logged_activation_gib": v.activation_peak_gib, "logged_graphs_gib": v.graph_estimate_gib,
+                "logged_non_torch_gib": v.non_torch_gib,
+                "plan_terms_gib": {k: round(b.value, 3) for k, b in first.bands.items() if k.endswith("_gib")},
                 "logged_share": v.gpu_memory_utilization, "planned_share": vllm_defaults.for_version(VLLM).gpu_memory_utilization,
                 "plan_kv": first.max_kv_tokens, "kv_band": first.bands["kv_tokens"].band,
                 "plan_weights_gib": first.weight_bytes_per_gpu / 2**30, "weights_band": first.bands["weights_gib"].band,
@@ -100,7 +104,7 @@ def main() -> None:
             print(json.dumps(row)[:600], flush=True)
             if v.kv_cache_tokens and not history:
                 history.append(truth.learned(first, device.name, VLLM, "launch", v.kv_cache_tokens,
-                                             weight_gib=v.model_memory_gib))  # fmt: skip
+                                             weight_gib=v.model_memory_gib, graph_gib=v.graph_estimate_gib))  # fmt: skip
             (out / "truth.json").write_text(json.dumps(rows, indent=2))
     lines = ["| start | KV: vLLM | plan (first contact) | error | band | inside | with history | error | band | "
              "weights: vLLM → plan GiB | error |", "|" + "---|" * 11]  # fmt: skip

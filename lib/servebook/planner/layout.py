@@ -391,6 +391,7 @@ class Layout:
     provenance: Provenance | Literal[""] = ""  # measured, calibrated, extrapolated
     learned_from: Measured | None = None  # the earlier start the KV figure learned from
     same_command_measured: bool = False  # ... with this very layout and these settings
+    learned_bytes: float = 0.0  # what the KV memory moved by for it (truth.Measured.gap_for)
     signature: str = ""  # the model's, as the history keys it
     settings: dict[str, str] = field(default_factory=dict)  # what moves the reserve, as the history keys it
     kv_basis: str = ""

@@ -290,13 +290,13 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
     vllm = sizing.serving.vllm_version
     layout.signature, layout.settings = truth.signature(spec), sizing.settings(layout, device)
     layout.provenance = truth.provenance(spec, device.name)
+    terms, weights = _reserve_terms(layout), layout.weight_bytes_per_gpu
     entry, same = truth.measured_entry(
-        list(sizing.history), layout.signature, device.name, vllm, layout.name, layout.settings
+        list(sizing.history), layout.signature, device.name, vllm, layout.name, layout.settings, terms=terms
     )
     if entry is None:
         return 0.0
     how = "the same command" if same else f"{entry.layout} at other settings"
-    terms, weights = _reserve_terms(layout), layout.weight_bytes_per_gpu
     first = truth.kv_band(weights, terms, available, layout.provenance)
     if truth.kv_band(weights, terms, available, "measured", entry, same) > truth.LEARN_WHEN_BAND_SHRINKS_TO * first:
         layout.kv_basis = (
@@ -305,11 +305,13 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
         )
         return 0.0
     layout.provenance, layout.learned_from, layout.same_command_measured = "measured", entry, same
+    layout.learned_bytes = entry.gap_for(weights, terms)
+    dummy = " on dummy weights, counted as a real first start" if entry.real_first_start else ""
     layout.kv_basis = (
-        f"moved by {entry.kv_gap_bytes / GiB:+.2f} GiB: what the {entry.source} of {how} on {entry.at[:10]} "
-        f"showed ({entry.kv_cache_tokens:,} KV tokens against {entry.predicted_kv_tokens:,} planned)"
+        f"moved by {layout.learned_bytes / GiB:+.2f} GiB: what the {entry.source} of {how} on {entry.at[:10]} "
+        f"showed ({entry.kv_cache_tokens:,} KV tokens against {entry.predicted_kv_tokens:,} planned{dummy})"
     )
-    return entry.kv_gap_bytes
+    return layout.learned_bytes
 
 
 def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:

@@ -58,6 +58,7 @@ MOVED_TERMS_SHARE = 0.5
 # a start at other settings is learned from only where it narrows the band by a quarter: on the held-out H200
 # starts a gap learned at vLLM's defaults moved the figure at max_num_seqs 128 from -0.05 % to -1.01 %
 LEARN_WHEN_BAND_SHRINKS_TO = 0.75
+SAME_GRAPHS_SHARE = 0.01  # a CUDA-graph estimate the plan moves by less than this is the one measured
 CPU_KV_BAND = 0.005  # a fixed KV space (VLLM_CPU_KVCACHE_SPACE): only the block rounding moves it
 
 
@@ -125,11 +126,37 @@ class Measured(BaseModel):
     weight_gib: float | None = None
     throughput: dict[str, float] = {}  # concurrency -> output tok/s measured
     workload: str = ""  # what the throughput was measured with (workload_key), '' where none was
+    graph_gib: float | None = None  # vLLM's CUDA-graph estimate as logged ("Estimated CUDA graph memory")
+    # a rehearsal runs on dummy weights: what a first start on real weights keeps beyond it, as planned (bytes)
+    real_first_start: float = 0.0
 
     @property
     def kv_gap_bytes(self) -> float:
-        """What the plan's KV memory missed vLLM's by, in bytes (positive: vLLM had more)."""
-        return (self.kv_cache_tokens - self.predicted_kv_tokens) * self.kv_bytes_per_token
+        """What the plan's KV memory missed a real start's by, in bytes (positive: vLLM had more). A dummy-weight
+        start counts as the real start it rehearsed: less what a real first start keeps beyond it."""
+        return (self.kv_cache_tokens - self.predicted_kv_tokens) * self.kv_bytes_per_token - self.real_first_start
+
+    def gap_parts(self) -> dict[str, float]:
+        """The KV gap split by vLLM's own terms where its log gave them, in bytes of reserve vLLM did *not* use
+        beyond the plan: weights ("Model loading took"), CUDA graphs ("Estimated CUDA graph memory"), and the rest
+        (activation peak, non-torch, memory CUDA does not report), which the log gives only as what is left."""
+        weights = (self.predicted_weight_gib - self.weight_gib) * 2**30 if self.weight_gib else 0.0
+        planned_graphs = self.predicted_terms.get("cuda_graphs", 0.0)
+        graphs = planned_graphs - self.graph_gib * 2**30 if self.graph_gib is not None and planned_graphs else 0.0
+        return {"weights": weights, "cuda_graphs": graphs, "rest": self.kv_gap_bytes - weights - graphs}
+
+    def gap_for(self, weights: float, terms: dict[str, float]) -> float:
+        """What this start teaches a plan of the same signature with these weights and reserve terms (bytes per
+        GPU): the weights' miss in proportion to the weights (a share of the same tensors), the CUDA graphs' miss
+        only where the plan captures the same graphs (vLLM measures its estimate by capturing the largest two of
+        each mode: at other capture sizes the miss is not known, and scaling it was wrong by 11 GiB on the
+        DeepSeek-V3-shaped mini), the rest as it was measured."""
+        parts = self.gap_parts()
+        planned_weights = self.predicted_weight_gib * 2**30
+        planned_graphs = self.predicted_terms.get("cuda_graphs", 0.0)
+        same_graphs = abs(terms.get("cuda_graphs", 0.0) - planned_graphs) <= SAME_GRAPHS_SHARE * planned_graphs
+        moved = parts["weights"] * (weights / planned_weights if planned_weights else 1.0)
+        return moved + (parts["cuda_graphs"] if same_graphs else 0.0) + parts["rest"]
 
 
 def history_path() -> Path:
@@ -152,18 +179,31 @@ def version_key(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
+def moved_bytes(entry: Measured, terms: dict[str, float]) -> float:
+    """How far the reserve's terms a plan predicts lie from those planned for an earlier start (bytes)."""
+    return sum(abs(size - entry.predicted_terms.get(name, 0.0)) for name, size in terms.items())
+
+
 def measured_entry(
-    at_hand: list[Measured], key: str, gpu: str, vllm: str, layout: str, settings: dict[str, str]
+    at_hand: list[Measured],
+    key: str,
+    gpu: str,
+    vllm: str,
+    layout: str,
+    settings: dict[str, str],
+    *,
+    terms: dict[str, float] | None = None,
 ) -> tuple[Measured | None, bool]:
     """The history's best match for this figure: same signature, GPU and vLLM version; the same layout and
-    settings first, then the most settings in common, the newest among equals. (entry, same command)."""
+    settings first, then the start whose reserve the plan moves least (with ``terms``; else the most settings
+    in common), the newest among equals. (entry, same command)."""
     same = [m for m in at_hand if m.signature == key and m.gpu == gpu and m.vllm == version_key(vllm)]
     if not same:
         return None, False
 
-    def closeness(m: Measured) -> tuple[int, int, str]:
-        shared = sum(1 for k, v in settings.items() if m.settings.get(k) == v)
-        return (m.layout == layout, shared, m.at)
+    def closeness(m: Measured) -> tuple[bool, bool, float, str]:
+        near = -moved_bytes(m, terms) if terms is not None else sum(settings.get(k) == v for k, v in m.settings.items())
+        return (m.layout == layout, m.settings == settings, near, m.at)
 
     best = max(same, key=closeness)
     return best, best.layout == layout and best.settings == settings
@@ -230,10 +270,11 @@ def learned(
     kv_cache_tokens: int,
     *,
     weight_gib: float | None = None,
+    graph_gib: float | None = None,
     throughput: dict[str, float] | None = None,
     workload: str = "",
 ) -> Measured:
-    """What a start of a planned layout showed, as the history keeps it."""
+    """What a start of a planned layout showed, as the history keeps it (a rehearsal's on dummy weights)."""
     reserve = planned.reserve
     terms = (
         {"activation": reserve.activation, "cuda_graphs": reserve.cuda_graphs, "non_torch": reserve.non_torch}
@@ -243,12 +284,12 @@ def learned(
         at=datetime.now(timezone.utc).isoformat(timespec="seconds"), source=source, signature=planned.signature,
         gpu=gpu, vllm=version_key(vllm), layout=planned.name, settings=planned.settings,
         kv_bytes_per_token=planned.kv_bytes_per_token_per_gpu,
-        predicted_kv_tokens=planned.max_kv_tokens - round(
-            (planned.learned_from.kv_gap_bytes if planned.learned_from else 0.0) / planned.kv_bytes_per_token_per_gpu
-        ) if planned.kv_bytes_per_token_per_gpu else planned.max_kv_tokens,
+        predicted_kv_tokens=planned.max_kv_tokens - round(planned.learned_bytes / planned.kv_bytes_per_token_per_gpu)
+        if planned.kv_bytes_per_token_per_gpu else planned.max_kv_tokens,
         kv_cache_tokens=kv_cache_tokens, predicted_terms=terms,
         predicted_weight_gib=planned.weight_bytes_per_gpu / 2**30, weight_gib=weight_gib, throughput=throughput or {},
-        workload=workload if throughput else "",
+        workload=workload if throughput else "", graph_gib=graph_gib,
+        real_first_start=reserve.real_first_start if reserve and source == "rehearsal" else 0.0,
     )  # fmt: skip
 
 
@@ -269,7 +310,7 @@ def kv_band(
     if learned_from is not None and same_command:
         return SAME_COMMAND_KV_BAND
     if learned_from is not None:
-        moved = sum(abs(size - learned_from.predicted_terms.get(name, 0.0)) for name, size in terms.items())
+        moved = moved_bytes(learned_from, terms)
         return SAME_COMMAND_KV_BAND + (MOVED_TERMS_SHARE * moved + UNMODELLED_BYTES["measured"]) / kv_bytes
     bands = TERM_BANDS[prov]
     parts = [weights * bands["weights"], UNMODELLED_BYTES[prov], *(size * bands[name] for name, size in terms.items())]
