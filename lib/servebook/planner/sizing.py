@@ -300,13 +300,16 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
     first = truth.kv_band(weights, terms, available, layout.provenance)
     if truth.kv_band(weights, terms, available, "measured", entry, same) > truth.LEARN_WHEN_BAND_SHRINKS_TO * first:
         layout.kv_basis = (
-            f"the {entry.source} of {how} on {entry.at[:10]} set aside: the reserve moved too much since for it "
-            f"to be surer than the calibration (±{100 * first:.1f} %)"
+            f"as first planned: the {entry.source} of {how} on {entry.at[:10]} set aside, the reserve moved too "
+            f"much since for it to be surer than the calibration (±{100 * first:.1f} %)"
         )
         return 0.0
     layout.provenance, layout.learned_from, layout.same_command_measured = "measured", entry, same
     layout.learned_bytes = entry.gap_for(weights, terms)
-    dummy = " on dummy weights, counted as a real first start" if entry.real_first_start else ""
+    dummy = (
+        f"; on dummy weights, less the {entry.real_first_start / GiB:.2f} GiB a real first start keeps beyond them"
+        if entry.real_first_start else ""
+    )  # fmt: skip
     layout.kv_basis = (
         f"moved by {layout.learned_bytes / GiB:+.2f} GiB: what the {entry.source} of {how} on {entry.at[:10]} "
         f"showed ({entry.kv_cache_tokens:,} KV tokens against {entry.predicted_kv_tokens:,} planned{dummy})"
