@@ -552,6 +552,17 @@ def test_every_rehearsed_start_is_inside_its_band_first_and_after_learning_one(t
     again = kimi_rehearsed(0, 0, history)
     assert again.bands["kv_tokens"].band == planner.truth.SAME_COMMAND_KV_BAND and abs(errors["vllm-tp-1"]) < 0.0005
     assert "dummy weights" in again.kv_basis
+    # the winner's rehearsal in the history: its real launch (the same command) planned at the real start's figure,
+    # not at the dummy start's (0.29 % more)
+    winner = logged["vllm-tp-1-batched-2048"]
+    taught = planner.truth.learned(
+        kimi_rehearsed(0, 2048), "H200", "0.25.0", "rehearsal", winner.kv_cache_tokens,
+        weight_gib=winner.model_memory_gib, graph_gib=winner.graph_estimate_gib,
+    )  # fmt: skip
+    launched = kimi_rehearsed(0, 2048, [taught])
+    assert launched.same_command_measured
+    assert abs(launched.max_kv_tokens / logged["vllm-real-launch"].kv_cache_tokens - 1) < 0.0005
+    assert winner.kv_cache_tokens / logged["vllm-real-launch"].kv_cache_tokens - 1 > 0.0025
 
 
 OVERLAP = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-overlap"
