@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pydantic import TypeAdapter
 
 from servebook import gpus, levels, limits, modelspec, planner
 from servebook.errors import PlanInputError
@@ -626,6 +627,55 @@ def test_a_start_teaches_each_term_as_vllm_logged_it():
     assert "set aside" in defaults.kv_basis  # the reserve moved too much for it to be surer than first contact
     defaults_kv = read_values((HELD_OUT / "dsv3-fp8-mtp-defaults.log").read_text()).kv_cache_tokens
     assert defaults.bands["kv_tokens"].contains(defaults_kv)
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm"
+# every committed H200 pipeline run whose rehearsal or launch logged its KV (01_plan.json keeps the model's spec)
+RUN_FOLDERS = ["run-compile-state/kimi", "run-compile-state/minimax", "run-kimi-rehearse", "run-kimi-rehearse/again",
+               "run-layers/q3-4l", "run-layers/q3-16l", "run-layers/minimax-skewed", "run-minimax-rehearse",
+               "run-overlap"]  # fmt: skip
+
+
+def planned_for_command(model: modelspec.ModelSpec, command: list[str]) -> planner.Layout:
+    """The plan of a logged `vllm serve` command line, on one H200, as vLLM 0.25 would size it."""
+    flags = dict(zip(command, [*command[1:], ""], strict=True))
+    serving = planner.Serving(
+        int(flags.get("--max-num-seqs", 0)), int(flags.get("--max-num-batched-tokens", 0)), vllm_version="0.25.0"
+    )
+    return planner.plan(
+        model, h200s(1), max_model_len=int(flags["--max-model-len"]), serving=serving,
+        gpu_memory_utilization=float(flags["--gpu-memory-utilization"]),
+        kv_cache_dtype=flags.get("--kv-cache-dtype", "auto"),
+    ).layouts[0]  # fmt: skip
+
+
+@pytest.mark.parametrize("run", RUN_FOLDERS)
+def test_every_committed_rehearsal_and_launch_is_inside_its_band(run):
+    """Issue #40 item 3's replay over the pipeline runs: every rehearsed candidate (counted as the real first start
+    it stands for) and every real launch inside the band its plan states, within 1 % where the plan is
+    calibrated; the starts' weights inside the weights' band."""
+    folder = EXAMPLES / run
+    model = TypeAdapter(modelspec.ModelSpec).validate_python(json.loads((folder / "01_plan.json").read_text())["model"])
+    starts = []  # (name, command, KV, weights GiB, dummy weights)
+    if (folder / "02_rehearse.json").exists():
+        for c in json.loads((folder / "02_rehearse.json").read_text())["candidates"]:
+            if c["kv_cache_tokens"]:
+                starts.append((c["name"], c["command_line"].split(), c["kv_cache_tokens"], c["weights_gib"], True))
+    if (folder / "03_launch.json").exists():
+        launch = json.loads((folder / "03_launch.json").read_text())
+        reported = launch["vllm_reported"]
+        starts.append(("launch", launch["command"], reported["kv_cache_tokens"], reported["model_memory_gib"], False))
+    assert starts
+    for name, command, kv, weights_gib, dummy in starts:
+        layout = planned_for_command(model, command)
+        assert layout.reserve is not None
+        real = kv - dummy * layout.reserve.real_first_start / layout.kv_bytes_per_token_per_gpu
+        error = layout.max_kv_tokens / real - 1
+        band = layout.bands["kv_tokens"]
+        print(f"{run} {name}: {error:+.2%} ± {band.band:.2%} ({band.provenance})")
+        assert band.contains(real), (name, error, band)
+        assert layout.bands["weights_gib"].contains(weights_gib), (name, weights_gib)
+        assert band.provenance != "calibrated" or abs(error) < 0.01, (name, error)
 
 
 def test_history_is_kept_per_signature_gpu_and_vllm_version(tmp_path, monkeypatch):
