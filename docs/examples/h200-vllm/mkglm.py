@@ -1,0 +1,160 @@
+"""A random-weight GLM-4.5-shaped checkpoint in block FP8, carrying its next-token-prediction (MTP) layer, built
+where it will be served (issue #40: a GQA shape no fit of servebook's reserve has seen, with biased projections,
+half-rotary heads, a 151,552-token vocabulary and an MTP layer vLLM skips).
+
+    python3 mkglm.py OUT --tokenizer TINY_MODEL_DIR [--layers 2] [--mtp 1] [--device cuda] [--tiny] [--bf16]
+
+GLM-4.5's shapes per layer (Glm4MoeForCausalLM): hidden 5120, 96 query heads and 8 KV heads of 128 with biased
+q/k/v projections and rotary on half of each head, the first layer dense (intermediate 12288; GLM-4.5 has three),
+the others MoE (160 routed experts of 1536, top-8, one shared expert, sigmoid scoring with a correction bias),
+vocabulary 151,552. Every linear layer but the router gate and the head is block FP8 (float8_e4m3fn, float32
+``weight_scale_inv`` per 128 x 128 block); biases, norms, embeddings, gate and head bf16. The MTP layers follow the
+decoder's as ``model.layers.{L + i}``: a MoE layer plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head``
+(vLLM's GLM-4.5 loader skips them: ``skip_spec_layers``). One shard per layer plus one for the embeddings, head and
+final norm, and an index. ``--tiny --bf16`` shrinks every dimension and leaves the weights in bf16: a CPU check of
+the names against vLLM's loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+BLOCK = 128
+GLM45 = dict(H=5120, NH=96, NKV=8, HD=128, I=12288, MI=1536, E=160, K=8, NS=1, VOCAB=151552)
+TINY = dict(H=256, NH=4, NKV=2, HD=64, I=512, MI=128, E=16, K=4, NS=1, VOCAB=4096)
+
+
+def config(d: dict[str, int], layers: int, mtp: int, fp8: bool) -> dict[str, object]:
+    cfg: dict[str, object] = {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+        "attention_dropout": 0.0, "eos_token_id": 2, "pad_token_id": 0, "first_k_dense_replace": 1,
+        "head_dim": d["HD"], "hidden_act": "silu", "hidden_size": d["H"], "initializer_range": 0.02,
+        "intermediate_size": d["I"], "max_position_embeddings": 131072, "moe_intermediate_size": d["MI"],
+        "n_group": 1, "n_routed_experts": d["E"], "n_shared_experts": d["NS"], "norm_topk_prob": True,
+        "num_attention_heads": d["NH"], "num_experts_per_tok": d["K"], "num_hidden_layers": layers,
+        "num_key_value_heads": d["NKV"], "num_nextn_predict_layers": mtp, "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000, "routed_scaling_factor": 2.5,
+        "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_qk_norm": False, "vocab_size": d["VOCAB"],
+    }  # fmt: skip
+    if fp8:
+        cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                      "weight_block_size": [BLOCK, BLOCK]}  # fmt: skip
+    return cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--mtp", type=int, default=1, help="MTP layers after the decoder's (num_nextn_predict_layers)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--bf16", action="store_true", help="leave every weight in bf16 (a CPU build serves no FP8)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-only", action="store_true", help="write config.json alone (for the plan's tests)")
+    a = ap.parse_args()
+    t0 = time.time()
+    d = TINY if a.tiny else GLM45
+    H, NH, NKV, HD, I, MI, E, NS, VOCAB = (d[k] for k in ("H", "NH", "NKV", "HD", "I", "MI", "E", "NS", "VOCAB"))  # noqa: E741
+    L, dense, fp8 = a.layers, 1, not a.bf16
+    out, tok = Path(a.out), Path(a.tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = config(d, L, a.mtp, fp8)
+    if a.config_only:
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        return
+    dev = a.device
+    g = torch.Generator(device=dev).manual_seed(a.seed)
+
+    def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * std).to(torch.bfloat16)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16, device=dev)
+
+    def linear(sd: dict[str, torch.Tensor], name: str, o: int, i: int) -> None:
+        """A linear [o, i]: block FP8 (random codes of a weight's spread, one scale per 128 x 128 block) or bf16."""
+        if not fp8:
+            sd[name] = rnd(o, i)
+            return
+        w = torch.randn(o, i, generator=g, device=dev, dtype=torch.float32).clamp(-4, 4) * 100
+        sd[name] = w.to(torch.float8_e4m3fn)
+        sd[name.replace(".weight", ".weight_scale_inv")] = torch.full(
+            (math.ceil(o / BLOCK), math.ceil(i / BLOCK)), 2e-4, dtype=torch.float32, device=dev
+        )
+
+    def mlp(sd: dict[str, torch.Tensor], prefix: str, inter: int) -> None:
+        for proj, (o, i) in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
+            linear(sd, f"{prefix}.{proj}.weight", o, i)
+
+    def layer(li: int, moe: bool) -> dict[str, torch.Tensor]:
+        sd: dict[str, torch.Tensor] = {}
+        p = f"model.layers.{li}"
+        sd[f"{p}.input_layernorm.weight"] = ones(H)
+        sd[f"{p}.post_attention_layernorm.weight"] = ones(H)
+        s = f"{p}.self_attn"
+        for proj, heads in (("q_proj", NH), ("k_proj", NKV), ("v_proj", NKV)):
+            linear(sd, f"{s}.{proj}.weight", heads * HD, H)
+            sd[f"{s}.{proj}.bias"] = rnd(heads * HD)
+        linear(sd, f"{s}.o_proj.weight", H, NH * HD)
+        if not moe:
+            mlp(sd, f"{p}.mlp", I)
+            return sd
+        sd[f"{p}.mlp.gate.weight"] = rnd(E, H)
+        sd[f"{p}.mlp.gate.e_score_correction_bias"] = torch.zeros(E, dtype=torch.float32, device=dev)
+        mlp(sd, f"{p}.mlp.shared_experts", MI * NS)
+        for e in range(E):
+            mlp(sd, f"{p}.mlp.experts.{e}", MI)
+        return sd
+
+    total_layers = L + a.mtp
+    files = [f"model-{n:05d}-of-{total_layers + 1:05d}.safetensors" for n in range(1, total_layers + 2)]
+    weight_map: dict[str, str] = {}
+    total = mtp_bytes = 0
+
+    def write(sd: dict[str, torch.Tensor], fname: str, is_mtp: bool = False) -> None:
+        nonlocal total, mtp_bytes
+        sd = {k: v.contiguous().cpu() for k, v in sd.items()}
+        save_file(sd, str(out / fname), metadata={"format": "pt"})
+        size = sum(v.numel() * v.element_size() for v in sd.values())
+        total += size
+        mtp_bytes += size if is_mtp else 0
+        weight_map.update({k: fname for k in sd})
+
+    for li in range(total_layers):
+        sd = layer(li, moe=li >= dense)
+        if li >= L:  # an MTP layer: projection of [embedding; hidden], its norms and head
+            p = f"model.layers.{li}"
+            sd |= {f"{p}.enorm.weight": ones(H), f"{p}.hnorm.weight": ones(H), f"{p}.eh_proj.weight": rnd(H, 2 * H),
+                   f"{p}.shared_head.norm.weight": ones(H), f"{p}.shared_head.head.weight": rnd(VOCAB, H)}  # fmt: skip
+        write(sd, files[li], is_mtp=li >= L)
+        del sd
+        print(f"  layer {li} written ({'MTP' if li >= L else 'MoE' if li >= dense else 'dense'}), "
+              f"{time.time() - t0:.1f} s", flush=True)  # fmt: skip
+    write({"model.embed_tokens.weight": rnd(VOCAB, H), "lm_head.weight": rnd(VOCAB, H), "model.norm.weight": ones(H)},
+          files[total_layers])  # fmt: skip
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+    )
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "pad_token_id": 0}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tok / f).is_file():
+            shutil.copy(tok / f, out / f)
+    print(f"{out}: {L} layers + {a.mtp} MTP, {'tiny' if a.tiny else 'GLM-4.5'} shapes, "
+          f"{'block FP8' if fp8 else 'bf16'}, {total / 1e9:.2f} GB tensors, of which MTP {mtp_bytes / 1e9:.2f} GB, "
+          f"{time.time() - t0:.1f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
