@@ -180,7 +180,9 @@ if mem.processes:
 # When the plan stage ran, its prediction for this layout is set beside what vLLM logged: KV tokens and weights,
 # then the reserve term by term (the profile run's activation peak, non-torch memory, the CUDA-graph estimate,
 # and the memory CUDA does not report, which vLLM logs no line for), so a miss names its term. vLLM logs its memory
-# profile at DEBUG: `extra_env: {VLLM_LOGGING_LEVEL: DEBUG}` shows it on a GPU.
+# profile at DEBUG (`extra_env: {VLLM_LOGGING_LEVEL: DEBUG}` shows it on a GPU); without it, the activation peak and
+# non-torch memory are shown together, as what the lines vLLM logs at INFO (weights, CUDA-graph estimate, KV memory)
+# leave of the memory it was given.
 
 # %%
 check = launched.plan_check
