@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import shutil
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from shards import BLOCK, Shards
 
-BLOCK = 128
 DSV3 = dict(H=7168, NH=128, QL=1536, KVL=512, NOPE=128, ROPE=64, V=128, I=18432, MI=2048, E=256, K=8, NS=1,
             VOCAB=129280, GROUPS=8, TOPK_GROUPS=4)  # fmt: skip
 # Kimi-K2's decoder in DeepSeek-V3's architecture and DeepSeek's block FP8 (issue #40: MLA in FP8 at 64 heads and
@@ -77,21 +74,8 @@ def main() -> None:
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         return
     dev = a.device
-    g = torch.Generator(device=dev).manual_seed(a.seed)
-
-    def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * std).to(torch.bfloat16)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.bfloat16, device=dev)
-
-    def fp8(sd: dict[str, torch.Tensor], name: str, o: int, i: int) -> None:
-        """A linear [o, i] as block FP8: random codes of a weight's spread, one scale per 128 x 128 block."""
-        w = torch.randn(o, i, generator=g, device=dev, dtype=torch.float32).clamp(-4, 4) * 100
-        sd[name] = w.to(torch.float8_e4m3fn)
-        sd[name.replace(".weight", ".weight_scale_inv")] = torch.full(
-            (math.ceil(o / BLOCK), math.ceil(i / BLOCK)), 2e-4, dtype=torch.float32, device=dev
-        )
+    shards = Shards(out, dev, a.seed)
+    rnd, ones, fp8 = shards.rnd, shards.ones, shards.fp8
 
     def layer(li: int, moe: bool) -> dict[str, torch.Tensor]:
         sd: dict[str, torch.Tensor] = {}
@@ -123,17 +107,7 @@ def main() -> None:
 
     total_layers = L + a.mtp
     files = [f"model-{n:05d}-of-{total_layers + 1:05d}.safetensors" for n in range(1, total_layers + 2)]
-    weight_map: dict[str, str] = {}
-    total = mtp_bytes = 0
-
-    def write(sd: dict[str, torch.Tensor], fname: str, is_mtp: bool = False) -> None:
-        nonlocal total, mtp_bytes
-        sd = {k: v.contiguous().cpu() for k, v in sd.items()}
-        save_file(sd, str(out / fname), metadata={"format": "pt"})
-        size = sum(v.numel() * v.element_size() for v in sd.values())
-        total += size
-        mtp_bytes += size if is_mtp else 0
-        weight_map.update({k: fname for k in sd})
+    write = shards.write
 
     for li in range(total_layers):
         sd = layer(li, moe=li >= dense)
@@ -148,16 +122,9 @@ def main() -> None:
               f"{time.time() - t0:.1f} s", flush=True)  # fmt: skip
     write({"model.embed_tokens.weight": rnd(VOCAB, H), "lm_head.weight": rnd(VOCAB, H), "model.norm.weight": ones(H)},
           files[total_layers])  # fmt: skip
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
-    )
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "pad_token_id": 0}))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tok / f).is_file():
-            shutil.copy(tok / f, out / f)
+    shards.finish(cfg, tok)
     print(f"{out}: {L} layers + {a.mtp} MTP, {'tiny' if a.tiny else 'DeepSeek-V3'} shapes, block FP8, "
-          f"{total / 1e9:.2f} GB tensors, of which MTP {mtp_bytes / 1e9:.2f} GB, {time.time() - t0:.1f} s")  # fmt: skip
+          f"{shards.total / 1e9:.2f} GB tensors, of which MTP {shards.mtp_bytes / 1e9:.2f} GB, {time.time() - t0:.1f} s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import shutil
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from shards import BLOCK, Shards
 
-BLOCK = 128
 GLM45 = dict(H=5120, NH=96, NKV=8, HD=128, I=12288, MI=1536, E=160, K=8, NS=1, VOCAB=151552)
 TINY = dict(H=256, NH=4, NKV=2, HD=64, I=512, MI=128, E=16, K=4, NS=1, VOCAB=4096)
 
@@ -74,24 +71,15 @@ def main() -> None:
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         return
     dev = a.device
-    g = torch.Generator(device=dev).manual_seed(a.seed)
-
-    def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * std).to(torch.bfloat16)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.bfloat16, device=dev)
+    shards = Shards(out, dev, a.seed)
+    rnd, ones = shards.rnd, shards.ones
 
     def linear(sd: dict[str, torch.Tensor], name: str, o: int, i: int) -> None:
         """A linear [o, i]: block FP8 (random codes of a weight's spread, one scale per 128 x 128 block) or bf16."""
-        if not fp8:
+        if fp8:
+            shards.fp8(sd, name, o, i)
+        else:
             sd[name] = rnd(o, i)
-            return
-        w = torch.randn(o, i, generator=g, device=dev, dtype=torch.float32).clamp(-4, 4) * 100
-        sd[name] = w.to(torch.float8_e4m3fn)
-        sd[name.replace(".weight", ".weight_scale_inv")] = torch.full(
-            (math.ceil(o / BLOCK), math.ceil(i / BLOCK)), 2e-4, dtype=torch.float32, device=dev
-        )
 
     def mlp(sd: dict[str, torch.Tensor], prefix: str, inter: int) -> None:
         for proj, (o, i) in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter))):
@@ -119,17 +107,7 @@ def main() -> None:
 
     total_layers = L + a.mtp
     files = [f"model-{n:05d}-of-{total_layers + 1:05d}.safetensors" for n in range(1, total_layers + 2)]
-    weight_map: dict[str, str] = {}
-    total = mtp_bytes = 0
-
-    def write(sd: dict[str, torch.Tensor], fname: str, is_mtp: bool = False) -> None:
-        nonlocal total, mtp_bytes
-        sd = {k: v.contiguous().cpu() for k, v in sd.items()}
-        save_file(sd, str(out / fname), metadata={"format": "pt"})
-        size = sum(v.numel() * v.element_size() for v in sd.values())
-        total += size
-        mtp_bytes += size if is_mtp else 0
-        weight_map.update({k: fname for k in sd})
+    write = shards.write
 
     for li in range(total_layers):
         sd = layer(li, moe=li >= dense)
@@ -143,16 +121,9 @@ def main() -> None:
               f"{time.time() - t0:.1f} s", flush=True)  # fmt: skip
     write({"model.embed_tokens.weight": rnd(VOCAB, H), "lm_head.weight": rnd(VOCAB, H), "model.norm.weight": ones(H)},
           files[total_layers])  # fmt: skip
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
-    )
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "pad_token_id": 0}))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tok / f).is_file():
-            shutil.copy(tok / f, out / f)
+    shards.finish(cfg, tok)
     print(f"{out}: {L} layers + {a.mtp} MTP, {'tiny' if a.tiny else 'GLM-4.5'} shapes, "
-          f"{'block FP8' if fp8 else 'bf16'}, {total / 1e9:.2f} GB tensors, of which MTP {mtp_bytes / 1e9:.2f} GB, "
+          f"{'block FP8' if fp8 else 'bf16'}, {shards.total / 1e9:.2f} GB tensors, of which MTP {shards.mtp_bytes / 1e9:.2f} GB, "
           f"{time.time() - t0:.1f} s")  # fmt: skip
 
 
