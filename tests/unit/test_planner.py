@@ -621,6 +621,30 @@ def test_one_start_of_a_signature_puts_every_other_start_within_0_3_percent():
                 assert abs(planned.max_kv_tokens / kv - 1) < 0.0002
 
 
+def test_the_start_learned_from_is_the_one_whose_reserve_moved_least():
+    """Two earlier starts share as many settings with a plan at 128 requests (each differs in max_num_seqs only):
+    the history picks the one at 256 requests, whose reserve the plan moves least, not merely the newest."""
+    from servebook.vllm_log import read_values
+
+    def entry(name: str, seqs: int, at: str) -> planner.truth.Measured:
+        values = read_values((OVERLAP / f"{name}.log").read_text())
+        learned = planner.truth.learned(
+            minimax_overlap(seqs, 0, "auto"), "H200", "0.25.0", "rehearsal", values.kv_cache_tokens,
+            weight_gib=values.model_memory_gib, graph_gib=values.graph_estimate_gib,
+        )  # fmt: skip
+        return learned.model_copy(update={"at": at})
+
+    near = entry("vllm-rehearsal-tp-1-seqs-256", 256, "2026-12-05T01:00:00+00:00")
+    far = entry("vllm-rehearsal-tp-1", 0, "2026-12-05T02:00:00+00:00")  # newer, 1,024 requests
+    planned = minimax_overlap(128, 0, "auto")
+    assert planned.reserve is not None
+    terms = {"activation": planned.reserve.activation, "cuda_graphs": planned.reserve.cuda_graphs,
+             "non_torch": planned.reserve.non_torch}  # fmt: skip
+    args = ([far, near], planned.signature, "H200", "0.25.0", planned.name, planned.settings)
+    assert planner.truth.measured_entry(*args, terms=terms) == (near, False)
+    assert planner.truth.measured_entry(*args) == (far, False)  # by shared settings alone: a tie, the newest
+
+
 def test_a_start_teaches_each_term_as_vllm_logged_it():
     """The history splits a start's miss by vLLM's own terms: the weights' miss moves with the weights, the
     CUDA-graph miss carries only to a plan that captures the same graphs (the DeepSeek-V3-shaped mini's estimate
