@@ -31,10 +31,12 @@ SETTINGS = [  # (name, max_model_len, max_num_seqs, max_num_batched_tokens): 0 l
 ]
 
 
-def h200() -> planner.Device:
+def this_gpu() -> planner.Device:
+    """The card this runs on, by NVML's name (an H200, or the H100 a call for one may get)."""
     pynvml.nvmlInit()
-    total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
-    return planner.Device.for_gpu(gpus.lookup("H200"), 1, memory_bytes=total)
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+    return planner.Device.for_gpu(gpus.lookup(pynvml.nvmlDeviceGetName(handle)), 1, memory_bytes=total)
 
 
 def start(model: str, log: Path, max_model_len: int, seqs: int, batched: int) -> float:
@@ -72,7 +74,7 @@ def planned(spec: modelspec.ModelSpec, device: planner.Device, setting: tuple, h
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    device = h200()
+    device = this_gpu()
     rows = []
     for model in sys.argv[2:]:
         spec = modelspec.load(model)
