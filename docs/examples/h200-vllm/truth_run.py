@@ -78,6 +78,8 @@ def main() -> None:
     rows = []
     for model in sys.argv[2:]:
         spec = modelspec.load(model)
+        # the config the replay tests plan from, as the checkpoint on the GPU machine had it
+        (out / f"{Path(model).name}-config.json").write_text((Path(model) / "config.json").read_text())
         history: list[truth.Measured] = []
         for setting in SETTINGS:
             name = f"{Path(model).name}, {setting[0]}"
