@@ -291,7 +291,7 @@ def _left_by_kv_memory(predicted: planner.Layout, reported: LogValues) -> tuple[
     as the lines it logs at INFO leave them (the memory it was given, less weights, CUDA-graph estimate and KV
     memory), beside the plan's; (plan GiB, vLLM GiB), None where a line is missing. A KV miss then still names
     its term: the DeepSeek-V3-shaped mini's −0.59 % at 128 requests was this term 2.30 GiB under the plan and the
-    graph estimate 1.58 over it."""
+    graph estimate 1.58 over it (before the graph term counted attention heads; since, 0.09 over)."""
     reserve = predicted.reserve
     weights, graphs, kv = reported.model_memory_gib, reported.graph_estimate_gib, reported.kv_cache_memory_gib
     if graphs is None and reserve is not None and not reserve.cuda_graphs:

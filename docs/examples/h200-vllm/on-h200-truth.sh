@@ -28,7 +28,7 @@ kit2) ls $STAGE ;;
 go)
   pkill -f "vllm serve" ; sleep 1
   setsid bash -c "cd $PWD && source /tmp/kit/unpack.sh >/dev/null 2>&1 && python3 $EX/truth_run.py $R \
-    $(ls -d $MODELS/dsv3-fp8* $MODELS/kimi-k2-fp8 $MODELS/glm45-fp8-mtp $MODELS/q235-fp8 2>/dev/null); \
+    $(ls -d $MODELS/dsv3-fp8* $MODELS/kimi-k2-fp8 $MODELS/glm45-fp8-mtp $MODELS/q235-fp8 2>/dev/null | tr "\n" " "); \
     echo '=== done'" \
     > $R/console.log 2>&1 < /dev/null &
   sleep 30; tail -5 $R/console.log ;;

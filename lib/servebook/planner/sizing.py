@@ -59,14 +59,18 @@ MLA_FIXED_BYTES = 1.995 * GiB
 MLA_BYTES_PER_TOKEN_HEAD = 933.0
 # vLLM's CUDA-graph estimate captures the two largest graphs of each mode and extrapolates: the first capture's
 # pool, plus one MiB (its floor) per further graph (gpu_model_runner.py, profile_cudagraph_memory); the pool is
-# the larger of the two modes'. The first FULL capture of N requests (at min(max_model_len, tokens // N) tokens
-# each, which moved nothing measurable): MLA (FLASH_ATTN_MLA) logged 4,130 MiB at N = 512 with 8,192 and with
-# 16,384 batched tokens, 1,082 at 256, 514 at 128, 264 at 64: the larger of a term in N² and one per request.
-# GQA (FlashAttention 3): 384 MiB at 512 requests for hidden 3,072, and 0.35 GiB in all for hidden 2,048
-GRAPH_MLA_BYTES_PER_REQUEST_SQUARED = 0.015755 * 2**20
-GRAPH_MLA_BYTES_PER_REQUEST = 4.1 * 2**20
-GRAPH_GQA_BYTES_PER_REQUEST_HIDDEN = 256.0
-GRAPH_PIECEWISE_BYTES_PER_HIDDEN = 144 * 2**20 / 7168  # Kimi 144 MiB, MiniMax 96 MiB (first PIECEWISE capture)
+# the larger of the two modes'. The first FULL capture of N requests holds 128 bytes per request, attention head on
+# the GPU and value dimension (head_dim under GQA, kv_lora_rank under MLA): FlashAttention 3's split-KV
+# accumulators, fp32. Logged by vLLM 0.25 (DEBUG, "Estimated FULL CUDA graph memory"): GQA 768 MiB at 512
+# requests for GLM-4.5's 96 heads (194 at 128), 384 for MiniMax's 48, 0.224 GiB in all at TP=2 for Qwen3-30B's 32;
+# block-FP8 MLA 4,224 MiB at 512 for DeepSeek-V3's 128 heads (1,026 at 128), 2,080 for Kimi-K2's 64 (514 at 128)
+# (docs/examples/h200-vllm/run-truth-h100). The INT4 Kimi-K2.5 mini (64 heads, Marlin MoE) logged the same rate
+# up to 256 requests and twice it, 4,130 MiB, at 512: a term in N² that only INT4 MLA has shown.
+GRAPH_BYTES_PER_REQUEST_HEAD_VALUE = 128.0
+GRAPH_MLA_INT4_BYTES_PER_REQUEST_SQUARED = 0.015755 * 2**20
+# The first PIECEWISE capture: block-FP8 MLA at the FULL rate per token (DeepSeek-V3 mini 4,204 MiB at 512 tokens
+# and 2,136 at 256, Kimi-K2 mini 2,140 and 1,088); elsewhere by the hidden size (Kimi INT4 144 MiB, MiniMax 96)
+GRAPH_PIECEWISE_BYTES_PER_HIDDEN = 144 * 2**20 / 7168
 GRAPH_EXTRA_BYTES = 2**20
 # A start that compiles (a torch.compile cache miss) profiles with Inductor's compile-time buffers still in torch's
 # peak: the Kimi-shaped mini at vLLM's defaults logged 5.30 GiB on a miss, 4.21 GiB on a hit (warm relaunch and
@@ -95,12 +99,15 @@ def graph_estimate(
     piecewise = capture_sizes(seqs, serving.max_capture_size)
     full = [n for n in piecewise if n <= seqs]
     largest = full[-1] if full else 0
-    if spec.mla:
-        first_full = max(GRAPH_MLA_BYTES_PER_REQUEST_SQUARED * largest**2, GRAPH_MLA_BYTES_PER_REQUEST * largest)
+    per_size = GRAPH_BYTES_PER_REQUEST_HEAD_VALUE * spec.heads / tp * (spec.kv_lora_rank if spec.mla else spec.head_dim)
+    first_full = per_size * largest
+    if spec.mla and spec.quant.method == "int4":
+        first_full = max(first_full, GRAPH_MLA_INT4_BYTES_PER_REQUEST_SQUARED * largest**2 / tp**GRAPH_TP_EXPONENT)
+    if spec.mla and spec.quant.method == "fp8":
+        first_piecewise = per_size * (piecewise[-1] if piecewise else 0)
     else:
-        first_full = GRAPH_GQA_BYTES_PER_REQUEST_HIDDEN * largest * spec.hidden
-    first_piecewise = GRAPH_PIECEWISE_BYTES_PER_HIDDEN * spec.hidden
-    pool = max(first_full, first_piecewise) / tp**GRAPH_TP_EXPONENT
+        first_piecewise = GRAPH_PIECEWISE_BYTES_PER_HIDDEN * spec.hidden / tp**GRAPH_TP_EXPONENT
+    pool = max(first_full, first_piecewise)
     return pool + GRAPH_EXTRA_BYTES * (max(len(full) - 1, 0) + max(len(piecewise) - 1, 0)), len(full) + len(piecewise)
 
 
