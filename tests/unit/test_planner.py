@@ -322,6 +322,9 @@ def test_the_story_architectures_match_vllm_term_by_term(log_name, config, max_m
     assert near(terms["activation peak"], logged.activation_peak_gib)
     assert logged.graph_estimate_gib is not None and near(terms["CUDA-graph estimate"], logged.graph_estimate_gib)
     assert logged.non_torch_gib is not None and abs(terms["non-torch"] - logged.non_torch_gib) < 0.05
+    for term, figure in (("activation_gib", logged.activation_peak_gib), ("cuda_graphs_gib", logged.graph_estimate_gib),
+                         ("non_torch_gib", logged.non_torch_gib)):  # fmt: skip
+        assert layout.bands[term].contains(figure), (term, layout.bands[term], figure)
     # the capture counts are vLLM's: "Profiling CUDA graph memory: PIECEWISE=51 (largest=512), FULL=51 ..."
     full, piecewise = logged.graph_estimate_by_mode["FULL"][1], logged.graph_estimate_by_mode["PIECEWISE"][1]
     assert layout.reserve.graph_captures == full + piecewise
@@ -794,7 +797,8 @@ def held_out(model: str, setting: str, history=()) -> planner.Layout:
 def test_held_out_shapes_land_inside_their_bands_at_vllms_defaults(model):
     """Shapes no fit has seen, started by a plain `vllm serve`: vLLM's memory share is the plan's default, the
     weights are what vLLM loads (the MTP layers of the DeepSeek-V3 and GLM-4.5 minis are skipped), every KV figure
-    is inside its band at first contact and once the history holds the default start."""
+    is inside its band at first contact and once the history holds the default start, and where vLLM logged its
+    reserve term by term (the H100 run, at DEBUG), each term inside its own band."""
     from servebook.vllm_log import read_values
 
     logs = {s: read_values(held_out_log(model, s)) for s in HELD_OUT_SETTINGS}
@@ -814,6 +818,13 @@ def test_held_out_shapes_land_inside_their_bands_at_vllms_defaults(model):
             assert layout.bands["kv_tokens"].contains(logged.kv_cache_tokens), (setting, layout.bands["kv_tokens"])
         assert abs(before.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.015
         assert before.bands["weights_gib"].contains(logged.model_memory_gib)
+        if logged.activation_peak_gib is not None:  # at DEBUG vLLM logs every term: each inside its own band
+            for term, figure in (
+                ("activation_gib", logged.activation_peak_gib),
+                ("cuda_graphs_gib", logged.graph_estimate_gib),
+                ("non_torch_gib", logged.non_torch_gib),
+            ):
+                assert before.bands[term].contains(figure), (setting, term, before.bands[term], figure)  # fmt: skip
         print(f"{model}, {setting}: first {before.max_kv_tokens / logged.kv_cache_tokens - 1:+.2%} "
               f"± {before.bands['kv_tokens'].band:.2%} ({before.provenance}); with history "
               f"{after.max_kv_tokens / logged.kv_cache_tokens - 1:+.2%} ± {after.bands['kv_tokens'].band:.2%} "

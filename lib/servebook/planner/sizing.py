@@ -304,7 +304,8 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
     if entry is None:
         return 0.0
     how = "the same command" if same else f"{entry.layout} at other settings"
-    first = truth.kv_band(weights, terms, available, layout.provenance)
+    captures = layout.reserve.graph_captures if layout.reserve else 0
+    first = truth.kv_band(weights, terms, available, layout.provenance, captures=captures)
     if truth.kv_band(weights, terms, available, "measured", entry, same) > truth.LEARN_WHEN_BAND_SHRINKS_TO * first:
         layout.kv_basis = (
             f"as first planned: the {entry.source} of {how} on {entry.at[:10]} set aside, the reserve moved too "
@@ -329,8 +330,9 @@ def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
     if device.kind == "cpu":  # no reserve to model: weights from the files, a KV space of fixed size
         layout.provenance = "calibrated"
     prov = layout.provenance or truth.provenance(spec, device.name)
-    bands = truth.TERM_BANDS[prov]
     weights = layout.weight_bytes_per_gpu
+    captures = layout.reserve.graph_captures if layout.reserve else 0
+    bands = truth.term_bands(prov)
     layout.bands = {"weights_gib": truth.Band(value=weights / GiB, band=bands["weights"], provenance=prov)}
     if device.kind == "cpu":
         layout.bands["kv_tokens"] = truth.Band(
@@ -338,10 +340,17 @@ def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
         )
         return
     terms = _reserve_terms(layout)
+    bands = truth.term_bands(prov, terms.get("cuda_graphs", 0.0), captures)
     for name, size_bytes in terms.items():
-        layout.bands[f"{name}_gib"] = truth.Band(value=size_bytes / GiB, band=bands[name], provenance=prov)
+        layout.bands[f"{name}_gib"] = truth.Band(value=size_bytes / GiB, band=round(bands[name], 4), provenance=prov)
     kv = truth.kv_band(
-        weights, terms, layout.available_kv_bytes_per_gpu, prov, layout.learned_from, layout.same_command_measured
+        weights,
+        terms,
+        layout.available_kv_bytes_per_gpu,
+        prov,
+        layout.learned_from,
+        layout.same_command_measured,
+        captures=captures,
     )
     layout.bands["kv_tokens"] = truth.Band(
         value=layout.max_kv_tokens, band=round(min(kv, 9.99), 4), provenance=prov, basis=layout.kv_basis

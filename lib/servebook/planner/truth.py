@@ -37,18 +37,28 @@ CALIBRATED_GPUS = ("H200", "H100")  # the same Hopper kernels and graph sizes
 # one side's relative uncertainty of each term, by provenance: from the replays of every committed H200 log
 # (weights within 1.1 % of what vLLM logs to 0.01 GiB, activation within 8 %, CUDA graphs within 20 % where calibrated; two held-out shapes
 # missed their activation by 25-35 %)
+# Each reserve term's band, by where the term comes from. Checked against every term vLLM logged at DEBUG
+# (docs/examples/h200-vllm/run-truth-h100: three never-fitted block-FP8 shapes at three settings): the activation
+# peak missed by up to 12 % where calibrated (the GLM-4.5 mini at vLLM's defaults) and by up to 43 % where
+# extrapolated (FP8 MLA at 128 requests: the plan's 5.27 GiB against vLLM's 2.99, both minis).
 TERM_BANDS: dict[Provenance, dict[str, float]] = {
     "measured": {"weights": 0.005, "activation": 0.01, "cuda_graphs": 0.02, "non_torch": 0.05},
-    "calibrated": {"weights": 0.012, "activation": 0.08, "cuda_graphs": 0.20, "non_torch": 0.25},
-    "extrapolated": {"weights": 0.02, "activation": 0.35, "cuda_graphs": 0.50, "non_torch": 0.50},
+    "calibrated": {"weights": 0.012, "activation": 0.15, "cuda_graphs": 0.20, "non_torch": 0.25},
+    "extrapolated": {"weights": 0.02, "activation": 0.50, "cuda_graphs": 0.50, "non_torch": 0.50},
 }
-# what no term models (allocator slack, the memory CUDA does not report moving with the shapes), bytes per GPU:
-# held-out H200 starts missed by up to 1.6 GiB beyond their terms' bands (a Qwen3-235B-shaped FP8 mini: +1.40 %
-# of 113 GiB of KV); an earlier start of the same signature at other settings leaves less of it unexplained
+# The CUDA-graph estimate's two parts (sizing.graph_estimate): the first capture, from vLLM's own rule per request,
+# head and value dimension (within 3.5 % of every FULL first capture logged, 7 % of block-FP8 MLA's PIECEWISE
+# ones), and one MiB per further graph, which the GLM-4.5 mini's PIECEWISE graphs exceeded at 12 MiB each
+GRAPH_FIRST_CAPTURE_BAND = 0.07
+GRAPH_PER_GRAPH_SPREAD_BYTES = 11 * 2**20
+# What no term models, bytes per GPU: the CUDA context NVML counts and CUDA does not (0.6 GiB on an H200, about
+# 0.13 GiB less on an H100: every H100 start above missed by -0.11 to -0.13 GiB once its terms were taken out) and
+# vLLM's block rounding. Before the terms had bands that held vLLM's figures (the sampler unmodelled, the graph
+# rule fitted per model), this stood in for them at 1.75 GiB (calibrated) and 2.5 GiB (extrapolated).
 UNMODELLED_BYTES: dict[Provenance, float] = {
     "measured": 1.0 * 2**30,
-    "calibrated": 1.75 * 2**30,
-    "extrapolated": 2.5 * 2**30,
+    "calibrated": 0.5 * 2**30,
+    "extrapolated": 0.5 * 2**30,
 }
 # a relaunch of the very command (same layout and settings) lands within vLLM's own run-to-run spread
 SAME_COMMAND_KV_BAND = 0.003
@@ -293,6 +303,23 @@ def learned(
     )  # fmt: skip
 
 
+def graph_band(graph_bytes: float, captures: int) -> float:
+    """The CUDA-graph estimate's relative band at first contact: its first capture's and its further graphs'."""
+    if graph_bytes <= 0:
+        return 0.0
+    further = max(captures - 2, 0)
+    first = max(graph_bytes - further * 2**20, 0.0)
+    return (GRAPH_FIRST_CAPTURE_BAND * first + GRAPH_PER_GRAPH_SPREAD_BYTES * further) / graph_bytes
+
+
+def term_bands(prov: Provenance, graph_bytes: float = 0.0, captures: int = 0) -> dict[str, float]:
+    """Each term's relative band; the CUDA graphs' from their two parts unless measured."""
+    bands = dict(TERM_BANDS[prov])
+    if prov != "measured" and captures:
+        bands["cuda_graphs"] = graph_band(graph_bytes, captures)
+    return bands
+
+
 def kv_band(
     weights: float,
     terms: dict[str, float],
@@ -300,6 +327,8 @@ def kv_band(
     prov: Provenance,
     learned_from: Measured | None = None,
     same_command: bool = False,
+    *,
+    captures: int = 0,
 ) -> float:
     """The KV figure's relative band over the KV memory. At first contact each term's bytes times its band and
     the unmodelled part, taken as independent (root sum of squares); learned from an earlier start, vLLM's
@@ -312,6 +341,6 @@ def kv_band(
     if learned_from is not None:
         moved = moved_bytes(learned_from, terms)
         return SAME_COMMAND_KV_BAND + (MOVED_TERMS_SHARE * moved + UNMODELLED_BYTES["measured"]) / kv_bytes
-    bands = TERM_BANDS[prov]
+    bands = term_bands(prov, terms.get("cuda_graphs", 0.0), captures)
     parts = [weights * bands["weights"], UNMODELLED_BYTES[prov], *(size * bands[name] for name, size in terms.items())]
     return math.sqrt(sum(part * part for part in parts)) / kv_bytes
