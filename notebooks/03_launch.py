@@ -178,7 +178,7 @@ if mem.processes:
 # %% [markdown]
 # ## The plan, checked against vLLM
 # When the plan stage ran, its prediction for this layout is set beside what vLLM logged: KV tokens and weights,
-# then the reserve term by term (the profile run's activation peak, non-torch memory, the CUDA-graph estimate,
+# each with the band the plan stated for it and whether vLLM's figure fell inside, then the reserve term by term (the profile run's activation peak, non-torch memory, the CUDA-graph estimate,
 # and the memory CUDA does not report, which vLLM logs no line for), so a miss names its term. vLLM logs its memory
 # profile at DEBUG (`extra_env: {VLLM_LOGGING_LEVEL: DEBUG}` shows it on a GPU); without it, the activation peak and
 # non-torch memory are shown together, as what the lines vLLM logs at INFO (weights, CUDA-graph estimate, KV memory)
@@ -187,14 +187,7 @@ if mem.processes:
 # %%
 check = launched.plan_check
 if check:
-    kv_error = f" ({check.kv_tokens_error_pct:+.2f} %)" if check.kv_tokens_error_pct is not None else ""
-    reported_weights = f"{check.reported_weight_gib:.2f} GiB" if check.reported_weight_gib else "not logged by this vLLM"
-    rows = [f"| {name} | {plan:.2f} GiB | {'—' if logged is None else f'{logged:.2f} GiB'} |"
-            for name, (plan, logged) in check.reserve_terms.items()]
-    display(Markdown(f"| {check.layout} | plan | vLLM |\n|---|---|---|\n"
-                     f"| KV tokens | {check.predicted_kv_tokens:,} | {check.reported_kv_tokens or 0:,}{kv_error} |\n"
-                     f"| weights per GPU | {check.predicted_weight_gib:.2f} GiB | {reported_weights} |\n"
-                     + "\n".join(rows)))
+    display(Markdown(check.markdown()))
     print(f"furthest term: {check.worst_term()}")
 else:
     print("the plan stage did not run in this run")

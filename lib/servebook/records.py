@@ -284,6 +284,12 @@ class MemoryAfterLoad(BaseModel):
 
 
 LEFT_BY_KV_MEMORY = "activation peak + non-torch, from the KV memory"
+# the launch record's term names (vLLM's) and the plan's band keys (planner.truth)
+BAND_OF_TERM = {
+    "activation peak": "activation_gib",
+    "non-torch": "non_torch_gib",
+    "CUDA-graph estimate": "cuda_graphs_gib",
+}
 
 
 def _left_by_kv_memory(predicted: planner.Layout, reported: LogValues) -> tuple[float, float] | None:
@@ -308,6 +314,11 @@ def _left_by_kv_memory(predicted: planner.Layout, reported: LogValues) -> tuple[
     return round(planned, 3), round(left, 2)
 
 
+def _size(gib: float) -> str:
+    """GiB to two places, or MiB where that would read 0.00 (the embedded default's weights)."""
+    return f"{gib:.2f} GiB" if abs(gib) >= 0.1 or gib == 0 else f"{gib * 1024:.1f} MiB"
+
+
 class PlanCheck(BaseModel):
     """The plan's prediction for the launched layout beside what vLLM logged."""
 
@@ -321,6 +332,8 @@ class PlanCheck(BaseModel):
     # the reserve term by term, GiB: the plan's and the line vLLM's memory profile logged for it (None: not logged,
     # vLLM logs the profile at DEBUG); "memory CUDA does not report" has no line of its own
     reserve_terms: dict[str, tuple[float, float | None]] = {}
+    # the plan's relative band for each figure it stated one for (planner.truth), by the names above
+    bands: dict[str, float] = {}
 
     @classmethod
     def of(cls, predicted: planner.Layout, reported: LogValues) -> PlanCheck:
@@ -337,8 +350,11 @@ class PlanCheck(BaseModel):
         reserve_terms = {name: (round(gib, 3), logged.get(name)) for name, gib in terms.items()}
         if left := _left_by_kv_memory(predicted, reported):
             reserve_terms[LEFT_BY_KV_MEMORY] = left
+        named = {"KV tokens": "kv_tokens", "weights per GPU": "weights_gib", **BAND_OF_TERM}
+        bands = {name: predicted.bands[key].band for name, key in named.items() if key in predicted.bands}
         return cls(
             layout=predicted.name,
+            bands=bands,
             predicted_kv_tokens=predicted.max_kv_tokens,
             reported_kv_tokens=reported.kv_cache_tokens,
             predicted_weight_gib=weight_gib,
@@ -347,6 +363,39 @@ class PlanCheck(BaseModel):
             weight_error_pct=error(weight_gib, reported.model_memory_gib),
             reserve_terms=reserve_terms,
         )
+
+    def band_verdicts(self) -> dict[str, str]:
+        """For each figure with a band and a logged value: "±x % · inside" or "±x % · outside"."""
+        logged = {
+            "KV tokens": (self.predicted_kv_tokens, self.reported_kv_tokens),
+            "weights per GPU": (self.predicted_weight_gib, self.reported_weight_gib),
+            **self.reserve_terms,
+        }
+        verdicts = {}
+        for name, band in self.bands.items():
+            plan, vllm = logged.get(name, (0.0, None))
+            if vllm is not None and plan:
+                inside = abs(vllm - plan) <= band * plan * (1 + 1e-9)
+                verdicts[name] = f"±{100 * band:.1f} % · {'inside' if inside else 'outside'}"
+        return verdicts
+
+    def markdown(self) -> str:
+        """The check as stage 03 shows it: each figure, the plan's, vLLM's, and the plan's band with its verdict."""
+        verdicts = self.band_verdicts()
+        kv_error = f" ({self.kv_tokens_error_pct:+.2f} %)" if self.kv_tokens_error_pct is not None else ""
+        weights = _size(self.reported_weight_gib) if self.reported_weight_gib else "not logged by this vLLM"
+        rows = [
+            f"| {self.layout} | plan | vLLM | plan's band |",
+            "|---|---|---|---|",
+            f"| KV tokens | {self.predicted_kv_tokens:,} | {self.reported_kv_tokens or 0:,}{kv_error} | "
+            f"{verdicts.get('KV tokens', '')} |",
+            f"| weights per GPU | {_size(self.predicted_weight_gib)} | {weights} | "
+            f"{verdicts.get('weights per GPU', '')} |",
+        ]
+        for name, (plan, logged) in self.reserve_terms.items():
+            vllm = "—" if logged is None else _size(logged)
+            rows.append(f"| {name} | {_size(plan)} | {vllm} | {verdicts.get(name, '')} |")
+        return "\n".join(rows)
 
     def worst_term(self) -> str:
         """The logged term furthest from the plan's, named with both figures: where the next miss comes from."""

@@ -863,6 +863,23 @@ def test_the_first_graph_capture_holds_128_bytes_per_request_head_and_value(mode
             assert "(51-1) × 12.00 MiB per-graph" in text  # what the plan does not model: 0.53 GiB short
 
 
+@pytest.mark.parametrize("model", ["dsv3-fp8", "kimi-k2-fp8", "glm45-fp8-mtp"])
+def test_the_launch_record_says_whether_each_figure_fell_inside_the_plans_band(model):
+    """Stage 03 sets each figure vLLM logged beside the plan's and the band the plan stated for it: on the H100 run
+    at DEBUG, KV tokens, weights and every reserve term inside; a figure beyond its band says so."""
+    from servebook.records import PlanCheck
+    from servebook.vllm_log import read_values
+
+    for setting in HELD_OUT_SETTINGS:
+        logged = read_values(held_out_log(model, setting))
+        verdicts = PlanCheck.of(held_out(model, setting), logged).band_verdicts()
+        assert set(verdicts) == {"KV tokens", "weights per GPU", "activation peak", "non-torch", "CUDA-graph estimate"}
+        assert all(v.endswith("· inside") for v in verdicts.values()), (setting, verdicts)
+    beyond = logged.model_copy(update={"activation_peak_gib": 3 * logged.activation_peak_gib})
+    verdict = PlanCheck.of(held_out(model, setting), beyond).band_verdicts()["activation peak"]
+    assert verdict.endswith("· outside") and verdict.startswith("±")
+
+
 def test_a_launch_logged_at_info_still_names_its_furthest_term():
     """vLLM's INFO lines give weights, the CUDA-graph estimate and the KV memory; what they leave is the activation
     peak and non-torch memory together. The DeepSeek-V3 mini's KV miss at 128 requests (−0.59 %) was two larger
