@@ -30,6 +30,9 @@ DSV3 = dict(H=7168, NH=128, QL=1536, KVL=512, NOPE=128, ROPE=64, V=128, I=18432,
 # Kimi-K2's decoder in DeepSeek-V3's architecture and DeepSeek's block FP8 (issue #40: MLA in FP8 at 64 heads and
 # 384 experts, which no fit has seen; the INT4 Kimi-K2.5 mini of the fit shares every shape but the quantization)
 KIMI_K2 = dict(DSV3, NH=64, E=384, VOCAB=163840, GROUPS=1, TOPK_GROUPS=1)
+# DeepSeek-V3 at Kimi-K2's 64 heads: the FP8-MLA pair above differs in heads, experts and vocabulary at once; this
+# one moves the heads alone
+DSV3_64_HEADS = dict(DSV3, NH=64)
 TINY = dict(H=256, NH=4, QL=128, KVL=512, NOPE=128, ROPE=64, V=128, I=512, MI=128, E=16, K=4, NS=1, VOCAB=4096,
             GROUPS=4, TOPK_GROUPS=2)  # fmt: skip
 
@@ -41,13 +44,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--mtp", type=int, default=1, help="MTP layers after the decoder's (num_nextn_predict_layers)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--shape", choices=("deepseek-v3", "kimi-k2"), default="deepseek-v3")
+    ap.add_argument("--shape", choices=("deepseek-v3", "kimi-k2", "deepseek-v3-64h"), default="deepseek-v3")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config-only", action="store_true", help="write config.json alone (for the plan's tests)")
     a = ap.parse_args()
     t0 = time.time()
-    d = TINY if a.tiny else KIMI_K2 if a.shape == "kimi-k2" else DSV3
+    d = TINY if a.tiny else {"kimi-k2": KIMI_K2, "deepseek-v3-64h": DSV3_64_HEADS}.get(a.shape, DSV3)
     H, NH, QL, KVL, NOPE, ROPE, V = (d[k] for k in ("H", "NH", "QL", "KVL", "NOPE", "ROPE", "V"))
     I, MI, E, K, NS, VOCAB = (d[k] for k in ("I", "MI", "E", "K", "NS", "VOCAB"))  # noqa: E741
     L, dense = a.layers, 1

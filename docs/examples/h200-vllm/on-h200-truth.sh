@@ -6,7 +6,8 @@
 #   kit1   carry .gpu/c1: the Python tree; build three block-FP8 minis no fit has seen (44 GB on a 64 GiB disk):
 #          DeepSeek-V3-shaped (2 layers; its MTP layer was measured on 2026-12-04), Kimi-K2-shaped MLA (2 layers,
 #          64 heads, 384 experts: the INT4 fit's shapes in FP8) and GLM-4.5-shaped GQA with its MTP layer (2 + 1:
-#          biased q/k/v, half-rotary heads, vocabulary 151,552). SHAPES=q235 builds 2026-12-04's pair instead
+#          biased q/k/v, half-rotary heads, vocabulary 151,552). SHAPES=q235 builds 2026-12-04's pair instead,
+#          SHAPES=dsv3-64h DeepSeek-V3 at 64 heads alone (with TRUTH_SETTINGS, truth_run.py runs some settings only)
 #   kit2   carry .gpu/c2: the second kernel part
 #   go     carry .gpu/c3: kernels in place, then truth_run.py in a session of its own (it outlives the call)
 #   wait   keep the machine while it runs (WAIT_S, default 560 s), then bring back what is done
@@ -14,7 +15,10 @@ source "$(dirname "$0")/kit-steps.sh" "$1" truth
 case $STEP in
 kit1)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
-  if [ "${SHAPES:-}" = q235 ]; then
+  if [ "${SHAPES:-}" = dsv3-64h ]; then  # DeepSeek-V3 at 64 heads: the FP8-MLA activation's heads, alone
+    python3 $EX/mkdsv3.py $MODELS/dsv3-64h-fp8 --tokenizer /tmp/tok --shape deepseek-v3-64h --layers 2 --mtp 0 \
+      2>&1 | tail -1
+  elif [ "${SHAPES:-}" = q235 ]; then
     python3 $EX/mkdsv3.py $MODELS/dsv3-fp8-mtp --tokenizer /tmp/tok --layers 2 --mtp 1 2>&1 | tail -1
     python3 $EX/../h200x8/mkckpt.py $MODELS/q235-fp8 --tokenizer /tmp/tok --shape qwen3-235b-a22b --layers 4 --fp8 \
       --vocab 151936 2>&1 | tail -1
@@ -28,7 +32,7 @@ kit2) ls $STAGE ;;
 go)
   pkill -f "vllm serve" ; sleep 1
   setsid bash -c "cd $PWD && source /tmp/kit/unpack.sh >/dev/null 2>&1 && python3 $EX/truth_run.py $R \
-    $(ls -d $MODELS/dsv3-fp8* $MODELS/kimi-k2-fp8 $MODELS/glm45-fp8-mtp $MODELS/q235-fp8 2>/dev/null | tr "\n" " "); \
+    $(ls -d $MODELS/dsv3-fp8* $MODELS/dsv3-64h-fp8 $MODELS/kimi-k2-fp8 $MODELS/glm45-fp8-mtp $MODELS/q235-fp8 2>/dev/null | tr "\n" " "); \
     echo '=== done'" \
     > $R/console.log 2>&1 < /dev/null &
   sleep 30; tail -5 $R/console.log ;;

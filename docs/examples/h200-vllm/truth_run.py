@@ -31,6 +31,10 @@ SETTINGS = [  # (name, max_model_len, max_num_seqs, max_num_batched_tokens): 0 l
 ]
 
 
+# TRUTH_SETTINGS="defaults,batched 2048, 8k context" runs those alone (names as above, separated by ";")
+CHOSEN = [s for s in SETTINGS if s[0] in os.environ.get("TRUTH_SETTINGS", ";".join(n for n, *_ in SETTINGS)).split(";")]
+
+
 def this_gpu() -> planner.Device:
     """The card this runs on, by NVML's name (an H200, or the H100 a call for one may get)."""
     pynvml.nvmlInit()
@@ -81,7 +85,7 @@ def main() -> None:
         # the config the replay tests plan from, as the checkpoint on the GPU machine had it
         (out / f"{Path(model).name}-config.json").write_text((Path(model) / "config.json").read_text())
         history: list[truth.Measured] = []
-        for setting in SETTINGS:
+        for setting in CHOSEN:
             name = f"{Path(model).name}, {setting[0]}"
             log = out / f"{Path(model).name}-{setting[0].replace(' ', '-').replace(',', '')}.log"
             seconds = start(model, log, *setting[1:])
