@@ -332,8 +332,8 @@ class PlanCheck(BaseModel):
     # the reserve term by term, GiB: the plan's and the line vLLM's memory profile logged for it (None: not logged,
     # vLLM logs the profile at DEBUG); "memory CUDA does not report" has no line of its own
     reserve_terms: dict[str, tuple[float, float | None]] = {}
-    # the plan's relative band for each figure it stated one for (planner.truth), by the names above
-    bands: dict[str, float] = {}
+    # the plan's band for each figure it stated one for (planner.truth), by the names above
+    bands: dict[str, planner.truth.Band] = {}
 
     @classmethod
     def of(cls, predicted: planner.Layout, reported: LogValues) -> PlanCheck:
@@ -351,7 +351,7 @@ class PlanCheck(BaseModel):
         if left := _left_by_kv_memory(predicted, reported):
             reserve_terms[LEFT_BY_KV_MEMORY] = left
         named = {"KV tokens": "kv_tokens", "weights per GPU": "weights_gib", **BAND_OF_TERM}
-        bands = {name: predicted.bands[key].band for name, key in named.items() if key in predicted.bands}
+        bands = {name: predicted.bands[key] for name, key in named.items() if key in predicted.bands}
         return cls(
             layout=predicted.name,
             bands=bands,
@@ -366,17 +366,16 @@ class PlanCheck(BaseModel):
 
     def band_verdicts(self) -> dict[str, str]:
         """For each figure with a band and a logged value: "±x % · inside" or "±x % · outside"."""
-        logged = {
-            "KV tokens": (self.predicted_kv_tokens, self.reported_kv_tokens),
-            "weights per GPU": (self.predicted_weight_gib, self.reported_weight_gib),
-            **self.reserve_terms,
+        reported: dict[str, float | None] = {
+            "KV tokens": self.reported_kv_tokens,
+            "weights per GPU": self.reported_weight_gib,
+            **{name: vllm for name, (_, vllm) in self.reserve_terms.items()},
         }
         verdicts = {}
         for name, band in self.bands.items():
-            plan, vllm = logged.get(name, (0.0, None))
-            if vllm is not None and plan:
-                inside = abs(vllm - plan) <= band * plan * (1 + 1e-9)
-                verdicts[name] = f"±{100 * band:.1f} % · {'inside' if inside else 'outside'}"
+            vllm = reported.get(name)
+            if vllm is not None:
+                verdicts[name] = f"±{100 * band.band:.1f} % · {'inside' if band.contains(vllm) else 'outside'}"
         return verdicts
 
     def markdown(self) -> str:

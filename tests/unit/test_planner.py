@@ -883,6 +883,9 @@ def test_the_launch_record_says_whether_each_figure_fell_inside_the_plans_band(m
         verdicts = PlanCheck.of(held_out(model, setting), logged).band_verdicts()
         assert set(verdicts) == {"KV tokens", "weights per GPU", "activation peak", "non-torch", "CUDA-graph estimate"}
         assert all(v.endswith("· inside") for v in verdicts.values()), (setting, verdicts)
+    table = PlanCheck.of(held_out(model, setting), logged).markdown().splitlines()
+    assert table[0].endswith("| plan | vLLM | plan's band |") and table[2].startswith("| KV tokens |")
+    assert all(row.count("|") == 5 for row in table) and "· inside |" in table[2]
     beyond = logged.model_copy(update={"activation_peak_gib": 3 * logged.activation_peak_gib})
     verdict = PlanCheck.of(held_out(model, setting), beyond).band_verdicts()["activation peak"]
     assert verdict.endswith("· outside") and verdict.startswith("±")
@@ -1040,3 +1043,12 @@ def test_the_terminal_table_fits_a_terminal_and_the_forecast_stays_under_its_cei
     assert {"accepted", "KV tokens", "forecast tok/s", "ceiling tok/s"} <= set(terminal_table(planned).columns)
     for layout in planned.layouts:
         assert layout.forecast_tok_s_batch <= layout.decode_tok_s_batch + 1e-6, layout.name
+
+
+def test_the_launch_record_writes_small_weights_in_mib():
+    """The embedded default's weights are a few MiB: the table says so rather than "0.00 GiB"."""
+    from servebook.records import PlanCheck
+
+    check = PlanCheck(layout="TP=1", predicted_kv_tokens=2_097_152, reported_kv_tokens=2_097_152,
+                      predicted_weight_gib=0.0027, reported_weight_gib=None)  # fmt: skip
+    assert "| weights per GPU | 2.8 MiB | not logged by this vLLM |  |" in check.markdown()

@@ -290,6 +290,14 @@ def _reserve_terms(layout: Layout) -> dict[str, float]:
     return {"activation": reserve.activation, "cuda_graphs": reserve.cuda_graphs, "non_torch": reserve.non_torch}
 
 
+def _term_bands(layout: Layout, prov: truth.Provenance) -> dict[str, float]:
+    """Each reserve term's relative band for this layout (its CUDA graphs' from their captures)."""
+    reserve = layout.reserve
+    if reserve is None:
+        return truth.term_bands(prov)
+    return truth.term_bands(prov, reserve.cuda_graphs, reserve.graph_captures)
+
+
 def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, available: float) -> float:
     """The bytes the history says this plan's KV memory misses by: what the closest earlier start of the same
     signature, GPU and vLLM version missed by, where that makes the figure surer than the calibration (a start
@@ -304,8 +312,7 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
     if entry is None:
         return 0.0
     how = "the same command" if same else f"{entry.layout} at other settings"
-    captures = layout.reserve.graph_captures if layout.reserve else 0
-    first = truth.kv_band(weights, terms, available, layout.provenance, captures=captures)
+    first = truth.kv_band(weights, terms, available, layout.provenance, bands=_term_bands(layout, layout.provenance))
     if truth.kv_band(weights, terms, available, "measured", entry, same) > truth.LEARN_WHEN_BAND_SHRINKS_TO * first:
         layout.kv_basis = (
             f"as first planned: the {entry.source} of {how} on {entry.at[:10]} set aside, the reserve moved too "
@@ -331,8 +338,7 @@ def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
         layout.provenance = "calibrated"
     prov = layout.provenance or truth.provenance(spec, device.name)
     weights = layout.weight_bytes_per_gpu
-    captures = layout.reserve.graph_captures if layout.reserve else 0
-    bands = truth.term_bands(prov)
+    bands = _term_bands(layout, prov)
     layout.bands = {"weights_gib": truth.Band(value=weights / GiB, band=bands["weights"], provenance=prov)}
     if device.kind == "cpu":
         layout.bands["kv_tokens"] = truth.Band(
@@ -340,7 +346,6 @@ def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
         )
         return
     terms = _reserve_terms(layout)
-    bands = truth.term_bands(prov, terms.get("cuda_graphs", 0.0), captures)
     for name, size_bytes in terms.items():
         layout.bands[f"{name}_gib"] = truth.Band(value=size_bytes / GiB, band=round(bands[name], 4), provenance=prov)
     kv = truth.kv_band(
@@ -350,7 +355,7 @@ def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
         prov,
         layout.learned_from,
         layout.same_command_measured,
-        captures=captures,
+        bands=bands,
     )
     layout.bands["kv_tokens"] = truth.Band(
         value=layout.max_kv_tokens, band=round(min(kv, 9.99), 4), provenance=prov, basis=layout.kv_basis

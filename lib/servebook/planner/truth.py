@@ -34,10 +34,8 @@ Provenance = Literal["measured", "calibrated", "extrapolated"]
 # (attention kind, quantization) the reserve's terms were fitted on, and the GPU those fits ran on
 CALIBRATED_KINDS = {("gqa", "none"), ("gqa", "fp8"), ("mla", "int4")}
 CALIBRATED_GPUS = ("H200", "H100")  # the same Hopper kernels and graph sizes
-# one side's relative uncertainty of each term, by provenance: from the replays of every committed H200 log
-# (weights within 1.1 % of what vLLM logs to 0.01 GiB, activation within 8 %, CUDA graphs within 20 % where calibrated; two held-out shapes
-# missed their activation by 25-35 %)
-# Each reserve term's band, by where the term comes from. Checked against every term vLLM logged at DEBUG
+# One side's relative uncertainty of each term, by provenance: weights within 1.1 % of what vLLM logs (to 0.01 GiB)
+# on every committed H200 log; each reserve term checked against every term vLLM logged at DEBUG
 # (docs/examples/h200-vllm/run-truth-h100: three never-fitted block-FP8 shapes at three settings): the activation
 # peak missed by up to 12 % where calibrated (the GLM-4.5 mini at vLLM's defaults) and by up to 43 % where
 # extrapolated (FP8 MLA at 128 requests: the plan's 5.27 GiB against vLLM's 2.99, both minis).
@@ -328,12 +326,12 @@ def kv_band(
     learned_from: Measured | None = None,
     same_command: bool = False,
     *,
-    captures: int = 0,
+    bands: dict[str, float] | None = None,
 ) -> float:
     """The KV figure's relative band over the KV memory. At first contact each term's bytes times its band and
     the unmodelled part, taken as independent (root sum of squares); learned from an earlier start, vLLM's
     run-to-run spread, plus (at other settings) half of what the terms moved since and the unmodelled part
-    that moves with the settings, added up."""
+    that moves with the settings, added up. ``bands``: each term's (:func:`term_bands`), else the provenance's."""
     if kv_bytes <= 0:
         return math.inf
     if learned_from is not None and same_command:
@@ -341,6 +339,6 @@ def kv_band(
     if learned_from is not None:
         moved = moved_bytes(learned_from, terms)
         return SAME_COMMAND_KV_BAND + (MOVED_TERMS_SHARE * moved + UNMODELLED_BYTES["measured"]) / kv_bytes
-    bands = term_bands(prov, terms.get("cuda_graphs", 0.0), captures)
+    bands = bands or TERM_BANDS[prov]
     parts = [weights * bands["weights"], UNMODELLED_BYTES[prov], *(size * bands[name] for name, size in terms.items())]
     return math.sqrt(sum(part * part for part in parts)) / kv_bytes
