@@ -138,15 +138,17 @@ def test_a_level_past_max_num_seqs_is_a_batch_limit(four_seqs, tmp_path):
 
 
 def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_reach(shared_server, tmp_path):
-    """Poisson arrivals against real vLLM: a low rate is kept up with; 200 requests/s for 2 s is more than the
+    """Poisson arrivals against real vLLM: a low rate is kept up with; 100 requests/s for 2 s is more than the
     CPU server completes, which ends the sweep as a finding (no request failed, nothing raised)."""
     from servebook import ratesweep
 
     cfg = ratesweep.RateSweepConfig(
-        rates=[200.0, 1.0],  # sorted by the sweep; 8 requests at 1/s span 8 s, which a latency blip barely moves
-        # 200 requests/s of 128 tokens is 25,600 tokens/s, several times what 2 cores decode: 150 requests/s of 64
-        # tokens was kept up with once the client stopped opening a connection per request and took less of the
-        # machine's CPU, and 400 requests/s put 800 connections in flight, past what the server's files allow
+        rates=[100.0, 1.0],  # sorted by the sweep; 8 requests at 1/s span 8 s, which a latency blip barely moves
+        # 100 requests/s of 128 tokens is 12,800 tokens/s, twice what 2 cores decode at best (5,831 tokens/s at 64
+        # streams in the main job): 150 requests/s of 64 tokens was kept up with once the client stopped opening
+        # a connection per request, 400 requests/s put 800 connections in flight, past what the server's files
+        # allow, and at 200 requests/s a loaded CI machine saw 21 of 400 requests lose their connection while
+        # sending (2026-12-05; alone, the same test passed): what it asserts needs overload, not 400 connections
         workload=loadgen.Workload(input_len=32, output_len=128),
         min_requests=8,
         min_seconds=2.0,
@@ -160,9 +162,9 @@ def test_an_open_loop_rate_sweep_keeps_up_then_records_a_rate_the_server_cannot_
     errors = pd.read_parquet(tmp_path / "rates_requests.parquet").error.str[:120].value_counts().to_dict()
     assert low.rate == 1.0 and low.kept_up and low.failed == 0 and low.requests >= 8
     assert low.achieved_rate == pytest.approx(low.offered_rate, rel=0.1) and low.goodput_share == 1.0
-    assert high.rate == 200.0 and not high.kept_up and high.failed == 0 and high.requests == 400, errors
+    assert high.rate == 100.0 and not high.kept_up and high.failed == 0 and high.requests == 200, errors
     assert high.achieved_rate < 0.9 * high.offered_rate and "could not keep up" in high.verdict
-    assert result.best_rate == 1.0 and "could not keep up with 200" in result.stop_reason
+    assert result.best_rate == 1.0 and "could not keep up with 100" in result.stop_reason
     reqs = pd.read_parquet(tmp_path / "rates_requests.parquet")
     measured = reqs[~reqs.warmup]
     assert len(measured) == low.requests + high.requests and set(measured.completion_tokens) == {128}

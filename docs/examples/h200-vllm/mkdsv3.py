@@ -2,7 +2,7 @@
 where it will be served (issue #40's held-out MLA shape: no fit of servebook's reserve has seen MLA in FP8).
 
     python3 mkdsv3.py OUT --tokenizer TINY_MODEL_DIR [--shape deepseek-v3|kimi-k2] [--layers 2] [--mtp 1]
-                      [--device cuda] [--tiny]
+                      [--heads N] [--experts N] [--device cuda] [--tiny]
 
 DeepSeek-V3's shapes per layer: hidden 7168, 128 heads, MLA (q_lora 1536, kv_lora 512, nope 128, rope 64, v 128),
 the first layer dense (intermediate 18432), the others MoE (256 routed experts of 2048, top-8, one shared expert,
@@ -45,12 +45,17 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=1, help="MTP layers after the decoder's (num_nextn_predict_layers)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", choices=("deepseek-v3", "kimi-k2", "deepseek-v3-64h"), default="deepseek-v3")
+    ap.add_argument(
+        "--heads", type=int, help="attention heads in place of the shape's (the FP8-MLA activation's heads)"
+    )
+    ap.add_argument("--experts", type=int, help="routed experts in place of the shape's (a smaller checkpoint)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config-only", action="store_true", help="write config.json alone (for the plan's tests)")
     a = ap.parse_args()
     t0 = time.time()
     d = TINY if a.tiny else {"kimi-k2": KIMI_K2, "deepseek-v3-64h": DSV3_64_HEADS}.get(a.shape, DSV3)
+    d = dict(d, NH=a.heads or d["NH"], E=a.experts or d["E"])
     H, NH, QL, KVL, NOPE, ROPE, V = (d[k] for k in ("H", "NH", "QL", "KVL", "NOPE", "ROPE", "V"))
     I, MI, E, K, NS, VOCAB = (d[k] for k in ("I", "MI", "E", "K", "NS", "VOCAB"))  # noqa: E741
     L, dense = a.layers, 1

@@ -7,7 +7,10 @@
 #          DeepSeek-V3-shaped (2 layers; its MTP layer was measured on 2026-12-04), Kimi-K2-shaped MLA (2 layers,
 #          64 heads, 384 experts: the INT4 fit's shapes in FP8) and GLM-4.5-shaped GQA with its MTP layer (2 + 1:
 #          biased q/k/v, half-rotary heads, vocabulary 151,552). SHAPES=q235 builds 2026-12-04's pair instead,
-#          SHAPES=dsv3-64h DeepSeek-V3 at 64 heads alone (with TRUTH_SETTINGS, truth_run.py runs some settings only)
+#          SHAPES=dsv3-64h DeepSeek-V3 at 64 heads alone (with TRUTH_SETTINGS, truth_run.py runs some settings only);
+#          SHAPES=heads DeepSeek-V3 at 16, 32, 64 and 128 heads with 64 experts (7 GB each), for `go` with
+#          SHAPES=heads: every head count at the defaults and 2,048 batched tokens, then 16 and 128 heads at 8k
+#          context and 16 heads at 128 requests (the FP8-MLA activation's heads, tokens, context and sampler apart)
 #   kit2   carry .gpu/c2: the second kernel part
 #   go     carry .gpu/c3: kernels in place, then truth_run.py in a session of its own (it outlives the call)
 #   wait   keep the machine while it runs (WAIT_S, default 560 s), then bring back what is done
@@ -15,7 +18,12 @@ source "$(dirname "$0")/kit-steps.sh" "$1" truth
 case $STEP in
 kit1)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
-  if [ "${SHAPES:-}" = dsv3-64h ]; then  # DeepSeek-V3 at 64 heads: the FP8-MLA activation's heads, alone
+  if [ "${SHAPES:-}" = heads ]; then
+    for h in 16 32 64 128; do
+      python3 $EX/mkdsv3.py $MODELS/dsv3-h$h-e64 --tokenizer /tmp/tok --heads $h --experts 64 --layers 2 --mtp 0 \
+        2>&1 | tail -1
+    done
+  elif [ "${SHAPES:-}" = dsv3-64h ]; then  # DeepSeek-V3 at 64 heads: the FP8-MLA activation's heads, alone
     python3 $EX/mkdsv3.py $MODELS/dsv3-64h-fp8 --tokenizer /tmp/tok --shape deepseek-v3-64h --layers 2 --mtp 0 \
       2>&1 | tail -1
   elif [ "${SHAPES:-}" = q235 ]; then
@@ -31,6 +39,15 @@ kit1)
 kit2) ls $STAGE ;;
 go)
   pkill -f "vllm serve" ; sleep 1
+  if [ "${SHAPES:-}" = heads ]; then
+    H=$MODELS/dsv3-h
+    setsid bash -c "cd $PWD && source /tmp/kit/unpack.sh >/dev/null 2>&1 && \
+      TRUTH_SETTINGS='defaults;batched 2048' python3 $EX/truth_run.py $R/heads ${H}16-e64 ${H}32-e64 ${H}64-e64 ${H}128-e64; \
+      TRUTH_SETTINGS='8k context' python3 $EX/truth_run.py $R/context ${H}16-e64 ${H}128-e64; \
+      TRUTH_SETTINGS='max_num_seqs 128' python3 $EX/truth_run.py $R/requests ${H}16-e64; echo '=== done'" \
+      > $R/console.log 2>&1 < /dev/null &
+    sleep 30; tail -5 $R/console.log; exit 0
+  fi
   setsid bash -c "cd $PWD && source /tmp/kit/unpack.sh >/dev/null 2>&1 && python3 $EX/truth_run.py $R \
     $(ls -d $MODELS/dsv3-fp8* $MODELS/dsv3-64h-fp8 $MODELS/kimi-k2-fp8 $MODELS/glm45-fp8-mtp $MODELS/q235-fp8 2>/dev/null | tr "\n" " "); \
     echo '=== done'" \

@@ -28,11 +28,17 @@ SETTINGS = [  # (name, max_model_len, max_num_seqs, max_num_batched_tokens): 0 l
     ("defaults", 4096, 0, 0),
     ("max_num_seqs 128", 4096, 128, 0),
     ("batched 2048, 8k context", 8192, 0, 2048),
+    # the FP8-MLA activation's tokens and context apart (issue #40, 2026-12-05)
+    ("batched 2048", 4096, 0, 2048),
+    ("8k context", 8192, 0, 0),
 ]
 
 
-# TRUTH_SETTINGS="defaults,batched 2048, 8k context" runs those alone (names as above, separated by ";")
-CHOSEN = [s for s in SETTINGS if s[0] in os.environ.get("TRUTH_SETTINGS", ";".join(n for n, *_ in SETTINGS)).split(";")]
+# TRUTH_SETTINGS="defaults;batched 2048, 8k context" runs those alone (names as above, separated by ";"); unset,
+# the first three
+CHOSEN = [
+    s for s in SETTINGS if s[0] in os.environ.get("TRUTH_SETTINGS", ";".join(n for n, *_ in SETTINGS[:3])).split(";")
+]
 
 
 def this_gpu() -> planner.Device:

@@ -57,6 +57,19 @@ MLA_SAMPLER_BYTES_PER_LOGIT = 3.0
 # weights and the Marlin workspace) and, beside the MoE term every model has, bytes per token and head
 MLA_FIXED_BYTES = 1.995 * GiB
 MLA_BYTES_PER_TOKEN_HEAD = 933.0
+# Block-FP8 MLA (DeepSeek-V3's own format, Triton FP8 MoE), fitted on DeepSeek-V3-shaped minis at 16, 32, 64 and
+# 128 heads (64 experts) at 2,048 and 8,192 batched tokens, 128 and 1,024 requests, 4k and 8k context, on an H100
+# (docs/examples/h200-vllm/run-truth-heads): the context moves nothing; up to 64 heads the peak is the sampler's
+# (16 bytes per logit, as on GQA) on top of what the forward keeps (in step with fused_moe's workspaces), the same at
+# every head count; at 128 heads the forward's transient part, which grows with requests times heads squared and
+# shrinks as each request brings more tokens, passes it (128 heads: 4.74 GiB at vLLM's defaults, 64: 3.71). Held
+# out of the fit and inside 0.16 GiB of it: the DeepSeek-V3 (256 experts), Kimi-K2 (384 experts, 163,840
+# vocabulary) and 64-head minis of docs/examples/h200-vllm/run-truth-h100.
+MLA_FP8_KEPT_PER_MOE = 1.647
+MLA_FP8_KEPT_BYTES = -0.116 * GiB
+MLA_FP8_TRANSIENT_BYTES = 1.821 * GiB
+MLA_FP8_TRANSIENT_PER_MOE = -0.750
+MLA_FP8_BYTES_PER_REQUEST_HEAD_SQUARED = 132.9
 # vLLM's CUDA-graph estimate captures the two largest graphs of each mode and extrapolates: the first capture's
 # pool, plus one MiB (its floor) per further graph (gpu_model_runner.py, profile_cudagraph_memory); the pool is
 # the larger of the two modes'. The first FULL capture of N requests holds 128 bytes per request, attention head on
@@ -71,6 +84,9 @@ GRAPH_MLA_INT4_BYTES_PER_REQUEST_SQUARED = 0.015755 * 2**20
 # The first PIECEWISE capture: block-FP8 MLA at the FULL rate per token (DeepSeek-V3 mini 4,204 MiB at 512 tokens
 # and 2,136 at 256, Kimi-K2 mini 2,140 and 1,088); elsewhere by the hidden size (Kimi INT4 144 MiB, MiniMax 96)
 GRAPH_PIECEWISE_BYTES_PER_HIDDEN = 144 * 2**20 / 7168
+# and a part that does not grow with heads: 64-108 MiB above the FULL rate on every block-FP8 MLA start at 16-128
+# heads, 256 and 512 tokens (run-truth-heads, run-truth-h100)
+GRAPH_MLA_FP8_PIECEWISE_EXTRA_BYTES = 84 * 2**20
 GRAPH_EXTRA_BYTES = 2**20
 # A start that compiles (a torch.compile cache miss) profiles with Inductor's compile-time buffers still in torch's
 # peak: the Kimi-shaped mini at vLLM's defaults logged 5.30 GiB on a miss, 4.21 GiB on a hit (warm relaunch and
@@ -104,7 +120,7 @@ def graph_estimate(
     if spec.mla and spec.quant.method == "int4":
         first_full = max(first_full, GRAPH_MLA_INT4_BYTES_PER_REQUEST_SQUARED * largest**2 / tp**GRAPH_TP_EXPONENT)
     if spec.mla and spec.quant.method == "fp8":
-        first_piecewise = per_size * (piecewise[-1] if piecewise else 0)
+        first_piecewise = per_size * (piecewise[-1] if piecewise else 0) + GRAPH_MLA_FP8_PIECEWISE_EXTRA_BYTES
     else:
         first_piecewise = GRAPH_PIECEWISE_BYTES_PER_HIDDEN * spec.hidden / tp**GRAPH_TP_EXPONENT
     pool = max(first_full, first_piecewise)
@@ -135,7 +151,16 @@ def reserve_for(
     else:
         moe = tokens * (2 * max(spec.dense_intermediate // tp, 1) + spec.hidden) * 2
     logits = min(seqs, tokens) * spec.vocab
-    if spec.mla:
+    if spec.mla and spec.quant.method == "fp8":
+        kept = MLA_FP8_KEPT_BYTES + MLA_FP8_KEPT_PER_MOE * moe
+        transient = max(
+            MLA_FP8_TRANSIENT_BYTES
+            + MLA_FP8_TRANSIENT_PER_MOE * moe
+            + MLA_FP8_BYTES_PER_REQUEST_HEAD_SQUARED * min(seqs, tokens) * (spec.heads / tp) ** 2,
+            0.0,
+        )
+        forward, sampler = kept + transient, logits * SAMPLER_BYTES_PER_LOGIT
+    elif spec.mla:
         forward = ACTIVATION_FACTOR * moe + MLA_FIXED_BYTES + tokens * spec.heads / tp * MLA_BYTES_PER_TOKEN_HEAD
         if serving.compile_cache_hit:
             forward -= MLA_COMPILE_MISS_BYTES
@@ -290,12 +315,14 @@ def _reserve_terms(layout: Layout) -> dict[str, float]:
     return {"activation": reserve.activation, "cuda_graphs": reserve.cuda_graphs, "non_torch": reserve.non_torch}
 
 
-def _term_bands(layout: Layout, prov: truth.Provenance) -> dict[str, float]:
+def _term_bands(spec: ModelSpec, layout: Layout, prov: truth.Provenance) -> dict[str, float]:
     """Each reserve term's relative band for this layout (its CUDA graphs' from their captures)."""
     reserve = layout.reserve
     if reserve is None:
         return truth.term_bands(prov)
-    return truth.term_bands(prov, reserve.cuda_graphs, reserve.graph_captures)
+    return truth.term_bands(
+        prov, reserve.cuda_graphs, reserve.graph_captures, (truth.attention_kind(spec), spec.quant.method)
+    )
 
 
 def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, available: float) -> float:
@@ -312,7 +339,9 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
     if entry is None:
         return 0.0
     how = "the same command" if same else f"{entry.layout} at other settings"
-    first = truth.kv_band(weights, terms, available, layout.provenance, bands=_term_bands(layout, layout.provenance))
+    first = truth.kv_band(
+        weights, terms, available, layout.provenance, bands=_term_bands(spec, layout, layout.provenance)
+    )
     if truth.kv_band(weights, terms, available, "measured", entry, same) > truth.LEARN_WHEN_BAND_SHRINKS_TO * first:
         layout.kv_basis = (
             f"as first planned: the {entry.source} of {how} on {entry.at[:10]} set aside, the reserve moved too "
@@ -338,7 +367,7 @@ def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
         layout.provenance = "calibrated"
     prov = layout.provenance or truth.provenance(spec, device.name)
     weights = layout.weight_bytes_per_gpu
-    bands = _term_bands(layout, prov)
+    bands = _term_bands(spec, layout, prov)
     layout.bands = {"weights_gib": truth.Band(value=weights / GiB, band=bands["weights"], provenance=prov)}
     if device.kind == "cpu":
         layout.bands["kv_tokens"] = truth.Band(

@@ -7,7 +7,7 @@ Where a figure comes from (its *provenance*):
 - **measured**: the history holds a launch or rehearsal of the same signature on the same GPU and vLLM version;
   the plan moves its KV memory by what that start's KV missed by (bytes), and the band is that of a relaunch.
 - **calibrated**: the reserve's terms were fitted on this attention kind and quantization (GQA in BF16 and block
-  FP8, MLA with INT4 experts; vLLM 0.25 on H200, docs/examples/h200-vllm).
+  FP8, MLA with INT4 experts and in block FP8; vLLM 0.25 on H200 and H100, docs/examples/h200-vllm).
 - **extrapolated**: anything else (another attention kind or quantization, or a GPU with no fit).
 
 A band is one-sided relative half-width: the figure is ``value x (1 +- band)``. The KV band is what the weights'
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 Provenance = Literal["measured", "calibrated", "extrapolated"]
 
 # (attention kind, quantization) the reserve's terms were fitted on, and the GPU those fits ran on
-CALIBRATED_KINDS = {("gqa", "none"), ("gqa", "fp8"), ("mla", "int4")}
+CALIBRATED_KINDS = {("gqa", "none"), ("gqa", "fp8"), ("mla", "int4"), ("mla", "fp8")}
 CALIBRATED_GPUS = ("H200", "H100")  # the same Hopper kernels and graph sizes
 # One side's relative uncertainty of each term, by provenance: weights within 1.1 % of what vLLM logs (to 0.01 GiB)
 # on every committed H200 log; each reserve term checked against every term vLLM logged at DEBUG
@@ -46,9 +46,12 @@ TERM_BANDS: dict[Provenance, dict[str, float]] = {
 }
 # The CUDA-graph estimate's two parts (sizing.graph_estimate): the first capture, from vLLM's own rule per request,
 # head and value dimension (within 3.5 % of every FULL first capture logged, 7 % of block-FP8 MLA's PIECEWISE
-# ones), and one MiB per further graph, which the GLM-4.5 mini's PIECEWISE graphs exceeded at 12 MiB each
+# ones), and one MiB per further graph, which the GLM-4.5 mini's PIECEWISE graphs exceeded at 12 MiB each (the
+# INT4 Kimi mini's at 2). Block-FP8 MLA has not: all 38 modes logged by its 19 starts (run-truth-h100,
+# run-truth-heads) took 1.00 MiB per graph.
 GRAPH_FIRST_CAPTURE_BAND = 0.07
 GRAPH_PER_GRAPH_SPREAD_BYTES = 11 * 2**20
+GRAPH_PER_GRAPH_SPREAD_MEASURED = {("mla", "fp8"): 0.0}  # (attention kind, quantization): the spread seen
 # What no term models, bytes per GPU: the CUDA context NVML counts and CUDA does not (0.6 GiB on an H200, about
 # 0.13 GiB less on an H100: every H100 start above missed by -0.11 to -0.13 GiB once its terms were taken out) and
 # vLLM's block rounding. Before the terms had bands that held vLLM's figures (the sampler unmodelled, the graph
@@ -301,20 +304,25 @@ def learned(
     )  # fmt: skip
 
 
-def graph_band(graph_bytes: float, captures: int) -> float:
-    """The CUDA-graph estimate's relative band at first contact: its first capture's and its further graphs'."""
+def graph_band(graph_bytes: float, captures: int, kind: tuple[str, str] = ("gqa", "none")) -> float:
+    """The CUDA-graph estimate's relative band at first contact: its first capture's and its further graphs'
+    (``kind``: attention kind and quantization, which decide how far a further graph has been seen to pass its
+    MiB)."""
     if graph_bytes <= 0:
         return 0.0
     further = max(captures - 2, 0)
     first = max(graph_bytes - further * 2**20, 0.0)
-    return (GRAPH_FIRST_CAPTURE_BAND * first + GRAPH_PER_GRAPH_SPREAD_BYTES * further) / graph_bytes
+    spread = GRAPH_PER_GRAPH_SPREAD_MEASURED.get(kind, GRAPH_PER_GRAPH_SPREAD_BYTES)
+    return (GRAPH_FIRST_CAPTURE_BAND * first + spread * further) / graph_bytes
 
 
-def term_bands(prov: Provenance, graph_bytes: float = 0.0, captures: int = 0) -> dict[str, float]:
+def term_bands(
+    prov: Provenance, graph_bytes: float = 0.0, captures: int = 0, kind: tuple[str, str] = ("gqa", "none")
+) -> dict[str, float]:
     """Each term's relative band; the CUDA graphs' from their two parts unless measured."""
     bands = dict(TERM_BANDS[prov])
     if prov != "measured" and captures:
-        bands["cuda_graphs"] = graph_band(graph_bytes, captures)
+        bands["cuda_graphs"] = graph_band(graph_bytes, captures, kind)
     return bands
 
 
