@@ -33,6 +33,10 @@ KIMI_K2 = dict(DSV3, NH=64, E=384, VOCAB=163840, GROUPS=1, TOPK_GROUPS=1)
 # DeepSeek-V3 at Kimi-K2's 64 heads: the FP8-MLA pair above differs in heads, experts and vocabulary at once; this
 # one moves the heads alone
 DSV3_64_HEADS = dict(DSV3, NH=64)
+# A DeepSeek-V3-architecture model at a quarter of its hidden size, Moonlight-like (hidden 2048, 16 heads, 64
+# experts of 1,408, top-6, two shared, vocabulary 102,400): block-FP8 MLA at a hidden size and MoE shape the
+# activation fit (hidden 7168, top-8 of 2,048) never saw
+SMALL = dict(DSV3, H=2048, NH=16, I=11264, MI=1408, E=64, K=6, NS=2, VOCAB=102400, GROUPS=1, TOPK_GROUPS=1)
 TINY = dict(H=256, NH=4, QL=128, KVL=512, NOPE=128, ROPE=64, V=128, I=512, MI=128, E=16, K=4, NS=1, VOCAB=4096,
             GROUPS=4, TOPK_GROUPS=2)  # fmt: skip
 
@@ -44,7 +48,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--mtp", type=int, default=1, help="MTP layers after the decoder's (num_nextn_predict_layers)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--shape", choices=("deepseek-v3", "kimi-k2", "deepseek-v3-64h"), default="deepseek-v3")
+    ap.add_argument("--shape", choices=("deepseek-v3", "kimi-k2", "deepseek-v3-64h", "small"), default="deepseek-v3")
     ap.add_argument(
         "--heads", type=int, help="attention heads in place of the shape's (the FP8-MLA activation's heads)"
     )
@@ -54,7 +58,7 @@ def main() -> None:
     ap.add_argument("--config-only", action="store_true", help="write config.json alone (for the plan's tests)")
     a = ap.parse_args()
     t0 = time.time()
-    d = TINY if a.tiny else {"kimi-k2": KIMI_K2, "deepseek-v3-64h": DSV3_64_HEADS}.get(a.shape, DSV3)
+    d = TINY if a.tiny else {"kimi-k2": KIMI_K2, "deepseek-v3-64h": DSV3_64_HEADS, "small": SMALL}.get(a.shape, DSV3)
     d = dict(d, NH=a.heads or d["NH"], E=a.experts or d["E"])
     H, NH, QL, KVL, NOPE, ROPE, V = (d[k] for k in ("H", "NH", "QL", "KVL", "NOPE", "ROPE", "V"))
     I, MI, E, K, NS, VOCAB = (d[k] for k in ("I", "MI", "E", "K", "NS", "VOCAB"))  # noqa: E741

@@ -59,17 +59,20 @@ MLA_FIXED_BYTES = 1.995 * GiB
 MLA_BYTES_PER_TOKEN_HEAD = 933.0
 # Block-FP8 MLA (DeepSeek-V3's own format, Triton FP8 MoE), fitted on DeepSeek-V3-shaped minis at 16, 32, 64 and
 # 128 heads (64 experts) at 2,048 and 8,192 batched tokens, 128 and 1,024 requests, 4k and 8k context, on an H100
-# (docs/examples/h200-vllm/run-truth-heads): the context moves nothing; up to 64 heads the peak is the sampler's
-# (16 bytes per logit, as on GQA) on top of what the forward keeps (in step with fused_moe's workspaces), the same at
-# every head count; at 128 heads the forward's transient part, which grows with requests times heads squared and
-# shrinks as each request brings more tokens, passes it (128 heads: 4.74 GiB at vLLM's defaults, 64: 3.71). Held
-# out of the fit and inside 0.16 GiB of it: the DeepSeek-V3 (256 experts), Kimi-K2 (384 experts, 163,840
-# vocabulary) and 64-head minis of docs/examples/h200-vllm/run-truth-h100.
+# (docs/examples/h200-vllm/run-truth-heads): the context moves nothing; up to 64 heads per GPU the peak is the
+# sampler's (16 bytes per logit, as on GQA) on top of what the forward keeps (in step with fused_moe's workspaces),
+# the same at every head count; at 128 the forward's transient part passes it (4.74 GiB at vLLM's defaults, 3.71 at
+# 64 heads and below), and it shrinks as each request brings more tokens. Between 64 and 128 heads the rise is
+# steep (1.9 GiB at 1,024 requests and 2,048 tokens), steeper than heads squared (which misses two of the points
+# by 0.16 GiB): the fourth power below stands for a change these head counts cannot locate, and it matches the
+# head counts real layouts give (8 to 128 per GPU). Held out of the fit and inside 0.1 GiB of it: the DeepSeek-V3
+# (256 experts), Kimi-K2 (384 experts, vocabulary 163,840) and 64-head minis of run-truth-h100. Refitted and
+# checked by benchmarks/mla_fp8_activation_fit.py.
 MLA_FP8_KEPT_PER_MOE = 1.647
 MLA_FP8_KEPT_BYTES = -0.116 * GiB
-MLA_FP8_TRANSIENT_BYTES = 1.821 * GiB
-MLA_FP8_TRANSIENT_PER_MOE = -0.750
-MLA_FP8_BYTES_PER_REQUEST_HEAD_SQUARED = 132.9
+MLA_FP8_TRANSIENT_BYTES = 2.153 * GiB
+MLA_FP8_TRANSIENT_PER_MOE = -0.9956
+MLA_FP8_TRANSIENT_BYTES_PER_REQUEST_AT_128_HEADS = 2.066e6
 # vLLM's CUDA-graph estimate captures the two largest graphs of each mode and extrapolates: the first capture's
 # pool, plus one MiB (its floor) per further graph (gpu_model_runner.py, profile_cudagraph_memory); the pool is
 # the larger of the two modes'. The first FULL capture of N requests holds 128 bytes per request, attention head on
@@ -156,7 +159,7 @@ def reserve_for(
         transient = max(
             MLA_FP8_TRANSIENT_BYTES
             + MLA_FP8_TRANSIENT_PER_MOE * moe
-            + MLA_FP8_BYTES_PER_REQUEST_HEAD_SQUARED * min(seqs, tokens) * (spec.heads / tp) ** 2,
+            + MLA_FP8_TRANSIENT_BYTES_PER_REQUEST_AT_128_HEADS * min(seqs, tokens) * (spec.heads / tp / 128) ** 4,
             0.0,
         )
         forward, sampler = kept + transient, logits * SAMPLER_BYTES_PER_LOGIT
