@@ -6,8 +6,8 @@ Reads every start of docs/examples/h200-vllm/run-truth-heads (DeepSeek-V3-shaped
 heads, vLLM 0.25 at DEBUG on an H100) and fits the peak as ``kept + max(transient, sampler)`` in two linear steps:
 where the sampler sets the peak (64 heads or fewer at 1,024 requests), what the forward keeps is the logged peak
 less the sampler's 16 bytes per logit, a line in fused_moe's workspace; where the forward sets it (128 heads, or
-128 requests), its transient part is the peak less that, a line in the workspace and in requests times the fourth
-power of heads per GPU. Prints the constants beside the ones servebook uses, then the plan's peak against vLLM's
+128 requests), its transient part is the peak less that, a line in the GPU's own batched tokens and in requests
+times the fourth power of heads per GPU. Prints the constants beside the ones servebook uses, then the plan's peak against vLLM's
 for those starts and for the starts the fit did not see (run-truth-h100's DeepSeek-V3, Kimi-K2 and 64-head
 minis).
 """
@@ -65,16 +65,16 @@ def main() -> None:
     a = np.array([[1, workspace(spec, tokens[n])] for n, spec, _, _ in by_sampler])
     kept_bytes, kept_per_moe = np.linalg.lstsq(a, [p - sampler[n] for n, _, _, p in by_sampler], rcond=None)[0]
     by_forward = [f for f in fit if f not in by_sampler]
-    rows = [[1, workspace(spec, tokens[n]), requests[n] * (spec.heads / 128) ** 4 * 1e6 / GiB]
+    rows = [[1, tokens[n] * 1e3 / GiB, requests[n] * (spec.heads / 128) ** 4 * 1e6 / GiB]
             for n, spec, _, _ in by_forward]  # fmt: skip
     left = [p - kept_bytes - kept_per_moe * workspace(spec, tokens[n]) for n, spec, _, p in by_forward]
-    t_bytes, t_per_moe, t_per_request = np.linalg.lstsq(np.array(rows), left, rcond=None)[0]
+    t_bytes, t_per_token, t_per_request = np.linalg.lstsq(np.array(rows), left, rcond=None)[0]
     print(f"{len(by_sampler)} starts where the sampler sets the peak, {len(by_forward)} where the forward does")
     for name, refit, used in (
         ("kept, GiB", kept_bytes, sizing.MLA_FP8_KEPT_BYTES / GiB),
         ("kept per workspace", kept_per_moe, sizing.MLA_FP8_KEPT_PER_MOE),
         ("transient, GiB", t_bytes, sizing.MLA_FP8_TRANSIENT_BYTES / GiB),
-        ("transient per workspace", t_per_moe, sizing.MLA_FP8_TRANSIENT_PER_MOE),
+        ("transient per batched token, bytes", t_per_token * 1e3, sizing.MLA_FP8_TRANSIENT_BYTES_PER_TOKEN),
         ("transient per request at 128 heads, bytes", t_per_request * 1e6, sizing.MLA_FP8_TRANSIENT_BYTES_PER_REQUEST_AT_128_HEADS),
     ):  # fmt: skip
         print(f"  {name:44} refit {refit:10.4g}   servebook {used:10.4g}")

@@ -71,7 +71,7 @@ MLA_BYTES_PER_TOKEN_HEAD = 933.0
 MLA_FP8_KEPT_PER_MOE = 1.647
 MLA_FP8_KEPT_BYTES = -0.116 * GiB
 MLA_FP8_TRANSIENT_BYTES = 2.153 * GiB
-MLA_FP8_TRANSIENT_PER_MOE = -0.9956
+MLA_FP8_TRANSIENT_BYTES_PER_TOKEN = -146_800.0  # the GPU's own batched tokens: attention is not gathered over DP
 MLA_FP8_TRANSIENT_BYTES_PER_REQUEST_AT_128_HEADS = 2.066e6
 # vLLM's CUDA-graph estimate captures the two largest graphs of each mode and extrapolates: the first capture's
 # pool, plus one MiB (its floor) per further graph (gpu_model_runner.py, profile_cudagraph_memory); the pool is
@@ -158,7 +158,7 @@ def reserve_for(
         kept = MLA_FP8_KEPT_BYTES + MLA_FP8_KEPT_PER_MOE * moe
         transient = max(
             MLA_FP8_TRANSIENT_BYTES
-            + MLA_FP8_TRANSIENT_PER_MOE * moe
+            + MLA_FP8_TRANSIENT_BYTES_PER_TOKEN * tokens
             + MLA_FP8_TRANSIENT_BYTES_PER_REQUEST_AT_128_HEADS * min(seqs, tokens) * (spec.heads / tp / 128) ** 4,
             0.0,
         )
