@@ -7,9 +7,9 @@ heads, vLLM 0.25 at DEBUG on an H100) and fits the peak as ``kept + max(transien
 where the sampler sets the peak (64 heads or fewer at 1,024 requests), what the forward keeps is the logged peak
 less the sampler's 16 bytes per logit, a line in fused_moe's workspace; where the forward sets it (128 heads, or
 128 requests), its transient part is the peak less that, a line in the GPU's own batched tokens and in requests
-times the fourth power of heads per GPU. Prints the constants beside the ones servebook uses, then the plan's peak against vLLM's
-for those starts and for the starts the fit did not see (run-truth-h100's DeepSeek-V3, Kimi-K2 and 64-head
-minis).
+times the fourth power of heads per GPU. Prints the constants beside the ones servebook uses, then the plan's
+peak against vLLM's for those starts and for the starts the fit did not see (run-truth-h100's DeepSeek-V3,
+Kimi-K2 and 64-head minis).
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ def starts(folder: Path, config_of, models=None) -> list[tuple[str, modelspec.Mo
 
 
 def workspace(spec: modelspec.ModelSpec, tokens: int) -> float:
-    """fused_moe's workspaces at ``tokens`` in GiB, as sizing.reserve_for counts them at TP=1."""
-    inter = spec.expert_intermediate
-    return tokens * spec.experts_per_token * (max(2 * inter, spec.hidden) + inter) * 2 / GiB
+    """fused_moe's workspaces at ``tokens`` in GiB on one GPU, as the plan counts them."""
+    return sizing.moe_workspace_bytes(spec, planner.plan(spec, H100).layouts[0], tokens) / GiB
 
 
 def main() -> None:

@@ -784,8 +784,13 @@ def held_out_device(model: str) -> planner.Device:
     return planner.Device.for_gpu(gpus.lookup("NVIDIA H100 80GB HBM3"), 1, memory_bytes=H100_NVML_BYTES)
 
 
+def truth_log(folder: Path, model: str, setting: str) -> str:
+    """A start's vLLM log as truth_run.py named it."""
+    return (folder / f"{model}-{setting.replace(' ', '-').replace(',', '')}.log").read_text()
+
+
 def held_out_log(model: str, setting: str) -> str:
-    return (held_out_folder(model) / f"{model}-{setting.replace(' ', '-').replace(',', '')}.log").read_text()
+    return truth_log(held_out_folder(model), model, setting)
 
 
 def held_out(model: str, setting: str, history=()) -> planner.Layout:
@@ -840,8 +845,7 @@ def test_held_out_shapes_land_inside_their_bands_at_vllms_defaults(model):
 
 
 HEADS_RUN = HELD_OUT.with_name("run-truth-heads")
-HEADS_SETTINGS = {"defaults": (4096, 0, 0), "batched 2048": (4096, 0, 2048), "8k context": (8192, 0, 0),
-                  "max_num_seqs 128": (4096, 128, 0)}  # fmt: skip
+HEADS_SETTINGS = {**HELD_OUT_SETTINGS, "batched 2048": (4096, 0, 2048), "8k context": (8192, 0, 0)}
 
 
 def heads_run_starts() -> list[tuple[str, str, Path]]:
@@ -868,7 +872,7 @@ def test_block_fp8_mla_peaks_at_the_sampler_up_to_64_heads_and_at_the_forward_be
         max_model_len, seqs, batched = HEADS_SETTINGS[setting]
         serving = planner.Serving(seqs, batched, vllm_version="0.25.0")
         layout = planner.plan(shape, device, max_model_len=max_model_len, serving=serving).layouts[0]
-        logged = read_values((folder / f"{model}-{setting.replace(' ', '-')}.log").read_text())
+        logged = read_values(truth_log(folder, model, setting))
         assert layout.reserve is not None and logged.activation_peak_gib is not None
         peaks[(shape.heads, setting)] = logged.activation_peak_gib
         assert layout.reserve.activation / GiB == pytest.approx(logged.activation_peak_gib, abs=0.03), (model, setting)

@@ -130,6 +130,18 @@ def graph_estimate(
     return pool + GRAPH_EXTRA_BYTES * (max(len(full) - 1, 0) + max(len(piecewise) - 1, 0)), len(full) + len(piecewise)
 
 
+def moe_workspace_bytes(spec: ModelSpec, layout: Layout, tokens: int) -> float:
+    """Per GPU, the MLP buffers of vLLM's profile forward at ``tokens`` batched tokens, which its peak sits in."""
+    # fused_moe's shared cache for the gate/up and down outputs (M x top-k x max(2 I, H)) and its activation cache
+    # (M x top-k x I), in bf16. DP ranks gather each other's tokens before the experts, with EP too (vLLM's default
+    # all2all backend, allgather-reducescatter: TP=1+DP=2+EP logged 1.34 GiB, as much as without EP); without EP
+    # the experts are TP-sliced over TP x DP.
+    if spec.is_moe and spec.expert_intermediate:
+        inter = spec.expert_intermediate // max(layout.moe_tp, 1)
+        return tokens * layout.dp * spec.experts_per_token * (max(2 * inter, spec.hidden) + inter) * 2
+    return tokens * (2 * max(spec.dense_intermediate // layout.tp, 1) + spec.hidden) * 2
+
+
 def reserve_for(
     spec: ModelSpec,
     layout: Layout,
@@ -142,17 +154,8 @@ def reserve_for(
     serving = serving or Serving()
     tokens = serving.max_num_batched_tokens or max_num_batched_tokens(device, serving.vllm_version)
     seqs = serving.max_num_seqs or default_max_num_seqs(device, vllm_version=serving.vllm_version)
-    tp, dp = layout.tp, layout.dp
-    # The profile run's peak sits in a MoE layer: fused_moe's shared cache for the gate/up and down outputs
-    # (M x top-k x max(2 I, H)) and its activation cache (M x top-k x I), in bf16. DP ranks gather each
-    # other's tokens before the experts, with EP too (vLLM's default all2all backend, allgather-reducescatter:
-    # TP=1+DP=2+EP logged 1.34 GiB, as much as without EP); without EP the experts are TP-sliced over TP x DP.
-    if spec.is_moe and spec.expert_intermediate:
-        moe_tokens = tokens * dp
-        inter = spec.expert_intermediate // max(layout.moe_tp, 1)
-        moe = moe_tokens * spec.experts_per_token * (max(2 * inter, spec.hidden) + inter) * 2
-    else:
-        moe = tokens * (2 * max(spec.dense_intermediate // tp, 1) + spec.hidden) * 2
+    tp = layout.tp
+    moe = moe_workspace_bytes(spec, layout, tokens)
     logits = min(seqs, tokens) * spec.vocab
     if spec.mla and spec.quant.method == "fp8":
         kept = MLA_FP8_KEPT_BYTES + MLA_FP8_KEPT_PER_MOE * moe
