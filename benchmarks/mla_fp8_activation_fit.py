@@ -9,7 +9,8 @@ less the sampler's 16 bytes per logit, a line in fused_moe's workspace; where th
 128 requests), its transient part is the peak less that, a line in the GPU's own batched tokens and in requests
 times the fourth power of heads per GPU. Prints the constants beside the ones servebook uses, then the plan's
 peak against vLLM's for those starts and for the starts the fit did not see (run-truth-h100's DeepSeek-V3,
-Kimi-K2 and 64-head minis).
+Kimi-K2 and 64-head minis, and run-truth-small's Moonlight-like mini at hidden 2048, where the plan scales the
+transient part by the hidden size: every fitted start has DeepSeek-V3's 7,168).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
     fit = [s for d in sorted((RUNS / "run-truth-heads").iterdir()) if d.is_dir()
            for s in starts(d, lambda f, m: f / f"{m}-config.json")]  # fmt: skip
     held = starts(RUNS / "run-truth-h100", lambda f, m: CONFIGS / f"{HELD_OUT_CONFIGS[m]}.json", HELD_OUT_CONFIGS)
+    held += starts(RUNS / "run-truth-small", lambda f, m: f / f"{m}-config.json")
     tokens = {n: (b or 8192) for n, _, (_, _, b), _ in fit}
     requests = {n: min(s or 1024, tokens[n]) for n, _, (_, s, _), _ in fit}
     sampler = {n: 16 * requests[n] * spec.vocab / GiB for n, spec, _, _ in fit}

