@@ -1121,6 +1121,25 @@ def test_the_throughput_forecast_against_every_committed_h200_sweep(run, config,
     assert band <= 0.25 or planned.bands["forecast_tok_s"].provenance == "extrapolated"
 
 
+def test_a_forecast_that_only_the_ceiling_bounds_says_so():
+    """DeepSeek-V3 on eight H200s: the weights take the whole step, the step model (fitted on minis whose steps are
+    mostly off the weights) passes the bandwidth ceiling, and the plan says that the ceiling is its forecast, with
+    the model's own figure; the one-line summary names the forecast's provenance where it is not the layout's."""
+    from servebook.stages.plan import bands_text
+
+    record = planner.plan(spec("deepseek-v3"), h200s(8), max_model_len=8192)
+    chosen = record.recommended
+    assert chosen is not None
+    forecast = chosen.bands["forecast_tok_s"]
+    assert chosen.forecast_tok_s_batch == chosen.decode_tok_s_batch
+    assert "the bandwidth ceiling: the step model's own figure" in forecast.basis
+    line = bands_text(record)
+    assert f"forecast tok/s ±40.0 % {forecast.provenance}" in line and chosen.provenance == "calibrated"
+    assert f"Forecast {forecast.basis}." in line
+    small = planner.plan(spec("q3moe-30b-a3b-shapes-8l-bf16"), h200s(1), max_model_len=4096).recommended
+    assert small is not None and "ceiling" not in small.bands["forecast_tok_s"].basis
+
+
 def test_one_command_swept_twice_on_one_gpu_differs_as_much_as_the_forecast_misses():
     """Why the forecast's band is not ±15 %: the 8-layer sweep made twice on one H100, 15 minutes apart with the
     same command and workload, differs by up to 19 % at one level (4 streams: 2,188 against 1,773 tok/s) and by

@@ -481,7 +481,7 @@ FORECAST_BANDS = {"calibrated": 0.25, "extrapolated": 0.40}
 FORECAST_FITTED = {("none", 1), ("int4", 1)}  # (quantization, GPUs) of the sweeps fitted on, on Hopper
 
 
-def forecast_tok_s(batch: float, ceiling_tok_s: float, prompt_ratio: float, gpus: int) -> float:
+def forecast_tok_s(batch: float, ceiling_tok_s: float, prompt_ratio: float, gpus: int, capped: bool = True) -> float:
     """Output tokens/s the layout is forecast to deliver with ``batch`` sequences (see the constants above)."""
     if ceiling_tok_s <= 0:
         return 0.0
@@ -490,7 +490,8 @@ def forecast_tok_s(batch: float, ceiling_tok_s: float, prompt_ratio: float, gpus
         + FORECAST_CEILING_SHARE * batch / ceiling_tok_s
         + FORECAST_TOKEN_S * batch * (1 + prompt_ratio) / max(gpus, 1)
     )
-    return min(batch / step, ceiling_tok_s)  # never above the bandwidth ceiling it is a share of
+    # never above the bandwidth ceiling it is a share of
+    return min(batch / step, ceiling_tok_s) if capped else batch / step
 
 
 def _forecast(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing) -> None:
@@ -503,6 +504,11 @@ def _forecast(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing) -
     basis = f"at {layout.batch_fit} sequences, {sizing.prompt_ratio:g} prompt tokens per output token"
     if _measured_forecast(layout, device, sizing, basis):
         return
+    model = forecast_tok_s(layout.batch_fit, layout.decode_tok_s_batch, sizing.prompt_ratio, gpus, capped=False)
+    if model > layout.forecast_tok_s_batch:
+        # the minis it was fitted on spend most of a step off the weights; where the weights take the step, the
+        # model's figure passes the ceiling and only the ceiling is left to say
+        basis += f"; the bandwidth ceiling: the step model's own figure, {model:,.0f} tok/s, is above it"
     hopper = any(g in device.name.upper() for g in truth.CALIBRATED_GPUS)
     fitted = hopper and (spec.quant.method, gpus) in FORECAST_FITTED
     prov: truth.Provenance = "calibrated" if fitted else "extrapolated"

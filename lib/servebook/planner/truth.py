@@ -52,9 +52,9 @@ TERM_BANDS: dict[Provenance, dict[str, float]] = {
 GRAPH_FIRST_CAPTURE_BAND = 0.07
 GRAPH_PER_GRAPH_SPREAD_BYTES = 11 * 2**20
 GRAPH_PER_GRAPH_SPREAD_MEASURED = {("mla", "fp8"): 0.0}  # (attention kind, quantization): the spread seen
-# What no term models, bytes per GPU: the CUDA context NVML counts and CUDA does not (0.6 GiB on an H200, about
-# 0.13 GiB less on an H100: every H100 start above missed by -0.11 to -0.13 GiB once its terms were taken out) and
-# vLLM's block rounding. Before the terms had bands that held vLLM's figures (the sampler unmodelled, the graph
+# What no term models, bytes per GPU: the CUDA context NVML counts and CUDA does not on a card never measured
+# (sizing.CUDA_HIDDEN_BYTES_BY_GPU holds the H100's 0.47 GiB, from the total_memory vLLM's worker logs; the H200's
+# 0.60 is the default) and vLLM's block rounding. Before the terms had bands that held vLLM's figures (the sampler unmodelled, the graph
 # rule fitted per model), this stood in for them at 1.75 GiB (calibrated) and 2.5 GiB (extrapolated).
 UNMODELLED_BYTES: dict[Provenance, float] = {
     "measured": 1.0 * 2**30,

@@ -265,9 +265,14 @@ def bands_text(record: planner.Plan) -> str:
     if layout is None or not layout.bands:
         return ""
     shown = ", ".join(
-        f"{name.removesuffix('_gib').replace('_', ' ')} ±{100 * band.band:.1f} %" for name, band in layout.bands.items()
+        f"{name.removesuffix('_gib').replace('_', ' ').replace('tok s', 'tok/s')} ±{100 * band.band:.1f} %"
+        + ("" if band.provenance == layout.provenance else f" {band.provenance}")
+        for name, band in layout.bands.items()
     )
     basis = f" KV {layout.kv_basis}." if layout.kv_basis else ""
+    forecast = layout.bands.get("forecast_tok_s")
+    if forecast and forecast.basis:
+        basis += f" Forecast {forecast.basis}."
     return f"{layout.name}: figures {layout.provenance} ({shown}).{basis}"
 
 
