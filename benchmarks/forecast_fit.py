@@ -148,6 +148,13 @@ def main() -> None:
     print(
         f"  constants: {sizing.FORECAST_STEP_S:.3g} s, {sizing.FORECAST_CEILING_SHARE}, {sizing.FORECAST_TOKEN_S:.3g} s"
     )
+    errors = np.array([lv.forecast / lv.measured - 1 for lv in found])
+    ceiling = np.array([lv.ceiling / lv.measured - 1 for lv in found])
+    print(
+        f"  over all {len(found)} levels: median |error| {np.median(np.abs(errors)):.1%} (the ceiling's "
+        f"{np.median(np.abs(ceiling)):.0%}), {np.mean(np.abs(errors) <= 0.10):.0%} within 10 %, "
+        f"{np.mean(np.abs(errors) <= 0.15):.0%} within 15 %, median error {np.median(errors):+.1%}"
+    )
     today = {"run-bf16-tp1", "run-kimi-tp1"}
     for per_active in (False, True):
         for runs in (today, today | {"run-minimax-ab"}):
