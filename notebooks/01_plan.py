@@ -31,20 +31,27 @@
 # is no separate EP size: EP = TP × DP), FP8 block alignment for experts and linear layers, INT4 Marlin
 # constraints, experts per rank. A rejected layout shows the error vLLM would print.
 #
-# For accepted layouts: weights per GPU (experts split or sliced over TP × DP, everything else sliced by TP
-# and replicated per DP rank, layers split across PP stages), KV bytes per token per GPU (MLA's latent
-# cache is replicated on every TP rank), KV tokens at `gpu_memory_utilization` after vLLM's reserve
-# (rounded to whole 16-token blocks as vLLM does), and decode ceilings from memory bandwidth plus a fixed
-# cost per collective. The ceilings rank layouts, each at the batch it can hold: `plan_batch` sequences, or
-# fewer when its KV cache takes fewer requests of `max_model_len` at once. The benchmark stage measures.
+# For accepted layouts: weights per GPU as vLLM loads them (experts split or sliced over TP × DP, everything
+# else sliced by TP and replicated per DP rank, layers split across PP stages; MTP layers out, RoPE's table and
+# MLA's bf16 copy of a quantized `kv_b_proj` in), KV bytes per token per GPU (MLA's latent cache is replicated
+# on every TP rank), KV tokens at `gpu_memory_utilization` after vLLM's reserve (rounded to whole 16-token
+# blocks as vLLM does), decode ceilings from memory bandwidth plus a fixed cost per collective, and a
+# throughput forecast per concurrency for the benchmark's workload (a fixed cost per engine step, a share of
+# the ceiling's time and a compute part per token, fitted on H200 sweeps: ±25 % where fitted, ±40 % elsewhere;
+# the measured levels instead once a benchmark or rehearsal of the same command has run). The forecast ranks
+# layouts, each at the batch it can hold: `plan_batch` sequences, or fewer when its KV cache takes fewer
+# requests of `max_model_len` at once. Every figure carries a band and says where it comes from: measured,
+# calibrated or extrapolated. The benchmark stage measures.
 #
 # The reserve is what vLLM keeps beside weights and KV cache, modelled per layout as vLLM profiles it: the
 # activation peak of a forward pass over `max_num_batched_tokens` (8,192 on GPUs of 70 GiB or more) and of the
 # sampler run after it over `max_num_seqs` requests × the whole vocabulary (with 150k tokens of vocabulary and
 # vLLM's 1,024 sequences, the sampler sets the peak: about 2.3 GiB per GPU), non-torch
-# memory (more once NCCL joins), its CUDA-graph estimate, and the ~0.6 GiB per GPU that NVML counts but CUDA
-# does not report. Calibrated on two H200s with vLLM 0.25 (docs/examples/h200-vllm): KV tokens within 0.11 %
-# of vLLM's log on five layouts. `plan_reserve_gib` replaces it with a fixed figure.
+# memory (more once NCCL joins), its CUDA-graph estimate, and what NVML counts but CUDA does not report (0.60
+# GiB on an H200, 0.47 on an H100). Checked against every start of vLLM 0.25 committed in
+# docs/examples/h200-vllm (H200s and H100s, GQA and MLA, bf16, FP8 and INT4, shapes held out of every fit):
+# every figure inside its band; the KV tokens of the starts held out of every fit within 0.3 % at first contact,
+# but GLM-4.5's (+1.6 %). `plan_reserve_gib` replaces it with a fixed figure.
 
 # %% tags=["parameters"]
 params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
