@@ -11,7 +11,8 @@
 #          SHAPES=heads DeepSeek-V3 at 16, 32, 64 and 128 heads with 64 experts (7 GB each), for `go` with
 #          SHAPES=heads: every head count at the defaults and 2,048 batched tokens, then 16 and 128 heads at 8k
 #          context and 16 heads at 128 requests (the FP8-MLA activation's heads, tokens, context and sampler apart);
-#          SHAPES=small (kit1 and go) a Moonlight-like DeepSeek-V3 at hidden 2048, held out of that fit
+#          SHAPES=small (kit1 and go) a Moonlight-like DeepSeek-V3 at hidden 2048, held out of that fit;
+#          SHAPES=glm (kit1 and go) GLM-4.5 alone at 512 requests and at 4,096 batched tokens
 #   kit2   carry .gpu/c2: the second kernel part
 #   go     carry .gpu/c3: kernels in place, then truth_run.py in a session of its own (it outlives the call)
 #   wait   keep the machine while it runs (WAIT_S, default 560 s), then bring back what is done
@@ -19,7 +20,9 @@ source "$(dirname "$0")/kit-steps.sh" "$1" truth
 case $STEP in
 kit1)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
-  if [ "${SHAPES:-}" = small ]; then  # held out of the FP8-MLA fit: hidden 2048, top-6 of 1,408-wide experts
+  if [ "${SHAPES:-}" = glm ]; then  # GLM-4.5 alone, for its activation at half the requests and half the tokens
+    python3 $EX/mkglm.py $MODELS/glm45-fp8-mtp --tokenizer /tmp/tok --layers 2 --mtp 1 2>&1 | tail -1
+  elif [ "${SHAPES:-}" = small ]; then  # held out of the FP8-MLA fit: hidden 2048, top-6 of 1,408-wide experts
     python3 $EX/mkdsv3.py $MODELS/dsv3-small-fp8 --tokenizer /tmp/tok --shape small --layers 2 --mtp 0 2>&1 | tail -1
   elif [ "${SHAPES:-}" = heads ]; then
     for h in 16 32 64 128; do
@@ -42,6 +45,12 @@ kit1)
 kit2) ls $STAGE ;;
 go)
   pkill -f "vllm serve" ; sleep 1
+  if [ "${SHAPES:-}" = glm ]; then
+    setsid bash -c "cd $PWD && source /tmp/kit/unpack.sh >/dev/null 2>&1 && \
+      TRUTH_SETTINGS='max_num_seqs 512;batched 4096' python3 $EX/truth_run.py $R/glm $MODELS/glm45-fp8-mtp; \
+      echo '=== done'" > $R/console.log 2>&1 < /dev/null &
+    sleep 30; tail -5 $R/console.log; exit 0
+  fi
   if [ "${SHAPES:-}" = small ]; then
     setsid bash -c "cd $PWD && source /tmp/kit/unpack.sh >/dev/null 2>&1 && \
       TRUTH_SETTINGS='${TRUTH_SETTINGS:-defaults;max_num_seqs 128}' python3 $EX/truth_run.py $R/small $MODELS/dsv3-small-fp8; \

@@ -31,6 +31,9 @@ SETTINGS = [  # (name, max_model_len, max_num_seqs, max_num_batched_tokens): 0 l
     # the FP8-MLA activation's tokens and context apart (issue #40, 2026-12-05)
     ("batched 2048", 4096, 0, 2048),
     ("8k context", 8192, 0, 0),
+    # GLM-4.5's activation at vLLM's defaults apart: half the requests, half the tokens (2026-12-05)
+    ("max_num_seqs 512", 4096, 512, 0),
+    ("batched 4096", 4096, 0, 4096),
 ]
 
 
