@@ -932,6 +932,37 @@ def test_block_fp8_mla_at_another_hidden_size_lands_inside_its_bands():
     assert layout.reserve.activation / GiB == pytest.approx(0.81, abs=0.03)
 
 
+GLM_RUN = HELD_OUT.with_name("run-truth-glm")
+GLM_SETTINGS = {"max_num_seqs 512": (4096, 512, 0), "batched 4096": (4096, 0, 4096)}
+
+
+def test_glm45_at_half_the_requests_and_half_the_tokens_stays_inside_its_bands():
+    """GLM-4.5's two further starts (H100, 2026-12-05, run-truth-glm), which no fit has used: the KV tokens +1.77 %
+    and +1.06 % high, inside their bands, as are the weights, graphs (12 MiB per PIECEWISE graph) and non-torch
+    memory. The activation peak is above the plan's by 0.57 and 0.14 GiB (the sampler runs beside nearly the whole
+    forward): at 512 requests that is 24 %, outside the ±15 % the GQA fit states, which is recorded here so that
+    a refit of GQA's activation shows."""
+    from servebook.vllm_log import read_values
+
+    device = held_out_device("glm45-fp8-mtp")
+    for row in json.loads((GLM_RUN / "truth.json").read_text()):
+        model, setting = row["start"].split(", ", 1)
+        shape = modelspec.load(str(GLM_RUN / f"{model}-config.json"))
+        shape.checkpoint_bytes, shape.skipped_bytes = round(row["files_gb"] * 1e9), round(row["mtp_skipped_gb"] * 1e9)
+        max_model_len, seqs, batched = GLM_SETTINGS[setting]
+        serving = planner.Serving(seqs, batched, vllm_version="0.25.0")
+        layout = planner.plan(shape, device, max_model_len=max_model_len, serving=serving).layouts[0]
+        logged = read_values(truth_log(GLM_RUN, model, setting))
+        assert layout.bands["kv_tokens"].contains(logged.kv_cache_tokens), setting
+        assert 0.01 < layout.max_kv_tokens / logged.kv_cache_tokens - 1 < 0.02, setting
+        assert abs(layout.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.015, setting
+        for term, figure in (("cuda_graphs_gib", logged.graph_estimate_gib), ("non_torch_gib", logged.non_torch_gib)):
+            assert layout.bands[term].contains(figure), (setting, term, layout.bands[term], figure)
+        activation = layout.bands["activation_gib"]
+        assert logged.activation_peak_gib is not None and logged.activation_peak_gib > activation.value
+        assert activation.contains(logged.activation_peak_gib) == (setting == "batched 4096"), setting
+
+
 def test_the_weights_count_what_vllms_load_adds_to_the_files():
     """vLLM's "Model loading took" is the files plus what loading builds: RoPE's cos/sin table (max positions x
     rotary dimensions, bf16, one for every layer) and, under MLA with a quantized kv_b_proj, its bf16 copy for the
