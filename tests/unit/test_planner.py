@@ -903,6 +903,21 @@ def test_block_fp8_mla_starts_no_fit_saw_land_within_half_a_percent(model):
             assert layout.reserve.activation / GiB == pytest.approx(logged.activation_peak_gib, abs=0.1), setting
 
 
+def truth_run_plans(folder: Path, settings: dict) -> list[tuple[str, str, planner.Layout]]:
+    """(model, setting, first-contact plan) of every start of a truth_run.py folder made on the 2026-12-05 H100,
+    each model with the files' sizes its checkpoint had there."""
+    plans = []
+    for row in json.loads((folder / "truth.json").read_text()):
+        model, setting = row["start"].split(", ", 1)
+        shape = modelspec.load(str(folder / f"{model}-config.json"))
+        shape.checkpoint_bytes, shape.skipped_bytes = round(row["files_gb"] * 1e9), round(row["mtp_skipped_gb"] * 1e9)
+        max_model_len, seqs, batched = settings[setting]
+        serving = planner.Serving(seqs, batched, vllm_version="0.25.0")
+        layout = planner.plan(shape, held_out_device("dsv3-fp8"), max_model_len=max_model_len, serving=serving)
+        plans.append((model, setting, layout.layouts[0]))
+    return plans
+
+
 SMALL_RUN = HELD_OUT.with_name("run-truth-small")
 
 
@@ -914,14 +929,7 @@ def test_block_fp8_mla_at_another_hidden_size_lands_inside_its_bands():
     kv_b_proj: 1.45 GiB logged, 1.41 from the files alone, -3.0 %)."""
     from servebook.vllm_log import read_values
 
-    device = held_out_device("dsv3-fp8")
-    for row in json.loads((SMALL_RUN / "truth.json").read_text()):
-        model, setting = row["start"].split(", ", 1)
-        shape = modelspec.load(str(SMALL_RUN / f"{model}-config.json"))
-        shape.checkpoint_bytes, shape.skipped_bytes = round(row["files_gb"] * 1e9), 0
-        max_model_len, seqs, batched = HEADS_SETTINGS[setting]
-        serving = planner.Serving(seqs, batched, vllm_version="0.25.0")
-        layout = planner.plan(shape, device, max_model_len=max_model_len, serving=serving).layouts[0]
+    for model, setting, layout in truth_run_plans(SMALL_RUN, HEADS_SETTINGS):
         logged = read_values(truth_log(SMALL_RUN, model, setting))
         assert layout.reserve is not None and logged.activation_peak_gib is not None
         assert abs(layout.max_kv_tokens / logged.kv_cache_tokens - 1) < 0.005, setting
@@ -944,14 +952,7 @@ def test_glm45_at_half_the_requests_and_half_the_tokens_stays_inside_its_bands()
     ±25 %."""
     from servebook.vllm_log import read_values
 
-    device = held_out_device("glm45-fp8-mtp")
-    for row in json.loads((GLM_RUN / "truth.json").read_text()):
-        model, setting = row["start"].split(", ", 1)
-        shape = modelspec.load(str(GLM_RUN / f"{model}-config.json"))
-        shape.checkpoint_bytes, shape.skipped_bytes = round(row["files_gb"] * 1e9), round(row["mtp_skipped_gb"] * 1e9)
-        max_model_len, seqs, batched = GLM_SETTINGS[setting]
-        serving = planner.Serving(seqs, batched, vllm_version="0.25.0")
-        layout = planner.plan(shape, device, max_model_len=max_model_len, serving=serving).layouts[0]
+    for model, setting, layout in truth_run_plans(GLM_RUN, GLM_SETTINGS):
         logged = read_values(truth_log(GLM_RUN, model, setting))
         assert layout.bands["kv_tokens"].contains(logged.kv_cache_tokens), setting
         assert 0.01 < layout.max_kv_tokens / logged.kv_cache_tokens - 1 < 0.02, setting
