@@ -121,7 +121,8 @@ def judge(level: RateLevel, cfg: RateSweepConfig) -> str:
     )
     gap = level.tpot_clock_gap_pct
     clock = (
-        f"; the client's mean TPOT is {gap:+.0f} % off vLLM's own: the API server delivered tokens late or in bursts"
+        f"; the client's mean TPOT ({level.client_tpot_mean_ms or 0:.1f} ms) is {gap:+.0f} % off vLLM's own "
+        f"({level.vllm_tpot_mean_ms or 0:.1f} ms): the API server delivered tokens late or in bursts"
         if gap is not None and abs(gap) > CLOCK_TOLERANCE_PCT
         else ""
     )

@@ -100,7 +100,8 @@ def test_a_rate_whose_tokens_reached_the_client_in_bursts_says_so_in_its_verdict
     lv = ratesweep._level(2.0, offsets, summary, recs, {}, cfg, clock=burst)
     assert lv.kept_up and lv.tpot_clock_gap_pct == pytest.approx(-100.0)
     assert lv.verdict.endswith(
-        "the client's mean TPOT is -100 % off vLLM's own: the API server delivered tokens late or in bursts"
+        "the client's mean TPOT (0.0 ms) is -100 % off vLLM's own (1.5 ms): the API server delivered tokens late or "
+        "in bursts"
     )
     steady = burst.model_copy(update={"client_tpot_mean_ms": 1.55})
     assert "vLLM's own" not in ratesweep._level(2.0, offsets, summary, recs, {}, cfg, clock=steady).verdict
