@@ -945,24 +945,28 @@ GLM_SETTINGS = {"max_num_seqs 512": (4096, 512, 0), "batched 4096": (4096, 0, 40
 
 
 def test_glm45_at_half_the_requests_and_half_the_tokens_stays_inside_its_bands():
-    """GLM-4.5's two further starts (H100, 2026-12-05, run-truth-glm), which no fit has used: the KV tokens +1.77 %
-    and +1.06 % high, inside their bands, as are the weights, graphs (12 MiB per PIECEWISE graph) and non-torch
-    memory. The activation peak is above the plan's by 0.57 and 0.14 GiB (the sampler runs beside nearly the whole
-    forward): at 512 requests that is 24 %, outside the ±15 % band the GQA fit stated before these starts, now
-    ±25 %."""
+    """GLM-4.5's two further starts (H100, 2026-12-05, run-truth-glm): the KV tokens +1.02 % and +0.81 % high,
+    inside their bands, as are the weights, graphs (12 MiB per PIECEWISE graph, 0.53 GiB above the plan: what is
+    left of the KV miss) and non-torch memory. The activation peak is the forward's kept buffers plus the sampler
+    (sizing.gqa_kept_bytes): within 0.11 GiB of vLLM's at both; keeping 58 % of the forward, as the first GQA fit
+    did, put it 0.57 GiB (24 %) low at 512 requests."""
     from servebook.vllm_log import read_values
 
     for model, setting, layout in truth_run_plans(GLM_RUN, GLM_SETTINGS):
         logged = read_values(truth_log(GLM_RUN, model, setting))
         assert layout.bands["kv_tokens"].contains(logged.kv_cache_tokens), setting
-        assert 0.01 < layout.max_kv_tokens / logged.kv_cache_tokens - 1 < 0.02, setting
+        assert 0.005 < layout.max_kv_tokens / logged.kv_cache_tokens - 1 < 0.011, setting
         assert abs(layout.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.015, setting
         for term, figure in (("activation_gib", logged.activation_peak_gib),
                              ("cuda_graphs_gib", logged.graph_estimate_gib), ("non_torch_gib", logged.non_torch_gib)):  # fmt: skip
             assert layout.bands[term].contains(figure), (setting, term, layout.bands[term], figure)
         activation = layout.bands["activation_gib"]
-        assert logged.activation_peak_gib is not None and logged.activation_peak_gib > activation.value
+        assert logged.activation_peak_gib == pytest.approx(activation.value, abs=0.12), setting
         assert activation.band == planner.truth.GQA_CALIBRATED_ACTIVATION_BAND
+        assert (
+            logged.graph_estimate_gib is not None
+            and logged.graph_estimate_gib - layout.bands["cuda_graphs_gib"].value > 0.5
+        )
 
 
 def test_the_weights_count_what_vllms_load_adds_to_the_files():

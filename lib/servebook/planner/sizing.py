@@ -54,12 +54,22 @@ def capture_sizes(max_num_seqs: int, max_capture: int = 0) -> list[int]:
 # whole vocabulary on every GPU (logits_processor.py all-gathers the TP shards): the bf16 logits, their float32
 # copy, the probabilities and random_sample's exponential noise (4 bytes each) and the top-k/top-p kernel's
 # scratch, 16 bytes per logit (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py). By then the forward's
-# transient buffers are freed and what it keeps (fused_moe's workspaces) is still held, so the torch peak is the
-# kept part plus the larger of the transient part and the sampler. GQA's transient share: the Qwen3-235B-shaped
-# FP8 mini (151,936 tokens of vocabulary) logged 1.53 GiB more at 1,024 requests than at 128, and 0.79 GiB less
-# at 2,048 batched tokens than at 8,192 (docs/examples/h200-vllm/run-truth).
+# transient buffers are freed and what it keeps is still held, so the torch peak is the kept part plus the larger
+# of the transient part and the sampler. A GQA MoE forward keeps fused_moe's workspaces, which vLLM's workspace
+# manager holds for the process once the largest batch has asked for them (v1/worker/workspace.py;
+# modular_kernel.py, _allocate_buffers), GQA_KEPT_HIDDEN_TENSORS hidden-sized bf16 tensors per token and, where
+# the model has dense layers beside its MoE ones, their MLP's gate/up and activation buffers, less
+# GQA_KEPT_OFFSET_BYTES. Fitted on two shapes: the Qwen3-235B-shaped FP8 mini (151,936 tokens of vocabulary;
+# docs/examples/h200-vllm/run-truth) logged 1.53 GiB more at 1,024 requests than at 128 and 0.79 GiB less at
+# 2,048 batched tokens than at 8,192; GLM-4.5's (a dense first layer 12,288 wide, a shared expert, 96 heads;
+# run-truth-h100, run-truth-glm) logged its peak at DEBUG at five settings, the sampler beside all but 0.2-0.45
+# GiB of its forward. Keeping a share of the forward (0.58, from the first shape alone) put GLM-4.5's peak up to
+# 0.57 GiB low; this form misses its five peaks by at most 0.11 GiB and Qwen3-235B's three KV figures by 0.01 %.
+# A dense model keeps that share: no dense start has been measured.
 SAMPLER_BYTES_PER_LOGIT = 16.0
 TRANSIENT_SHARE_GQA = 0.42
+GQA_KEPT_HIDDEN_TENSORS = 6.0
+GQA_KEPT_OFFSET_BYTES = 0.15 * GiB
 # MLA's sampler, fitted as a term on top of its forward: the Kimi-shaped mini (163,840) logged 0.41 GiB more at
 # 1,024 requests than at 128 with real weights, and the same peak at 32, 256 and 1,024 on dummy weights: its
 # forward's transient part covers most of the sampler, in a way these starts cannot yet separate.
@@ -159,6 +169,15 @@ def moe_workspace_bytes(spec: ModelSpec, layout: Layout, tokens: int) -> float:
     return tokens * (2 * max(spec.dense_intermediate // layout.tp, 1) + spec.hidden) * 2
 
 
+def gqa_kept_bytes(spec: ModelSpec, layout: Layout, tokens: int, forward: float) -> float:
+    """Per GPU, what a GQA MoE forward still holds when vLLM's profile runs the sampler after it."""
+    if not spec.is_moe:
+        return (1 - TRANSIENT_SHARE_GQA) * forward
+    dense = 3 * spec.dense_intermediate // max(layout.tp, 1) * 2 if spec.dense_layers else 0
+    kept = moe_workspace_bytes(spec, layout, tokens) + tokens * (GQA_KEPT_HIDDEN_TENSORS * spec.hidden * 2 + dense)
+    return min(max(kept - GQA_KEPT_OFFSET_BYTES, 0.0), forward)
+
+
 def reserve_for(
     spec: ModelSpec,
     layout: Layout,
@@ -191,7 +210,7 @@ def reserve_for(
     else:
         attention = tokens * (spec.heads + 2 * spec.kv_heads) * spec.head_dim * 2 / tp
         forward = ACTIVATION_FACTOR * (moe + attention)
-        transient, sampler = TRANSIENT_SHARE_GQA * forward, logits * SAMPLER_BYTES_PER_LOGIT
+        transient, sampler = forward - gqa_kept_bytes(spec, layout, tokens, forward), logits * SAMPLER_BYTES_PER_LOGIT
     collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 else 0.0
     graphs, captures = graph_estimate(spec, serving, seqs, tokens, max_model_len, tp)
     return Reserve(
