@@ -214,3 +214,5 @@ def test_the_clock_and_rate_tables_show_both_clocks_and_the_verdict_in_full():
     rates = pd.DataFrame([{"rate": 4.0, "output_throughput": 214.6, "tpot_clock_gap_pct": -29.4, "verdict": verdict}])
     html = benchmark.rates_style(rates).to_html()
     assert verdict in html and "TPOT, client against vLLM, %" in html and ">-29<" in html and ">215<" in html
+    agreeing = benchmark.rates_style(rates.assign(tpot_clock_gap_pct=-0.3, output_throughput=2004.4)).to_html()
+    assert ">0<" in agreeing and ">-0<" not in agreeing and ">2,004<" in agreeing  # never "-0"

@@ -285,6 +285,11 @@ def limits_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return shown, "; ".join(n for n in notes if n)
 
 
+def _rounded(decimals: int) -> Callable[[float], str]:
+    """A number at ``decimals`` places with thousands separators; one that rounds to zero reads 0, never -0."""
+    return lambda v: f"{round(v, decimals) + 0.0:,.{decimals}f}"
+
+
 def _readable(shown: pd.DataFrame, columns: dict[str, tuple[str, int | None]], text_width_em: int) -> Styler:
     """A table under readable headers for a notebook: numbers right-aligned at the decimals ``columns`` gives,
     text columns in full and left-aligned (pandas would cut them at 50 characters)."""
@@ -292,7 +297,7 @@ def _readable(shown: pd.DataFrame, columns: dict[str, tuple[str, int | None]], t
     text = [header for header, d in columns.values() if d is None and header in shown]
     props = f"text-align: left; min-width: {text_width_em}em"
     return (
-        shown.style.format({c: f"{{:,.{decimals[c]}f}}" for c in shown if c in decimals}, na_rep="")
+        shown.style.format({c: _rounded(decimals[c]) for c in shown if c in decimals}, na_rep="")
         .set_table_styles(
             [
                 {"selector": "th.col_heading", "props": "text-align: right; vertical-align: bottom"},
