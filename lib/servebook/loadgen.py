@@ -354,12 +354,15 @@ class _Client:
                 try:
                     await self._post(path, body, rec, parts, parse_all, extra_headers=extra_headers, answered=answered)
                     break
-                except aiohttp.ServerDisconnectedError:
-                    # a kept-alive connection the server had already closed, and no status line came back: the
-                    # server never read the request, so it goes again (timed from its first send), as HTTP clients
-                    # retry a stale pooled connection; a disconnect after the answer began, or on a new
-                    # connection, is the server's fault and recorded as such
-                    if rec.new_connection or answered or attempt == STALE_RETRIES:
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                    # a kept-alive connection the server had already closed, and no status line came back (its
+                    # close read as "Server disconnected", or, where it arrived while the body was being written,
+                    # "Can not write request body": CI, 1 of 80 requests at 40/s): the server never read the
+                    # request, so it goes again (timed from its first send), as HTTP clients retry a stale pooled
+                    # connection; a refused connection, a disconnect after the answer began, or one on a new
+                    # connection is the server's fault and recorded as such
+                    refused = isinstance(exc, aiohttp.ClientConnectorError)
+                    if refused or rec.new_connection or answered or attempt == STALE_RETRIES:
                         raise
         except asyncio.TimeoutError:
             rec.error = f"timeout: no complete answer within {timeout_s:.0f} s"
