@@ -26,6 +26,8 @@ import torch
 from shards import BLOCK, Shards
 
 GLM45 = dict(H=5120, NH=96, NKV=8, HD=128, I=12288, MI=1536, E=160, K=8, NS=1, VOCAB=151552)
+# GLM-4.5-Air (zai-org/GLM-4.5-Air's config.json): the same architecture narrower, one dense layer of 10,944
+AIR = dict(H=4096, NH=96, NKV=8, HD=128, I=10944, MI=1408, E=128, K=8, NS=1, VOCAB=151552)
 TINY = dict(H=256, NH=4, NKV=2, HD=64, I=512, MI=128, E=16, K=4, NS=1, VOCAB=4096)
 
 
@@ -56,12 +58,13 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=1, help="MTP layers after the decoder's (num_nextn_predict_layers)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--shape", choices=("glm-4.5", "glm-4.5-air"), default="glm-4.5")
     ap.add_argument("--bf16", action="store_true", help="leave every weight in bf16 (a CPU build serves no FP8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config-only", action="store_true", help="write config.json alone (for the plan's tests)")
     a = ap.parse_args()
     t0 = time.time()
-    d = TINY if a.tiny else GLM45
+    d = TINY if a.tiny else AIR if a.shape == "glm-4.5-air" else GLM45
     H, NH, NKV, HD, I, MI, E, NS, VOCAB = (d[k] for k in ("H", "NH", "NKV", "HD", "I", "MI", "E", "NS", "VOCAB"))  # noqa: E741
     L, dense, fp8 = a.layers, 1, not a.bf16
     out, tok = Path(a.out), Path(a.tokenizer)
@@ -122,7 +125,7 @@ def main() -> None:
     write({"model.embed_tokens.weight": rnd(VOCAB, H), "lm_head.weight": rnd(VOCAB, H), "model.norm.weight": ones(H)},
           files[total_layers])  # fmt: skip
     shards.finish(cfg, tok)
-    print(f"{out}: {L} layers + {a.mtp} MTP, {'tiny' if a.tiny else 'GLM-4.5'} shapes, "
+    print(f"{out}: {L} layers + {a.mtp} MTP, {'tiny' if a.tiny else a.shape} shapes, "
           f"{'block FP8' if fp8 else 'bf16'}, {shards.total / 1e9:.2f} GB tensors, of which MTP {shards.mtp_bytes / 1e9:.2f} GB, "
           f"{time.time() - t0:.1f} s")  # fmt: skip
 

@@ -12,7 +12,10 @@
 #          SHAPES=heads: every head count at the defaults and 2,048 batched tokens, then 16 and 128 heads at 8k
 #          context and 16 heads at 128 requests (the FP8-MLA activation's heads, tokens, context and sampler apart);
 #          SHAPES=small (kit1 and go) a Moonlight-like DeepSeek-V3 at hidden 2048, held out of that fit;
-#          SHAPES=glm (kit1 and go) GLM-4.5 alone at 512 requests and at 4,096 batched tokens
+#          SHAPES=glm (kit1 and go) GLM-4.5 alone at 512 requests and at 4,096 batched tokens;
+#          SHAPES=air (kit1 and go) GLM-4.5-Air (4 layers, the first dense, + MTP), held out of the GQA fit: the
+#          three settings, then one start at the defaults with graph_snapshot/ recording the profiling captures,
+#          then params-glm-air.yaml's plan, launch and sweep (the forecast on a shape it was not fitted on)
 #   kit2   carry .gpu/c2: the second kernel part
 #   go     carry .gpu/c3: kernels in place, then truth_run.py in a session of its own (it outlives the call)
 #   wait   keep the machine while it runs (WAIT_S, default 560 s), then bring back what is done
@@ -20,7 +23,10 @@ source "$(dirname "$0")/kit-steps.sh" "$1" truth
 case $STEP in
 kit1)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
-  if [ "${SHAPES:-}" = glm ]; then  # GLM-4.5 alone, for its activation at half the requests and half the tokens
+  if [ "${SHAPES:-}" = air ]; then
+    python3 $EX/mkglm.py $MODELS/glm45-air-fp8-mtp --tokenizer /tmp/tok --layers 4 --mtp 1 --shape glm-4.5-air \
+      2>&1 | tail -1
+  elif [ "${SHAPES:-}" = glm ]; then  # GLM-4.5 alone, for its activation at half the requests and half the tokens
     python3 $EX/mkglm.py $MODELS/glm45-fp8-mtp --tokenizer /tmp/tok --layers 2 --mtp 1 2>&1 | tail -1
   elif [ "${SHAPES:-}" = small ]; then  # held out of the FP8-MLA fit: hidden 2048, top-6 of 1,408-wide experts
     python3 $EX/mkdsv3.py $MODELS/dsv3-small-fp8 --tokenizer /tmp/tok --shape small --layers 2 --mtp 0 2>&1 | tail -1
@@ -45,6 +51,24 @@ kit1)
 kit2) ls $STAGE ;;
 go)
   pkill -f "vllm serve" ; sleep 1
+  if [ "${SHAPES:-}" = air ]; then
+    AIR=$MODELS/glm45-air-fp8-mtp
+    start_run <<SCRIPT
+echo "=== truth \$(date +%T)"
+TRUTH_SETTINGS='defaults;max_num_seqs 128;batched 2048, 8k context' python3 $EX/truth_run.py $R/air $AIR 2>&1 | tail -6
+echo "=== snapshot \$(date +%T)"
+mkdir -p $R/snapshot
+PYTHONPATH=$PWD/$EX/graph_snapshot:\$PYTHONPATH SB_GRAPH_SNAPSHOT=$R/snapshot VLLM_LOGGING_LEVEL=DEBUG \\
+  vllm serve $AIR --host 127.0.0.1 --port 8012 --max-model-len 4096 > $R/snapshot/serve.log 2>&1 &
+for i in \$(seq 200); do grep -q "Application startup complete" $R/snapshot/serve.log && break; kill -0 \$! || break; sleep 2; done
+pkill -f "vllm serve"; sleep 8; pkill -9 -f "VLLM::"; sleep 2
+grep -E "CUDA graph memory|Available KV" $R/snapshot/serve.log | cut -c1-250
+grep "^==" $R/snapshot/captures.txt
+echo "=== sweep \$(date +%T)"
+stages $R/sweep $EX/params-glm-air.yaml --stages plan,launch,benchmark
+SCRIPT
+    exit 0
+  fi
   if [ "${SHAPES:-}" = glm ]; then
     setsid bash -c "cd $PWD && source /tmp/kit/unpack.sh >/dev/null 2>&1 && \
       TRUTH_SETTINGS='max_num_seqs 512;batched 4096' python3 $EX/truth_run.py $R/glm $MODELS/glm45-fp8-mtp; \
