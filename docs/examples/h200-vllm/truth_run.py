@@ -103,6 +103,7 @@ def main() -> None:
             learned = planned(spec, device, setting, history) if history else None
             row = {
                 "start": name, "seconds": round(seconds, 1), "signature": first.signature,
+                "gpu": device.name, "gpu_memory_bytes": device.memory_bytes,
                 "provenance": first.provenance, "logged_kv": v.kv_cache_tokens, "logged_weights_gib": v.model_memory_gib,
                 "logged_activation_gib": v.activation_peak_gib, "logged_graphs_gib": v.graph_estimate_gib,
                 "logged_non_torch_gib": v.non_torch_gib,
