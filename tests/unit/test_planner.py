@@ -904,8 +904,8 @@ def test_block_fp8_mla_starts_no_fit_saw_land_within_half_a_percent(model):
 
 
 def truth_run_plans(folder: Path, settings: dict) -> list[tuple[str, str, planner.Layout]]:
-    """(model, setting, first-contact plan) of every start of a truth_run.py folder made on the 2026-12-05 H100,
-    each model with the files' sizes its checkpoint had there."""
+    """(model, setting, first-contact plan) of every start of a truth_run.py folder, on the GPU the row names (the
+    2026-12-05 H100 where it names none), each model with the files' sizes its checkpoint had there."""
     plans = []
     for row in json.loads((folder / "truth.json").read_text()):
         model, setting = row["start"].split(", ", 1)
@@ -913,7 +913,9 @@ def truth_run_plans(folder: Path, settings: dict) -> list[tuple[str, str, planne
         shape.checkpoint_bytes, shape.skipped_bytes = round(row["files_gb"] * 1e9), round(row["mtp_skipped_gb"] * 1e9)
         max_model_len, seqs, batched = settings[setting]
         serving = planner.Serving(seqs, batched, vllm_version="0.25.0")
-        layout = planner.plan(shape, held_out_device("dsv3-fp8"), max_model_len=max_model_len, serving=serving)
+        gpu = (planner.Device.for_gpu(gpus.lookup(row["gpu"]), 1, memory_bytes=row["gpu_memory_bytes"])
+               if "gpu" in row else held_out_device("dsv3-fp8"))  # fmt: skip
+        layout = planner.plan(shape, gpu, max_model_len=max_model_len, serving=serving)
         plans.append((model, setting, layout.layouts[0]))
     return plans
 
