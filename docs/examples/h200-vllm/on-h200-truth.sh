@@ -14,8 +14,8 @@
 #          SHAPES=small (kit1 and go) a Moonlight-like DeepSeek-V3 at hidden 2048, held out of that fit;
 #          SHAPES=glm (kit1 and go) GLM-4.5 alone at 512 requests and at 4,096 batched tokens;
 #          SHAPES=air (kit1 and go) GLM-4.5-Air (4 layers, the first dense, + MTP), held out of the GQA fit: the
-#          three settings, then one start at the defaults with graph_snapshot/ recording the profiling captures,
-#          then params-glm-air.yaml's plan, launch and sweep (the forecast on a shape it was not fitted on)
+#          three settings, graph_snapshot/ recording each start's profiling captures, then params-glm-air.yaml's
+#          plan, launch and sweep (the forecast on a shape it was not fitted on)
 #   kit2   carry .gpu/c2: the second kernel part
 #   go     carry .gpu/c3: kernels in place, then truth_run.py in a session of its own (it outlives the call)
 #   wait   keep the machine while it runs (WAIT_S, default 560 s), then bring back what is done
@@ -55,15 +55,10 @@ go)
     AIR=$MODELS/glm45-air-fp8-mtp
     start_run <<SCRIPT
 echo "=== truth \$(date +%T)"
-TRUTH_SETTINGS='defaults;max_num_seqs 128;batched 2048, 8k context' python3 $EX/truth_run.py $R/air $AIR 2>&1 | tail -6
-echo "=== snapshot \$(date +%T)"
 mkdir -p $R/snapshot
-PYTHONPATH=$PWD/$EX/graph_snapshot:\$PYTHONPATH SB_GRAPH_SNAPSHOT=$R/snapshot VLLM_LOGGING_LEVEL=DEBUG \\
-  vllm serve $AIR --host 127.0.0.1 --port 8012 --max-model-len 4096 > $R/snapshot/serve.log 2>&1 &
-for i in \$(seq 200); do grep -q "Application startup complete" $R/snapshot/serve.log && break; kill -0 \$! || break; sleep 2; done
-pkill -f "vllm serve"; sleep 8; pkill -9 -f "VLLM::"; sleep 2
-grep -E "CUDA graph memory|Available KV" $R/snapshot/serve.log | cut -c1-250
-grep "^==" $R/snapshot/captures.txt
+PYTHONPATH=$PWD/$EX/graph_snapshot:\$PYTHONPATH SB_GRAPH_SNAPSHOT=$R/snapshot \\
+  TRUTH_SETTINGS='defaults;max_num_seqs 128;batched 2048, 8k context' python3 $EX/truth_run.py $R/air $AIR 2>&1 | tail -6
+grep -h "^==" $R/snapshot/captures-*.txt
 echo "=== sweep \$(date +%T)"
 stages $R/sweep $EX/params-glm-air.yaml --stages plan,launch,benchmark
 SCRIPT

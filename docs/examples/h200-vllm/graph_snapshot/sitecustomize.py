@@ -4,8 +4,8 @@ PyTorch's allocator during vLLM's profiling captures (the first four calls of ``
 graph mode) and writes, per capture, which segments it obtained from the driver and which allocations, from which
 Python frames, filled them: the answer to "what does a second graph keep that the first one's pool cannot serve".
 
-Used only by on-h200-truth.sh (SHAPES=air): ``PYTHONPATH=<this folder>:$PYTHONPATH SB_GRAPH_SNAPSHOT=DIR vllm serve
-...``. Python imports ``sitecustomize`` in every process, vLLM's engine included; the hook patches
+Used only by on-h200-truth.sh (SHAPES=air): ``PYTHONPATH=<this folder>:$PYTHONPATH SB_GRAPH_SNAPSHOT=DIR`` on the
+truth run, one ``DIR/captures-PID.txt`` per start. Python imports ``sitecustomize`` in every process, vLLM's engine included; the hook patches
 ``GPUModelRunner`` when vLLM imports it and does nothing else."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def patch(module) -> None:
                 lines = summarize(label, freed, before, after)
             except Exception as e:  # a snapshot format this reading did not expect must not stop vLLM's start
                 lines = [f"== {label}: device memory taken {freed:.2f} MiB; summary failed: {e!r}"]
-            with open(os.path.join(OUT, "captures.txt"), "a") as fh:
+            with open(os.path.join(OUT, f"captures-{os.getpid()}.txt"), "a") as fh:
                 fh.write("\n".join(lines) + "\n")
 
     runner._warmup_and_capture = recorded
