@@ -259,6 +259,7 @@ class Reserve(BaseModel):
     transient: float = 0.0  # the part of it freed before the sampler runs
     sampler: float = 0.0  # the dummy sampler run for min(max_num_seqs, tokens) requests
     graph_captures: int = 0  # CUDA graphs vLLM captures (decode FULL and mixed PIECEWISE sizes)
+    graph_further: float = 0.0  # of cuda_graphs, what the graphs after each mode's first are charged
     real_first_start: float = 0.0  # what a cold start on real weights keeps beyond a dummy-weight one (rehearsal)
     max_num_seqs: int = 0
 

@@ -118,6 +118,15 @@ GRAPH_PIECEWISE_BYTES_PER_HIDDEN = 144 * 2**20 / 7168
 # heads, 256 and 512 tokens (run-truth-heads, run-truth-h100)
 GRAPH_MLA_FP8_PIECEWISE_EXTRA_BYTES = 84 * 2**20
 GRAPH_EXTRA_BYTES = 2**20
+# Each further PIECEWISE graph is charged what the second-largest capture took from the device. Under GQA that is
+# the 1 MiB floor unless the attention's bf16 output for that many tokens (heads x head_dim per token) reaches 10 MiB:
+# PyTorch's caching allocator gives a request of 10 MiB or more a segment of its own, rounded up to 2 MiB
+# (kMinLargeAlloc, kRoundLarge), where smaller ones share 20 MiB segments the first capture left room in. GLM-4.5's
+# 96 heads logged 12 MiB per graph at vLLM's defaults (496 tokens: 11.6 MiB) and the floor at 128 requests (248
+# tokens: 5.8 MiB), 0.53 GiB of graphs the plan missed (run-truth-h100, run-truth-glm). Block-FP8 MLA logged the
+# floor at every head count: its first PIECEWISE capture frees GiBs of blocks the second one is served from.
+GRAPH_OWN_SEGMENT_BYTES = 10 * 2**20
+GRAPH_SEGMENT_ROUNDING = 2 * 2**20
 # A start that compiles (a torch.compile cache miss) profiles with Inductor's compile-time buffers still in torch's
 # peak: the Kimi-shaped mini at vLLM's defaults logged 5.30 GiB on a miss, 4.21 GiB on a hit (warm relaunch and
 # dummy-weight start), 1.2 % of its KV cache. Measured on MLA only; the GQA rows were all misses, their fit holds it.
@@ -137,11 +146,11 @@ def real_first_start_bytes(spec: ModelSpec, tokens: int) -> float:
 
 def graph_estimate(
     spec: ModelSpec, serving: Serving, seqs: int, tokens: int, max_model_len: int, tp: int
-) -> tuple[float, int]:
-    """(bytes, graphs captured) of vLLM's CUDA-graph estimate: FULL decode graphs up to max_num_seqs requests,
+) -> tuple[float, int, float]:
+    """(bytes, graphs captured, of the bytes those after each mode's first) of vLLM's CUDA-graph estimate: FULL decode graphs up to max_num_seqs requests,
     PIECEWISE graphs up to the largest capture size, as vLLM 0.25's default FULL_AND_PIECEWISE mode does."""
     if serving.enforce_eager:
-        return 0.0, 0
+        return 0.0, 0, 0.0
     piecewise = capture_sizes(seqs, serving.max_capture_size)
     full = [n for n in piecewise if n <= seqs]
     largest = full[-1] if full else 0
@@ -154,7 +163,20 @@ def graph_estimate(
     else:
         first_piecewise = GRAPH_PIECEWISE_BYTES_PER_HIDDEN * spec.hidden / tp**GRAPH_TP_EXPONENT
     pool = max(first_full, first_piecewise)
-    return pool + GRAPH_EXTRA_BYTES * (max(len(full) - 1, 0) + max(len(piecewise) - 1, 0)), len(full) + len(piecewise)
+    further = GRAPH_EXTRA_BYTES * max(len(full) - 1, 0) + piecewise_per_graph(spec, piecewise, tp) * max(
+        len(piecewise) - 1, 0
+    )
+    return pool + further, len(full) + len(piecewise), further
+
+
+def piecewise_per_graph(spec: ModelSpec, piecewise: list[int], tp: int) -> float:
+    """What vLLM 0.25 charges each PIECEWISE graph after the first (:data:`GRAPH_OWN_SEGMENT_BYTES`)."""
+    if spec.mla or len(piecewise) < 2:
+        return GRAPH_EXTRA_BYTES
+    attention_output = spec.heads / tp * spec.head_dim * 2 * piecewise[-2]
+    if attention_output < GRAPH_OWN_SEGMENT_BYTES:
+        return GRAPH_EXTRA_BYTES
+    return math.ceil(attention_output / GRAPH_SEGMENT_ROUNDING) * GRAPH_SEGMENT_ROUNDING
 
 
 def moe_workspace_bytes(spec: ModelSpec, layout: Layout, tokens: int) -> float:
@@ -212,7 +234,7 @@ def reserve_for(
         forward = ACTIVATION_FACTOR * (moe + attention)
         transient, sampler = forward - gqa_kept_bytes(spec, layout, tokens, forward), logits * SAMPLER_BYTES_PER_LOGIT
     collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 else 0.0
-    graphs, captures = graph_estimate(spec, serving, seqs, tokens, max_model_len, tp)
+    graphs, captures, further_graphs = graph_estimate(spec, serving, seqs, tokens, max_model_len, tp)
     return Reserve(
         cuda_hidden=gpu_memory_utilization * cuda_hidden_bytes(device),
         non_torch=NON_TORCH_BYTES + collective,
@@ -223,6 +245,7 @@ def reserve_for(
         transient=transient,
         sampler=sampler,
         graph_captures=captures,
+        graph_further=further_graphs,
         max_num_seqs=seqs,
         real_first_start=real_first_start_bytes(spec, tokens),
     )
@@ -363,7 +386,11 @@ def _term_bands(spec: ModelSpec, layout: Layout, prov: truth.Provenance) -> dict
     if reserve is None:
         return truth.term_bands(prov)
     return truth.term_bands(
-        prov, reserve.cuda_graphs, reserve.graph_captures, (truth.attention_kind(spec), spec.quant.method)
+        prov,
+        reserve.cuda_graphs,
+        reserve.graph_captures,
+        (truth.attention_kind(spec), spec.quant.method),
+        further=reserve.graph_further,
     )
 
 

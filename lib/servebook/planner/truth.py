@@ -46,9 +46,11 @@ TERM_BANDS: dict[Provenance, dict[str, float]] = {
 }
 # The CUDA-graph estimate's two parts (sizing.graph_estimate): the first capture, from vLLM's own rule per request,
 # head and value dimension (within 3.5 % of every FULL first capture logged, 7 % of block-FP8 MLA's PIECEWISE
-# ones), and one MiB per further graph, which the GLM-4.5 mini's PIECEWISE graphs exceeded at 12 MiB each (the
-# INT4 Kimi mini's at 2). Block-FP8 MLA has not: all 38 modes logged by its 19 starts (run-truth-h100,
-# run-truth-heads) took 1.00 MiB per graph.
+# ones), and what each further graph takes: vLLM's 1 MiB floor, or under GQA the allocator segment of an attention
+# output of 10 MiB or more (sizing.GRAPH_OWN_SEGMENT_BYTES). That segment rule was read off the GLM-4.5 mini's two
+# per-graph figures (12 MiB, and the floor at half the tokens), so a further graph keeps a spread of 11 MiB where
+# it has not been seen (the INT4 Kimi mini's took 2 MiB). Block-FP8 MLA has been: all 38 modes logged by its 19
+# starts (run-truth-h100, run-truth-heads) took 1.00 MiB per graph.
 GRAPH_FIRST_CAPTURE_BAND = 0.07
 GRAPH_PER_GRAPH_SPREAD_BYTES = 11 * 2**20
 GRAPH_PER_GRAPH_SPREAD_MEASURED = {("mla", "fp8"): 0.0}  # (attention kind, quantization): the spread seen
@@ -304,14 +306,16 @@ def learned(
     )  # fmt: skip
 
 
-def graph_band(graph_bytes: float, captures: int, kind: tuple[str, str] = ("gqa", "none")) -> float:
+def graph_band(
+    graph_bytes: float, captures: int, kind: tuple[str, str] = ("gqa", "none"), further_bytes: float | None = None
+) -> float:
     """The CUDA-graph estimate's relative band at first contact: its first capture's and its further graphs'
-    (``kind``: attention kind and quantization, which decide how far a further graph has been seen to pass its
-    MiB)."""
+    (``kind``: attention kind and quantization, which decide how far a further graph has been seen to pass what
+    it is charged; ``further_bytes``: what the further graphs are charged, one MiB each if not given)."""
     if graph_bytes <= 0:
         return 0.0
     further = max(captures - 2, 0)
-    first = max(graph_bytes - further * 2**20, 0.0)
+    first = max(graph_bytes - (further * 2**20 if further_bytes is None else further_bytes), 0.0)
     spread = GRAPH_PER_GRAPH_SPREAD_MEASURED.get(kind, GRAPH_PER_GRAPH_SPREAD_BYTES)
     return (GRAPH_FIRST_CAPTURE_BAND * first + spread * further) / graph_bytes
 
@@ -323,14 +327,18 @@ GQA_CALIBRATED_ACTIVATION_BAND = 0.15
 
 
 def term_bands(
-    prov: Provenance, graph_bytes: float = 0.0, captures: int = 0, kind: tuple[str, str] = ("gqa", "none")
+    prov: Provenance,
+    graph_bytes: float = 0.0,
+    captures: int = 0,
+    kind: tuple[str, str] = ("gqa", "none"),
+    further: float | None = None,
 ) -> dict[str, float]:
     """Each term's relative band; the CUDA graphs' from their two parts unless measured."""
     bands = dict(TERM_BANDS[prov])
     if prov == "calibrated" and kind[0] == "gqa":
         bands["activation"] = GQA_CALIBRATED_ACTIVATION_BAND
     if prov != "measured" and captures:
-        bands["cuda_graphs"] = graph_band(graph_bytes, captures, kind)
+        bands["cuda_graphs"] = graph_band(graph_bytes, captures, kind, further)
     return bands
 
 
