@@ -57,7 +57,8 @@ go)
 echo "=== truth \$(date +%T)"
 mkdir -p $R/snapshot
 PYTHONPATH=$PWD/$EX/graph_snapshot:\$PYTHONPATH SB_GRAPH_SNAPSHOT=$R/snapshot \\
-  TRUTH_SETTINGS='defaults;max_num_seqs 128;batched 2048, 8k context' python3 $EX/truth_run.py $R/air $AIR 2>&1 | tail -6
+  TRUTH_SETTINGS='${TRUTH_SETTINGS:-defaults;max_num_seqs 128;batched 2048, 8k context}' python3 $EX/truth_run.py \\
+  $R/air $AIR 2>&1 | tail -6
 grep -h "^==" $R/snapshot/captures-*.txt
 echo "=== sweep \$(date +%T)"
 stages $R/sweep $EX/params-glm-air.yaml --stages plan,launch,benchmark
