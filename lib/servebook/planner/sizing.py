@@ -147,8 +147,9 @@ def real_first_start_bytes(spec: ModelSpec, tokens: int) -> float:
 def graph_estimate(
     spec: ModelSpec, serving: Serving, seqs: int, tokens: int, max_model_len: int, tp: int
 ) -> tuple[float, int, float]:
-    """(bytes, graphs captured, of the bytes those after each mode's first) of vLLM's CUDA-graph estimate: FULL decode graphs up to max_num_seqs requests,
-    PIECEWISE graphs up to the largest capture size, as vLLM 0.25's default FULL_AND_PIECEWISE mode does."""
+    """(bytes, graphs captured, of those bytes the graphs' after each mode's first) of vLLM's CUDA-graph estimate:
+    FULL decode graphs up to max_num_seqs requests, PIECEWISE graphs up to the largest capture size, as vLLM 0.25's
+    default FULL_AND_PIECEWISE mode does."""
     if serving.enforce_eager:
         return 0.0, 0, 0.0
     piecewise = capture_sizes(seqs, serving.max_capture_size)
@@ -163,9 +164,8 @@ def graph_estimate(
     else:
         first_piecewise = GRAPH_PIECEWISE_BYTES_PER_HIDDEN * spec.hidden / tp**GRAPH_TP_EXPONENT
     pool = max(first_full, first_piecewise)
-    further = GRAPH_EXTRA_BYTES * max(len(full) - 1, 0) + piecewise_per_graph(spec, piecewise, tp) * max(
-        len(piecewise) - 1, 0
-    )
+    further_full = GRAPH_EXTRA_BYTES * max(len(full) - 1, 0)
+    further = further_full + piecewise_per_graph(spec, piecewise, tp) * max(len(piecewise) - 1, 0)
     return pool + further, len(full) + len(piecewise), further
 
 
