@@ -306,16 +306,14 @@ def learned(
     )  # fmt: skip
 
 
-def graph_band(
-    graph_bytes: float, captures: int, kind: tuple[str, str] = ("gqa", "none"), further_bytes: float | None = None
-) -> float:
+def graph_band(graph_bytes: float, captures: int, kind: tuple[str, str], further_bytes: float) -> float:
     """The CUDA-graph estimate's relative band at first contact: its first capture's and its further graphs'
     (``kind``: attention kind and quantization, which decide how far a further graph has been seen to pass what
-    it is charged; ``further_bytes``: what the further graphs are charged, one MiB each if not given)."""
+    it is charged; ``further_bytes``: what the further graphs are charged, sizing.graph_estimate's third figure)."""
     if graph_bytes <= 0:
         return 0.0
     further = max(captures - 2, 0)
-    first = max(graph_bytes - (further * 2**20 if further_bytes is None else further_bytes), 0.0)
+    first = max(graph_bytes - further_bytes, 0.0)
     spread = GRAPH_PER_GRAPH_SPREAD_MEASURED.get(kind, GRAPH_PER_GRAPH_SPREAD_BYTES)
     return (GRAPH_FIRST_CAPTURE_BAND * first + spread * further) / graph_bytes
 
@@ -331,7 +329,7 @@ def term_bands(
     graph_bytes: float = 0.0,
     captures: int = 0,
     kind: tuple[str, str] = ("gqa", "none"),
-    further: float | None = None,
+    further: float = 0.0,
 ) -> dict[str, float]:
     """Each term's relative band; the CUDA graphs' from their two parts unless measured."""
     bands = dict(TERM_BANDS[prov])
