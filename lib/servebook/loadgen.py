@@ -1,7 +1,8 @@
 """An asynchronous, streaming load generator for vLLM's OpenAI-compatible endpoints.
 
 One process, one event loop, one aiohttp session whose connection pool never
-throttles the requested concurrency and whose read buffer holds long chunks
+throttles the requested concurrency (a second one, without a pool, re-sends a
+request whose kept-alive connection the server had closed) and whose read buffer holds long chunks
 (aiohttp's 64 KB default collapsed ``vllm bench serve`` ten-fold at long context,
 vllm#39963).  Every request records its own timeline; :mod:`servebook.metrics`
 turns timelines into numbers.
@@ -16,7 +17,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -327,6 +328,9 @@ class _Client:
     target: Target
     workload: Workload
     activity: _Activity = field(default_factory=lambda: _Activity(0.0))
+    fresh: aiohttp.ClientSession | None = (
+        None  # one connection per request: where a stale connection's request goes again
+    )
 
     async def send(
         self,
@@ -348,19 +352,25 @@ class _Client:
         rec.send = time.perf_counter()
         timeout_s = self.target.timeout_s
         self.activity.sending()
+        answered: list[int] = []
+        attempt = 0
         try:
             for attempt in range(STALE_RETRIES + 1):
-                answered: list[int] = []
+                answered = []
+                session = self.fresh if attempt and self.fresh else self.session
                 try:
-                    await self._post(path, body, rec, parts, parse_all, extra_headers=extra_headers, answered=answered)
+                    await self._post(
+                        session, path, body, rec, parts, parse_all, extra_headers=extra_headers, answered=answered
+                    )
                     break
                 except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                     # a kept-alive connection the server had already closed, and no status line came back (its
                     # close read as "Server disconnected", or, where it arrived while the body was being written,
                     # "Can not write request body": CI, 1 of 80 requests at 40/s): the server never read the
-                    # request, so it goes again (timed from its first send), as HTTP clients retry a stale pooled
-                    # connection; a refused connection, a disconnect after the answer began, or one on a new
-                    # connection is the server's fault and recorded as such
+                    # request, so it goes again (timed from its first send) on a connection of its own, as HTTP
+                    # clients retry a stale pooled connection; the pool could hand it another connection the
+                    # server closed in the same stall. A refused connection, a disconnect after the answer began,
+                    # or one on a new connection is the server's fault and recorded as such
                     refused = isinstance(exc, aiohttp.ClientConnectorError)
                     if refused or rec.new_connection or answered or attempt == STALE_RETRIES:
                         raise
@@ -369,13 +379,14 @@ class _Client:
         except aiohttp.ClientConnectorError as exc:
             rec.error = f"connection refused: {exc}"
         except (aiohttp.ClientError, ConnectionError) as exc:
-            rec.error = f"connection lost: {type(exc).__name__}: {exc}"
+            rec.error = f"connection lost: {type(exc).__name__}: {exc} ({_where_lost(answered, rec, attempt)})"
         finally:
             self.activity.inflight -= 1
         return "".join(parts)
 
     async def _post(
         self,
+        session: aiohttp.ClientSession,
         path: str,
         body: JsonObject,
         rec: RequestRecord,
@@ -385,7 +396,7 @@ class _Client:
         extra_headers: dict[str, str] | None,
         answered: list[int],
     ) -> None:
-        async with self.session.post(
+        async with session.post(
             self.target.url + path,
             json=body,
             headers={**self.target.headers, **(extra_headers or {})},
@@ -468,8 +479,7 @@ async def _read_stream(
 async def _run_conversations(
     target: Target, workload: Workload, conversations: list[list[str]], concurrency: int, level: str, stall_s: float
 ) -> Window:
-    async with _session() as session:
-        sender = _Client(session, target, workload, _Activity(stall_s))
+    async with _client(target, workload, _Activity(stall_s)) as sender:
         gate = asyncio.Semaphore(concurrency)
         start = time.perf_counter()
         per_session = [
@@ -530,8 +540,7 @@ async def _run(
     loop: WindowShape,
     after_warmup: Callable[[], None] = lambda: None,
 ) -> Window:
-    async with _session() as session:
-        sender = _Client(session, target, workload, _Activity(loop.stall_s))
+    async with _client(target, workload, _Activity(loop.stall_s)) as sender:
         gate = asyncio.Semaphore(loop.concurrency)
         warm = await sender.warm_up(prompts, loop.warmup, loop.level, gate)
         after_warmup()  # also when stalled: the other client processes wait at this barrier
@@ -565,6 +574,14 @@ async def _run(
         return Window(kept, first_send or start, time.perf_counter(), sender.activity.stalled)
 
 
+def _where_lost(answered: list[int], rec: RequestRecord, attempt: int) -> str:
+    """Where in its exchange a request lost its connection: what tells a server's fault from a stale connection."""
+    if answered:
+        return f"after the answer began: http {answered[0]}, {len(rec.chunk_times)} chunks in"
+    sent = f"sent {attempt + 1} times" if attempt else "sent once"
+    return f"before any answer, on a new connection, {sent}" if rec.new_connection else f"before any answer, {sent}"
+
+
 async def _count_new_connection(
     session: aiohttp.ClientSession, context: Any, params: aiohttp.TraceConnectionCreateEndParams
 ) -> None:
@@ -577,17 +594,30 @@ async def _count_new_connection(
 # ("Server disconnected"); dropping idle connections a second earlier leaves no such race.
 KEEPALIVE_S = 4.0
 # ... yet under an open-loop burst on two cores, CI saw 38 of 400 requests sent into kept-alive connections the
-# server had closed though they had been idle less than that; each such request is sent again, up to this often
-STALE_RETRIES = 3
+# server had closed though they had been idle less than that: a client seconds behind (4.5 s in CI at 40/s)
+# releases a connection to its pool seconds after the server finished with it. Such a request is sent once more,
+# on a new connection, which no stall can have let the server close
+STALE_RETRIES = 1
 
 
-def _session() -> aiohttp.ClientSession:
-    """One session for a load generator: a connection pool that never throttles the concurrency, a read buffer
-    for long chunks, and each request told whether it opened a connection."""
+def _session(pooled: bool = True) -> aiohttp.ClientSession:
+    """One session for a load generator: a connection pool that never throttles the concurrency (``pooled``; else
+    a connection per request), a read buffer for long chunks, and each request told whether it opened a
+    connection."""
     tracing = aiohttp.TraceConfig()
     tracing.on_connection_create_end.append(_count_new_connection)
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False, keepalive_timeout=KEEPALIVE_S)
+    if pooled:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S)
+    else:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True)
     return aiohttp.ClientSession(connector=connector, read_bufsize=READ_BUFFER, trace_configs=[tracing])
+
+
+@contextlib.asynccontextmanager
+async def _client(target: Target, workload: Workload, activity: _Activity) -> AsyncIterator[_Client]:
+    """A sender with its pooled session and its session for re-sends, both closed at the end."""
+    async with _session() as pooled, _session(pooled=False) as fresh:
+        yield _Client(pooled, target, workload, activity, fresh=fresh)
 
 
 def _run_loop(coro: Any) -> Any:
@@ -709,8 +739,7 @@ async def _run_open(
     target: Target, workload: Workload, prompts: Sequence[PromptLike], offsets: list[float], loop: WindowShape
 ) -> Window:
     """Open-loop: ``loop.concurrency`` caps the requests in flight (0: no cap)."""
-    async with _session() as session:
-        sender = _Client(session, target, workload, _Activity(loop.stall_s))
+    async with _client(target, workload, _Activity(loop.stall_s)) as sender:
         gate = asyncio.Semaphore(loop.concurrency or len(prompts))
         warm = await sender.warm_up(prompts, loop.warmup, loop.level, gate)
         if sender.activity.stalled:

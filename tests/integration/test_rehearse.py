@@ -79,8 +79,11 @@ def test_the_rehearsal_runs_beside_a_download_and_its_windows_serve_the_ab(hub, 
     bogus = by_name["TP=1 · bogus"]
     assert bogus["status"] == "failed" and "no-such-flag" in bogus["error"] and bogus["rank"] is None
     assert "nothing started" in bogus["error"] and bogus["seconds"] < 5  # vLLM's own parser refused it
-    measured = [c for c in record["candidates"] if c["status"] == "measured"]
-    assert len(measured) == 2 and all(c["kv_cache_tokens"] == 1_048_576 * 2 for c in measured)
+    # the variant may be measured in full or dropped once behind the leader's plateau: both are ranked
+    measured = [c for c in record["candidates"] if c["status"] in ("measured", "dropped")]
+    statuses = {c["name"]: (c["status"], c["error"][:300]) for c in record["candidates"]}
+    assert len(measured) == 2 and all(c["kv_cache_tokens"] == 1_048_576 * 2 for c in measured), statuses
+    assert by_name["TP=1"]["status"] == "measured", statuses  # the first has no leader to be dropped behind
     assert {c["rank"] for c in measured} == {1, 2}
     assert all("--load-format dummy" in c["command_line"] for c in record["candidates"])
     assert by_name["TP=1 · two-seqs"]["changes"] == {"max_num_seqs": 2}
