@@ -325,12 +325,10 @@ class _Client:
     """One event loop's view of a target: its session, the server, the workload; sends one request at a time."""
 
     session: aiohttp.ClientSession
+    fresh: aiohttp.ClientSession  # a connection per request: where a stale connection's request goes again
     target: Target
     workload: Workload
     activity: _Activity = field(default_factory=lambda: _Activity(0.0))
-    fresh: aiohttp.ClientSession | None = (
-        None  # one connection per request: where a stale connection's request goes again
-    )
 
     async def send(
         self,
@@ -357,7 +355,7 @@ class _Client:
         try:
             for attempt in range(STALE_RETRIES + 1):
                 answered = []
-                session = self.fresh if attempt and self.fresh else self.session
+                session = self.fresh if attempt else self.session
                 try:
                     await self._post(
                         session, path, body, rec, parts, parse_all, extra_headers=extra_headers, answered=answered
@@ -617,7 +615,7 @@ def _session(pooled: bool = True) -> aiohttp.ClientSession:
 async def _client(target: Target, workload: Workload, activity: _Activity) -> AsyncIterator[_Client]:
     """A sender with its pooled session and its session for re-sends, both closed at the end."""
     async with _session() as pooled, _session(pooled=False) as fresh:
-        yield _Client(pooled, target, workload, activity, fresh=fresh)
+        yield _Client(pooled, fresh, target, workload, activity)
 
 
 def _run_loop(coro: Any) -> Any:

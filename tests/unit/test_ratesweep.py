@@ -119,3 +119,13 @@ def test_every_window_has_a_stall_bound_from_the_window_before():
     assert client.STALL.after(4000.0, 500.0) == pytest.approx(45.0)
     with pytest.raises(ValueError, match="positive stall bound"):
         loadgen.WindowShape(concurrency=4, warmup=4, min_requests=8, stall_s=0)
+
+
+def test_a_lost_request_says_where_in_its_exchange_it_was_lost():
+    """What tells a server that dropped a stream from a connection the client reused too late, in the error a
+    rate sweep counts."""
+    streaming = RequestRecord(0, "r", False, 0.0, chunk_times=[1.0, 1.1, 1.2])
+    assert loadgen._where_lost([200], streaming, 0) == "after the answer began: http 200, 3 chunks in"
+    fresh = RequestRecord(1, "r", False, 0.0, new_connection=True)
+    assert loadgen._where_lost([], fresh, 1) == "before any answer, on a new connection, sent 2 times"
+    assert loadgen._where_lost([], RequestRecord(2, "r", False, 0.0), 0) == "before any answer, sent once"
