@@ -26,8 +26,10 @@ import torch
 from shards import BLOCK, Shards
 
 GLM45 = dict(H=5120, NH=96, NKV=8, HD=128, I=12288, MI=1536, E=160, K=8, NS=1, VOCAB=151552)
-# GLM-4.5-Air (zai-org/GLM-4.5-Air's config.json): the same architecture narrower, one dense layer of 10,944
-AIR = dict(H=4096, NH=96, NKV=8, HD=128, I=10944, MI=1408, E=128, K=8, NS=1, VOCAB=151552)
+# GLM-4.5-Air (zai-org/GLM-4.5-Air's config.json): the same architecture narrower, one dense layer of 10,944. In
+# block FP8 that width is 85.5 blocks, and vLLM 0.25 cannot load the merged gate_up it makes (on the H100,
+# 2026-12-06: "start (86) + length (86) exceeds dimension size (171)"), so the mini's dense layer is 86 blocks wide
+AIR = dict(H=4096, NH=96, NKV=8, HD=128, I=11008, MI=1408, E=128, K=8, NS=1, VOCAB=151552)
 TINY = dict(H=256, NH=4, NKV=2, HD=64, I=512, MI=128, E=16, K=4, NS=1, VOCAB=4096)
 
 

@@ -12,7 +12,9 @@
 #          SHAPES=heads: every head count at the defaults and 2,048 batched tokens, then 16 and 128 heads at 8k
 #          context and 16 heads at 128 requests (the FP8-MLA activation's heads, tokens, context and sampler apart);
 #          SHAPES=small (kit1 and go) a Moonlight-like DeepSeek-V3 at hidden 2048, held out of that fit;
-#          SHAPES=glm (kit1 and go) GLM-4.5 alone at 512 requests and at 4,096 batched tokens;
+#          SHAPES=glm (kit1 and go) GLM-4.5 alone at 512 requests and at 4,096 batched tokens (SYNC=1: the
+#          defaults alone with graph_snapshot/, inside the go call);
+#          SHAPES=air REPEAT=1 (go) the Air at vLLM's defaults three times (cold DEBUG, INFO, DEBUG);
 #          SHAPES=air (kit1 and go) GLM-4.5-Air (4 layers, the first dense, + MTP), held out of the GQA fit: the
 #          three settings, graph_snapshot/ recording each start's profiling captures, then params-glm-air.yaml's
 #          plan, launch and sweep (the forecast on a shape it was not fitted on)
@@ -51,14 +53,22 @@ kit1)
 kit2) ls $STAGE ;;
 go)
   pkill -f "vllm serve" ; sleep 1
+  if [ -n "${REPEAT:-}" ]; then  # the Air at vLLM's defaults three times: cold at DEBUG, warm at INFO, warm at DEBUG
+    for run in 1-debug 2-info 3-debug; do
+      TRUTH_SETTINGS=defaults TRUTH_LOG_LEVEL=$(echo ${run#*-} | tr a-z A-Z) timeout 170 python3 $EX/truth_run.py \
+        $R/air-$run $MODELS/glm45-air-fp8-mtp 2>&1 | tail -1 | cut -c1-200
+    done
+    pack; exit 0
+  fi
+  if [ -n "${SYNC:-}" ]; then  # device time short: the defaults alone, inside this call, brought back by it
+    ONE=$MODELS/glm45-air-fp8-mtp; [ "${SHAPES:-}" = glm ] && ONE=$MODELS/glm45-fp8-mtp
+    mkdir -p $R/snapshot
+    PYTHONPATH=$PWD/$EX/graph_snapshot:$PYTHONPATH SB_GRAPH_SNAPSHOT=$R/snapshot TRUTH_SETTINGS=defaults \
+      timeout 300 python3 $EX/truth_run.py $R/${SHAPES:-air} $ONE 2>&1 | tail -4
+    grep -h "^==" $R/snapshot/captures-*.txt; pack; exit 0
+  fi
   if [ "${SHAPES:-}" = air ]; then
     AIR=$MODELS/glm45-air-fp8-mtp
-    if [ -n "${SYNC:-}" ]; then  # device time short: the defaults alone, inside this call, brought back by it
-      mkdir -p $R/snapshot
-      PYTHONPATH=$PWD/$EX/graph_snapshot:$PYTHONPATH SB_GRAPH_SNAPSHOT=$R/snapshot TRUTH_SETTINGS=defaults \
-        timeout 300 python3 $EX/truth_run.py $R/air $AIR 2>&1 | tail -4
-      grep -h "^==" $R/snapshot/captures-*.txt; pack; exit 0
-    fi
     start_run <<SCRIPT
 echo "=== truth \$(date +%T)"
 mkdir -p $R/snapshot

@@ -9,6 +9,7 @@ Writes OUT_DIR/truth.json (every figure) and OUT_DIR/truth.md (the table) and ea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -59,7 +60,7 @@ def start(model: str, log: Path, max_model_len: int, seqs: int, batched: int) ->
     cmd += ["--max-num-batched-tokens", str(batched)] if batched else []
     began = time.monotonic()
     # DEBUG logs vLLM's memory profile term by term (activation peak, non-torch) and each graph mode's estimate
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="DEBUG")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("TRUTH_LOG_LEVEL", "DEBUG"))
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
@@ -68,7 +69,8 @@ def start(model: str, log: Path, max_model_len: int, seqs: int, batched: int) ->
                 break
             time.sleep(2)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # a start that failed has taken its group with it
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

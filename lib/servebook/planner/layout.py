@@ -412,6 +412,8 @@ class Layout:
     learned_from: Measured | None = None  # the earlier start the KV figure learned from
     same_command_measured: bool = False  # ... with this very layout and these settings
     learned_bytes: float = 0.0  # what the KV memory moved by for it (truth.Measured.gap_for)
+    # where the rest of an earlier start was set aside: the CUDA-graph estimate it logged at the same captures
+    graphs_measured_by: Measured | None = None
     signature: str = ""  # the model's, as the history keys it
     settings: dict[str, str] = field(default_factory=dict)  # what moves the reserve, as the history keys it
     kv_basis: str = ""

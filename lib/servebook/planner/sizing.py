@@ -125,6 +125,11 @@ GRAPH_EXTRA_BYTES = 2**20
 # 96 heads logged 12 MiB per graph at vLLM's defaults (496 tokens: 11.6 MiB) and the floor at 128 requests (248
 # tokens: 5.8 MiB), 0.53 GiB of graphs the plan missed (run-truth-h100, run-truth-glm). Block-FP8 MLA logged the
 # floor at every head count: its first PIECEWISE capture frees GiBs of blocks the second one is served from.
+# The held-out GLM-4.5-Air mini (same 96 heads, hidden 4,096, 4 layers; run-truth-air) took 2 MiB, not 12: its
+# first capture left two free 12 MiB segments, GLM-4.5's one (graph_snapshot/ on both), so whether the output
+# finds room depends on how the first capture packed, which one shape's rule cannot tell. The rule stays GLM-4.5's
+# with the 11 MiB spread a graph (truth.GRAPH_PER_GRAPH_SPREAD_BYTES), which holds the Air's 0.90 GiB; one start at
+# the same captures replaces it (truth.Measured.measured_terms_gap).
 GRAPH_OWN_SEGMENT_BYTES = 10 * 2**20
 GRAPH_SEGMENT_ROUNDING = 2 * 2**20
 # A start that compiles (a torch.compile cache miss) profiles with Inductor's compile-time buffers still in torch's
@@ -385,13 +390,16 @@ def _term_bands(spec: ModelSpec, layout: Layout, prov: truth.Provenance) -> dict
     reserve = layout.reserve
     if reserve is None:
         return truth.term_bands(prov)
-    return truth.term_bands(
+    bands = truth.term_bands(
         prov,
         reserve.cuda_graphs,
         reserve.graph_captures,
         (truth.attention_kind(spec), spec.quant.method),
         further=reserve.graph_further,
     )
+    if layout.graphs_measured_by is not None:
+        bands["cuda_graphs"] = truth.TERM_BANDS["measured"]["cuda_graphs"]
+    return bands
 
 
 def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, available: float) -> float:
@@ -412,11 +420,19 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
         weights, terms, available, layout.provenance, bands=_term_bands(spec, layout, layout.provenance)
     )
     if truth.kv_band(weights, terms, available, "measured", entry, same) > truth.LEARN_WHEN_BAND_SHRINKS_TO * first:
+        if not entry.same_graphs(terms):
+            layout.kv_basis = (
+                f"as first planned: the {entry.source} of {how} on {entry.at[:10]} set aside, the reserve moved "
+                f"too much since for it to be surer than the calibration (±{100 * first:.1f} %)"
+            )
+            return 0.0
+        layout.graphs_measured_by, layout.learned_bytes = entry, entry.measured_terms_gap(weights, terms)
         layout.kv_basis = (
-            f"as first planned: the {entry.source} of {how} on {entry.at[:10]} set aside, the reserve moved too "
-            f"much since for it to be surer than the calibration (±{100 * first:.1f} %)"
+            f"as first planned but for the CUDA graphs ({entry.graph_gib:.2f} GiB) and weights the {entry.source} "
+            f"of {how} on {entry.at[:10]} logged at the same captures ({layout.learned_bytes / GiB:+.2f} GiB); its "
+            f"rest set aside, the reserve moved too much since for it to be surer than the calibration"
         )
-        return 0.0
+        return layout.learned_bytes
     layout.provenance, layout.learned_from, layout.same_command_measured = "measured", entry, same
     layout.learned_bytes = entry.gap_for(weights, terms)
     dummy = (
@@ -444,8 +460,15 @@ def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
         )
         return
     terms = _reserve_terms(layout)
+    measured_graphs = layout.graphs_measured_by
+    if measured_graphs is not None and measured_graphs.graph_gib is not None:
+        terms["cuda_graphs"] = measured_graphs.graph_gib * GiB
     for name, size_bytes in terms.items():
-        layout.bands[f"{name}_gib"] = truth.Band(value=size_bytes / GiB, band=round(bands[name], 4), provenance=prov)
+        layout.bands[f"{name}_gib"] = truth.Band(
+            value=size_bytes / GiB,
+            band=round(bands[name], 4),
+            provenance="measured" if name == "cuda_graphs" and measured_graphs is not None else prov,
+        )
     kv = truth.kv_band(
         weights,
         terms,

@@ -49,8 +49,9 @@ TERM_BANDS: dict[Provenance, dict[str, float]] = {
 # ones), and what each further graph takes: vLLM's 1 MiB floor, or under GQA the allocator segment of an attention
 # output of 10 MiB or more (sizing.GRAPH_OWN_SEGMENT_BYTES). That segment rule was read off the GLM-4.5 mini's two
 # per-graph figures (12 MiB, and the floor at half the tokens), so a further graph keeps a spread of 11 MiB where
-# it has not been seen (the INT4 Kimi mini's took 2 MiB). Block-FP8 MLA has been: all 38 modes logged by its 19
-# starts (run-truth-h100, run-truth-heads) took 1.00 MiB per graph.
+# it has not been seen (the INT4 Kimi mini's took 2 MiB, and so did the held-out GLM-4.5-Air mini's, where the rule
+# said 12: run-truth-air). Block-FP8 MLA has been: all 38 modes logged by its 19 starts (run-truth-h100,
+# run-truth-heads) took 1.00 MiB per graph.
 GRAPH_FIRST_CAPTURE_BAND = 0.07
 GRAPH_PER_GRAPH_SPREAD_BYTES = 11 * 2**20
 GRAPH_PER_GRAPH_SPREAD_MEASURED = {("mla", "fp8"): 0.0}  # (attention kind, quantization): the spread seen
@@ -158,6 +159,15 @@ class Measured(BaseModel):
         graphs = planned_graphs - self.graph_gib * 2**30 if self.graph_gib is not None and planned_graphs else 0.0
         return {"weights": weights, "cuda_graphs": graphs, "rest": self.kv_gap_bytes - weights - graphs}
 
+    def same_graphs(self, terms: dict[str, float]) -> bool:
+        """Whether a plan with these reserve terms captures the graphs this start captured, and vLLM logged their
+        estimate: its figure is then a measurement, whatever else the settings moved."""
+        planned = self.predicted_terms.get("cuda_graphs", 0.0)
+        return (
+            self.graph_gib is not None and planned > 0
+            and abs(terms.get("cuda_graphs", 0.0) - planned) <= SAME_GRAPHS_SHARE * planned
+        )  # fmt: skip
+
     def gap_for(self, weights: float, terms: dict[str, float]) -> float:
         """What this start teaches a plan of the same signature with these weights and reserve terms (bytes per
         GPU): the weights' miss in proportion to the weights (a share of the same tensors), the CUDA graphs' miss
@@ -165,11 +175,17 @@ class Measured(BaseModel):
         each mode: at other capture sizes the miss is not known, and scaling it was wrong by 11 GiB on the
         DeepSeek-V3-shaped mini), the rest as it was measured."""
         parts = self.gap_parts()
+        return self.measured_terms_gap(weights, terms) + parts["rest"]
+
+    def measured_terms_gap(self, weights: float, terms: dict[str, float]) -> float:
+        """The part of :meth:`gap_for` vLLM's log measured term by term: the weights ("Model loading took") and,
+        at the same captures, the CUDA graphs. It holds at settings that moved the activation too far for the
+        rest to teach anything (the GLM-4.5-Air mini, 2026-12-06: its graphs logged 0.90 GiB at vLLM's defaults
+        and at 2,048 batched tokens with 8k context, its activation peak 4.63 and 2.41 GiB)."""
+        parts = self.gap_parts()
         planned_weights = self.predicted_weight_gib * 2**30
-        planned_graphs = self.predicted_terms.get("cuda_graphs", 0.0)
-        same_graphs = abs(terms.get("cuda_graphs", 0.0) - planned_graphs) <= SAME_GRAPHS_SHARE * planned_graphs
         moved = parts["weights"] * (weights / planned_weights if planned_weights else 1.0)
-        return moved + (parts["cuda_graphs"] if same_graphs else 0.0) + parts["rest"]
+        return moved + (parts["cuda_graphs"] if self.same_graphs(terms) else 0.0)
 
 
 def history_path() -> Path:
