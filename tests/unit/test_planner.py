@@ -1299,7 +1299,8 @@ def test_glm45_air_held_out_of_every_fit_is_inside_its_bands_and_learns_its_grap
     read off GLM-4.5 (12 MiB a further PIECEWISE graph) does not hold here: the Air's second capture took 2 MiB
     (graph_snapshot: its first capture left two free 12 MiB segments where GLM-4.5's left one); vLLM estimated
     0.90 GiB against 1.385 planned, inside the graphs' band. At the defaults the activation peak logged 3.21 GiB
-    against 3.71 planned (the same on four starts without the snapshot hook; with it, 4.63).
+    against 3.71 planned (the same on four starts without the snapshot hook; with it, 4.63; the 2,048-token start
+    logged the same with and without).
     With the defaults start in the history, the 2,048-token start at 8k context captures the same graphs: their
     logged figure is taken as measured while the rest of that start is set aside (its activation moved 1.2 GiB),
     and the KV lands within 0.3 %; at 128 requests the graphs differ and the first plan stands (+0.24 %)."""

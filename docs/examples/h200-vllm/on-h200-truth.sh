@@ -15,6 +15,7 @@
 #          SHAPES=glm (kit1 and go) GLM-4.5 alone at 512 requests and at 4,096 batched tokens (SYNC=1: the
 #          defaults alone with graph_snapshot/, inside the go call);
 #          SHAPES=air REPEAT=1 (go) the Air at vLLM's defaults three times (cold DEBUG, INFO, DEBUG);
+#          SHAPES=air PLAIN='batched 2048, 8k context' (go) the Air at those settings, no hook;
 #          SHAPES=air (kit1 and go) GLM-4.5-Air (4 layers, the first dense, + MTP), held out of the GQA fit: the
 #          three settings, graph_snapshot/ recording each start's profiling captures, then params-glm-air.yaml's
 #          plan, launch and sweep (the forecast on a shape it was not fitted on)
@@ -53,6 +54,10 @@ kit1)
 kit2) ls $STAGE ;;
 go)
   pkill -f "vllm serve" ; sleep 1
+  if [ -n "${PLAIN:-}" ]; then  # the Air at the settings PLAIN names (truth_run.py's), without the snapshot hook
+    TRUTH_SETTINGS="$PLAIN" timeout 200 python3 $EX/truth_run.py $R/air-plain $MODELS/glm45-air-fp8-mtp 2>&1 | tail -2
+    pack; exit 0
+  fi
   if [ -n "${REPEAT:-}" ]; then  # the Air at vLLM's defaults three times: cold at DEBUG, warm at INFO, warm at DEBUG
     for run in 1-debug 2-info 3-debug; do
       TRUTH_SETTINGS=defaults TRUTH_LOG_LEVEL=$(echo ${run#*-} | tr a-z A-Z) timeout 170 python3 $EX/truth_run.py \

@@ -5,8 +5,8 @@ graph mode) and writes, per capture, which segments it obtained from the driver 
 Python frames, filled them: the answer to "what does a second graph keep that the first one's pool cannot serve".
 
 It moves what it measures: the GLM-4.5-Air mini's start at vLLM's defaults logged a torch peak of 4.63 GiB with
-the hook and 3.21 GiB on four starts without it (2026-12-06, run-truth-air/repeat), so a start it records is kept
-out of every replay where another exists.
+the hook and 3.21 GiB on four starts without it (2026-12-06, run-truth-air/repeat; its start at 2,048 batched
+tokens logged the same with and without), so a start it records is kept out of every replay where another exists.
 
 Used only by on-h200-truth.sh (SHAPES=air): ``PYTHONPATH=<this folder>:$PYTHONPATH SB_GRAPH_SNAPSHOT=DIR`` on the
 truth run, one ``DIR/captures-PID.txt`` per start. Python imports ``sitecustomize`` in every process, vLLM's engine included; the hook patches
