@@ -68,6 +68,7 @@ class Level:
     gpus: int
     active: float  # parameters a token activates, billions
     layers: int
+    compute_scale: float  # the compute part's pace against BF16's (sizing.forecast_compute_scale)
 
 
 def active_params(spec: modelspec.ModelSpec) -> float:
@@ -105,14 +106,11 @@ def levels() -> list[Level]:
         assert planned is not None
         found += [
             Level(run, lv["concurrency"], lv["output_throughput"], planned.decode_ceiling[lv["concurrency"]],
-                  planned.forecast[lv["concurrency"]], ratio, layout.world_size, active_params(spec), spec.layers)
+                  planned.forecast[lv["concurrency"]], ratio, layout.world_size, active_params(spec), spec.layers,
+                  sizing.forecast_compute_scale(spec, device))
             for lv in record["levels"] if lv["concurrency"] <= 128
         ]  # fmt: skip
     return found
-
-
-# block FP8 runs its GEMMs in FP8 (twice BF16's peak on an H200)
-FP8_MATH = {"run-fp8-tp2ep", "run-minimax-ab", "run-truth-air/sweep"}
 
 
 def features(lv: Level, per_active: bool) -> list[float]:
@@ -124,7 +122,7 @@ def features_mixed(lv: Level) -> list[float]:
     """A compute part per token and one per active parameter at the math's peak (FP8 twice BF16; INT4 W4A16
     computes in BF16)."""
     tokens = lv.batch * (1 + lv.prompt_ratio) / lv.gpus
-    return [1.0, lv.batch / lv.ceiling, tokens, tokens * lv.active / (2.0 if lv.run in FP8_MATH else 1.0)]
+    return [1.0, lv.batch / lv.ceiling, tokens, tokens * lv.active * lv.compute_scale]
 
 
 def features_per_layer(lv: Level) -> list[float]:

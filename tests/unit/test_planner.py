@@ -904,14 +904,20 @@ def test_block_fp8_mla_starts_no_fit_saw_land_within_half_a_percent(model):
             assert layout.reserve.activation / GiB == pytest.approx(logged.activation_peak_gib, abs=0.1), setting
 
 
+def truth_run_shape(folder: Path, model: str, row: dict) -> modelspec.ModelSpec:
+    """A truth_run.py model with the files' sizes its checkpoint had on the GPU machine (it stayed there)."""
+    shape = modelspec.load(str(folder / f"{model}-config.json"))
+    shape.checkpoint_bytes, shape.skipped_bytes = round(row["files_gb"] * 1e9), round(row["mtp_skipped_gb"] * 1e9)
+    return shape
+
+
 def truth_run_plans(folder: Path, settings: dict) -> list[tuple[str, str, planner.Layout]]:
     """(model, setting, first-contact plan) of every start of a truth_run.py folder, on the GPU the row names (the
     2026-12-05 H100 where it names none), each model with the files' sizes its checkpoint had there."""
     plans = []
     for row in json.loads((folder / "truth.json").read_text()):
         model, setting = row["start"].split(", ", 1)
-        shape = modelspec.load(str(folder / f"{model}-config.json"))
-        shape.checkpoint_bytes, shape.skipped_bytes = round(row["files_gb"] * 1e9), round(row["mtp_skipped_gb"] * 1e9)
+        shape = truth_run_shape(folder, model, row)
         max_model_len, seqs, batched = settings[setting]
         serving = planner.Serving(seqs, batched, vllm_version="0.25.0")
         gpu = (planner.Device.for_gpu(gpus.lookup(row["gpu"]), 1, memory_bytes=row["gpu_memory_bytes"])
@@ -1365,8 +1371,7 @@ def test_glm45_air_held_out_of_every_fit_is_inside_its_bands_and_learns_its_grap
         defaults, row["gpu"], "0.25.0", "launch", logged.kv_cache_tokens,
         weight_gib=logged.model_memory_gib, graph_gib=logged.graph_estimate_gib,
     ))  # fmt: skip
-    shape = modelspec.load(str(AIR_RUN / f"{model}-config.json"))
-    shape.checkpoint_bytes, shape.skipped_bytes = round(row["files_gb"] * 1e9), round(row["mtp_skipped_gb"] * 1e9)
+    shape = truth_run_shape(AIR_RUN, model, row)
     gpu = planner.Device.for_gpu(gpus.lookup(row["gpu"]), 1, memory_bytes=row["gpu_memory_bytes"])
     for setting in ("max_num_seqs 128", "batched 2048, 8k context"):
         max_model_len, seqs, batched = settings[setting]
