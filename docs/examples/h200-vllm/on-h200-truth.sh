@@ -14,6 +14,8 @@
 #          SHAPES=small (kit1 and go) a Moonlight-like DeepSeek-V3 at hidden 2048, held out of that fit;
 #          SHAPES=glm (kit1 and go) GLM-4.5 alone at 512 requests and at 4,096 batched tokens (SYNC=1: the
 #          defaults alone with graph_snapshot/, inside the go call);
+#          SHAPES=glm+air (kit1) both GLM-4.5 shapes; PEAK=1 (go) each at vLLM's defaults with profile_peak/
+#          recording what the profile run holds at its peak;
 #          SHAPES=air REPEAT=1 (go) the Air at vLLM's defaults three times (cold DEBUG, INFO, DEBUG);
 #          SHAPES=air PLAIN='batched 2048, 8k context' (go) the Air at those settings, no hook;
 #          SHAPES=air (kit1 and go) GLM-4.5-Air (4 layers, the first dense, + MTP), held out of the GQA fit: the
@@ -27,6 +29,10 @@ case $STEP in
 kit1)
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   if [ "${SHAPES:-}" = air ]; then
+    python3 $EX/mkglm.py $MODELS/glm45-air-fp8-mtp --tokenizer /tmp/tok --layers 4 --mtp 1 --shape glm-4.5-air \
+      2>&1 | tail -1
+  elif [ "${SHAPES:-}" = glm+air ]; then  # the two GQA shapes whose activations disagree, for PEAK=1
+    python3 $EX/mkglm.py $MODELS/glm45-fp8-mtp --tokenizer /tmp/tok --layers 2 --mtp 1 2>&1 | tail -1
     python3 $EX/mkglm.py $MODELS/glm45-air-fp8-mtp --tokenizer /tmp/tok --layers 4 --mtp 1 --shape glm-4.5-air \
       2>&1 | tail -1
   elif [ "${SHAPES:-}" = glm ]; then  # GLM-4.5 alone, for its activation at half the requests and half the tokens
@@ -57,6 +63,15 @@ go)
   if [ -n "${PLAIN:-}" ]; then  # the Air at the settings PLAIN names (truth_run.py's), without the snapshot hook
     TRUTH_SETTINGS="$PLAIN" timeout 200 python3 $EX/truth_run.py $R/air-plain $MODELS/glm45-air-fp8-mtp 2>&1 | tail -2
     pack; exit 0
+  fi
+  if [ -n "${PEAK:-}" ]; then  # GLM-4.5 and the Air at vLLM's defaults, profile_peak/ recording each profile run
+    mkdir -p $R/peak
+    for m in glm45-fp8-mtp glm45-air-fp8-mtp; do
+      PYTHONPATH=$PWD/$EX/profile_peak:$PYTHONPATH SB_PROFILE_PEAK=$R/peak TRUTH_SETTINGS=defaults timeout 240 \
+        python3 $EX/truth_run.py $R/peak-$m $MODELS/$m 2>&1 | tail -1 | cut -c1-200
+      grep -h "torch peak memory increase" $R/peak-$m/*.log | grep -o "torch peak.*GiB;" 
+    done
+    head -c 6000 $R/peak/peak-*.txt; pack; exit 0
   fi
   if [ -n "${REPEAT:-}" ]; then  # the Air at vLLM's defaults three times: cold at DEBUG, warm at INFO, warm at DEBUG
     for run in 1-debug 2-info 3-debug; do
