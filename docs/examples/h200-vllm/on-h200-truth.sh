@@ -15,7 +15,8 @@
 #          SHAPES=glm (kit1 and go) GLM-4.5 alone at 512 requests and at 4,096 batched tokens (SYNC=1: the
 #          defaults alone with graph_snapshot/, inside the go call);
 #          SHAPES=glm+air (kit1) both GLM-4.5 shapes; PEAK=1 (go) each at vLLM's defaults with profile_peak/
-#          recording what the profile run holds at its peak;
+#          recording what the profile run holds at its peak (PEAK_MODELS names others: SHAPES=peak-layers builds
+#          GLM-4.5 at 4 layers and the Air at 2, glm45-4l-fp8 and glm45-air-2l-fp8);
 #          SHAPES=air REPEAT=1 (go) the Air at vLLM's defaults three times (cold DEBUG, INFO, DEBUG);
 #          SHAPES=air PLAIN='batched 2048, 8k context' (go) the Air at those settings, no hook;
 #          SHAPES=air (kit1 and go) GLM-4.5-Air (4 layers, the first dense, + MTP), held out of the GQA fit: the
@@ -34,6 +35,10 @@ kit1)
   elif [ "${SHAPES:-}" = glm+air ]; then  # the two GQA shapes whose activations disagree, for PEAK=1
     python3 $EX/mkglm.py $MODELS/glm45-fp8-mtp --tokenizer /tmp/tok --layers 2 --mtp 1 2>&1 | tail -1
     python3 $EX/mkglm.py $MODELS/glm45-air-fp8-mtp --tokenizer /tmp/tok --layers 4 --mtp 1 --shape glm-4.5-air \
+      2>&1 | tail -1
+  elif [ "${SHAPES:-}" = peak-layers ]; then  # GLM-4.5 at 4 layers, the Air at 2: does the layer count keep tensors?
+    python3 $EX/mkglm.py $MODELS/glm45-4l-fp8 --tokenizer /tmp/tok --layers 4 --mtp 0 2>&1 | tail -1
+    python3 $EX/mkglm.py $MODELS/glm45-air-2l-fp8 --tokenizer /tmp/tok --layers 2 --mtp 0 --shape glm-4.5-air \
       2>&1 | tail -1
   elif [ "${SHAPES:-}" = glm ]; then  # GLM-4.5 alone, for its activation at half the requests and half the tokens
     python3 $EX/mkglm.py $MODELS/glm45-fp8-mtp --tokenizer /tmp/tok --layers 2 --mtp 1 2>&1 | tail -1
@@ -66,7 +71,7 @@ go)
   fi
   if [ -n "${PEAK:-}" ]; then  # GLM-4.5 and the Air at vLLM's defaults, profile_peak/ recording each profile run
     mkdir -p $R/peak
-    for m in glm45-fp8-mtp glm45-air-fp8-mtp; do
+    for m in ${PEAK_MODELS:-glm45-fp8-mtp glm45-air-fp8-mtp}; do
       PYTHONPATH=$PWD/$EX/profile_peak:$PYTHONPATH SB_PROFILE_PEAK=$R/peak TRUTH_SETTINGS=defaults timeout 240 \
         python3 $EX/truth_run.py $R/peak-$m $MODELS/$m 2>&1 | tail -1 | cut -c1-200
       grep -h "torch peak memory increase" $R/peak-$m/*.log | grep -o "torch peak.*GiB;" 
