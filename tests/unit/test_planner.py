@@ -950,49 +950,73 @@ def test_block_fp8_mla_at_another_hidden_size_lands_inside_its_bands():
 
 
 GLM_RUN = HELD_OUT.with_name("run-truth-glm")
+AIR_RUN = HELD_OUT.with_name("run-truth-air")
+PEAK_RUN = HELD_OUT.with_name("run-profile-peak")  # GLM-4.5 at 4 layers and the Air at 2 (2026-12-06)
 GLM_SETTINGS = {"max_num_seqs 512": (4096, 512, 0), "batched 4096": (4096, 0, 4096)}
 
 
 def test_glm45_at_half_the_requests_and_half_the_tokens_stays_inside_its_bands():
-    """GLM-4.5's two further starts (H100, 2026-12-05, run-truth-glm): the KV tokens +0.15 % and -0.07 % off,
-    inside their bands, as are the weights, graphs and non-torch memory. The activation peak is the forward's kept
-    buffers plus the sampler (sizing.gqa_kept_bytes): within 0.11 GiB of vLLM's at both; keeping 58 % of the
-    forward, as the first GQA fit did, put it 0.57 GiB (24 %) low at 512 requests. The graphs are vLLM's 1.38 GiB
-    since each further PIECEWISE graph is charged its attention output's own 12 MiB allocator segment
-    (sizing.GRAPH_OWN_SEGMENT_BYTES); at 1 MiB a graph they were 0.53 GiB low, the KV +1.02 % and +0.81 %."""
+    """GLM-4.5's two further starts (H100, 2026-12-05, run-truth-glm): the KV tokens +0.74 % and +0.78 % off,
+    inside their bands, as are the weights, graphs, activation and non-torch memory. The activation peak is the
+    forward's kept buffers plus the sampler, both read off vLLM's code (sizing.gqa_kept_bytes, gqa_sampler_bytes),
+    with what a cold compile leaves for Python's collector at its median (sizing.GQA_COMPILE_MISS_HIDDEN_TENSORS):
+    within 0.12 GiB of vLLM's at both. The 2-layer mini's 12 MiB per further PIECEWISE graph (1.38 GiB of graphs)
+    is the outlier of the four GLM-4.5-shaped minis recorded (sizing.GRAPH_LARGE_OUTPUT_PER_GRAPH_BYTES), inside
+    the graphs' band; it is what puts the KV above 0.3 % here."""
     from servebook.vllm_log import read_values
 
     for model, setting, layout in truth_run_plans(GLM_RUN, GLM_SETTINGS):
         logged = read_values(truth_log(GLM_RUN, model, setting))
         assert layout.bands["kv_tokens"].contains(logged.kv_cache_tokens), setting
-        assert abs(layout.max_kv_tokens / logged.kv_cache_tokens - 1) < 0.003, setting
+        assert abs(layout.max_kv_tokens / logged.kv_cache_tokens - 1) < 0.01, setting
         assert abs(layout.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.015, setting
         for term, figure in (("activation_gib", logged.activation_peak_gib),
                              ("cuda_graphs_gib", logged.graph_estimate_gib), ("non_torch_gib", logged.non_torch_gib)):  # fmt: skip
             assert layout.bands[term].contains(figure), (setting, term, layout.bands[term], figure)
-        activation = layout.bands["activation_gib"]
-        assert logged.activation_peak_gib == pytest.approx(activation.value, abs=0.12), setting
-        assert activation.band == planner.truth.GQA_CALIBRATED_ACTIVATION_BAND
-        assert logged.graph_estimate_gib == pytest.approx(layout.bands["cuda_graphs_gib"].value, abs=0.01), setting
+        assert logged.activation_peak_gib == pytest.approx(layout.bands["activation_gib"].value, abs=0.12), setting
+        assert logged.graph_estimate_gib == 1.38 and layout.bands["cuda_graphs_gib"].value == pytest.approx(
+            0.90, abs=0.01
+        )
 
 
-def test_a_further_piecewise_graph_is_charged_the_allocator_segment_of_its_attention_output():
+def test_a_further_piecewise_graph_is_charged_what_most_gqa_second_captures_took():
     """vLLM charges every PIECEWISE graph after the first what its second capture took from the device: the 1 MiB
-    floor, unless a GQA attention output of that many tokens reaches PyTorch's own-segment size (10 MiB), which
-    then takes a segment of its own rounded to 2 MiB. Logged by GLM-4.5's mini (96 heads of 128): 12 MiB at vLLM's
-    defaults (second capture 496 tokens, 11.6 MiB), the floor at 128 requests (248 tokens, 5.8 MiB)."""
+    floor, unless a GQA attention output of that many tokens reaches PyTorch's own-segment size (10 MiB). Four
+    GLM-4.5-shaped minis with 96 heads of 128 (11.6 MiB at 496 tokens) logged 12 MiB (GLM-4.5, 2 layers), 2 MiB
+    (GLM-4.5 and the Air at 4 layers) and the floor (the Air at 2): the plan charges the 2 MiB most took, and the
+    graphs' band spreads each further PIECEWISE graph by 11 MiB, which holds all four. A FULL graph after the first
+    took the floor on every log."""
+    from servebook.vllm_log import read_values
+
     MiB = 2**20
     glm = spec("glm45-shapes-2l-mtp1-fp8")
     defaults = sizing.capture_sizes(1024)
     assert defaults[-2:] == [496, 512]
-    assert sizing.piecewise_per_graph(glm, defaults, 1) == 12 * MiB
-    assert sizing.piecewise_per_graph(glm, sizing.capture_sizes(128), 1) == MiB
+    assert sizing.piecewise_per_graph(glm, defaults, 1) == 2 * MiB
+    assert sizing.piecewise_per_graph(glm, sizing.capture_sizes(128), 1) == MiB  # 248 tokens: 5.8 MiB
     assert sizing.piecewise_per_graph(glm, defaults, 2) == MiB  # 48 heads a GPU: 5.8 MiB
     for name in ("qwen3-235b-a22b-fp8", "deepseek-v3"):  # 64 heads of 128 (7.75 MiB); MLA, served by its first pool
         assert sizing.piecewise_per_graph(spec(name), defaults, 1) == MiB, name
     graphs, captures, further = sizing.graph_estimate(glm, planner.Serving(), 1024, 8192, 4096, 1)
-    assert (captures, further) == (102, 50 * MiB + 50 * 12 * MiB)
-    assert graphs / GiB == pytest.approx(1.38, abs=0.01)  # vLLM's "Estimated CUDA graph memory: 1.38 GiB total"
+    assert (captures, further) == (102, 50 * MiB + 50 * 2 * MiB)
+    assert graphs / GiB == pytest.approx(0.90, abs=0.01)  # the Air's and GLM-4.5 at 4 layers' "0.90 GiB total"
+    logs = {"GLM-4.5, 2 layers": truth_log(HELD_OUT_H100, "glm45-fp8-mtp", "defaults"),
+            "GLM-4.5, 4 layers": truth_log(PEAK_RUN, "glm45-4l-fp8", "defaults"),
+            "Air, 4 layers": truth_log(AIR_RUN, "glm45-air-fp8-mtp", "defaults"),
+            "Air, 2 layers": truth_log(PEAK_RUN, "glm45-air-2l-fp8", "defaults")}  # fmt: skip
+    per_graph = {}
+    for name, text in logs.items():
+        modes = read_values(text).graph_estimate_by_mode
+        assert modes["FULL"][1] == 51 and re.search(r"FULL CUDA graph memory: .* \(51-1\) × 1\.00 MiB", text), name
+        per_graph[name] = float(re.search(r"PIECEWISE CUDA graph memory: .* × ([0-9.]+) MiB per-graph", text)[1])
+        band = planner.truth.graph_band(graphs, 51, ("gqa", "fp8"), further)
+        assert abs(read_values(text).graph_estimate_gib * GiB - graphs) <= band * graphs, name
+    assert per_graph == {
+        "GLM-4.5, 2 layers": 12.0,
+        "GLM-4.5, 4 layers": 2.0,
+        "Air, 4 layers": 2.0,
+        "Air, 2 layers": 1.0,
+    }
 
 
 def test_the_weights_count_what_vllms_load_adds_to_the_files():
@@ -1115,20 +1139,24 @@ def test_a_launch_logged_at_info_still_names_its_furthest_term():
 def test_the_sampler_run_outgrows_a_gqa_forwards_transient_part():
     """vLLM profiles the sampler after the forward, over the whole vocabulary: with 151,936 tokens of vocabulary
     and 1,024 requests it, not the forward, sets the peak. The Qwen3-235B-shaped mini's three starts (vLLM's
-    defaults, 128 requests, 2,048 batched tokens) each within 0.3 % of vLLM's KV tokens; before the sampler was
-    modelled so, the plan said +0.98 % and +1.40 %."""
+    defaults, 128 requests, 2,048 batched tokens) each within 0.35 % of vLLM's KV tokens (-0.33 %, -0.11 %, -0.04
+    %) and inside its band; before the sampler was modelled, the plan said +0.98 % and +1.40 %."""
     from servebook.vllm_log import read_values
 
     for setting in HELD_OUT_SETTINGS:
         name = f"q235-fp8-{setting.replace(' ', '-').replace(',', '')}.log"
         logged = read_values((HELD_OUT / name).read_text())
         layout = held_out("q235-fp8", setting)
-        assert abs(layout.max_kv_tokens / logged.kv_cache_tokens - 1) < 0.003, setting
+        assert abs(layout.max_kv_tokens / logged.kv_cache_tokens - 1) < 0.0035, setting
+        assert layout.bands["kv_tokens"].contains(logged.kv_cache_tokens), setting
     defaults, few = held_out("q235-fp8", "defaults").reserve, held_out("q235-fp8", "max_num_seqs 128").reserve
     assert defaults is not None and few is not None
-    assert defaults.sampler > defaults.transient and few.sampler < few.transient  # 1,024 requests: the sampler rules
-    # vLLM: 112.93 GiB for KV at the defaults, 114.90 at 128 requests, of which 0.44 GiB are CUDA graphs
-    assert abs((defaults.activation - few.activation) / GiB - (114.90 - 112.93 - 0.44)) < 0.15
+    assert defaults.sampler > defaults.transient  # 1,024 requests: the sampler rules
+    assert defaults.sampler > 6 * few.sampler
+    # vLLM: 112.93 GiB for KV at the defaults, 114.90 at 128 requests, of which 0.44 GiB are CUDA graphs; the plan
+    # keeps what a cold compile leaves (sizing.GQA_COMPILE_MISS_HIDDEN_TENSORS) beside the sampler at both, which
+    # at 128 requests puts its peak 0.11 GiB above the forward's
+    assert abs((defaults.activation - few.activation) / GiB - (114.90 - 112.93 - 0.44)) < 0.3
 
 
 SWEEPS = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm"
@@ -1328,9 +1356,6 @@ def test_the_launch_record_writes_small_weights_in_mib():
     assert "| weights per GPU | 2.8 MiB | not logged by this vLLM |  |" in check.markdown()
 
 
-AIR_RUN = HELD_OUT.with_name("run-truth-air")
-
-
 def test_glm45_air_held_out_of_every_fit_is_inside_its_bands_and_learns_its_graphs_from_one_start(
     tmp_path, monkeypatch
 ):
@@ -1358,11 +1383,11 @@ def test_glm45_air_held_out_of_every_fit_is_inside_its_bands_and_learns_its_grap
         assert abs(layout.weight_bytes_per_gpu / GiB / logged.model_memory_gib - 1) < 0.005, setting
         for term, figure in (("cuda_graphs_gib", logged.graph_estimate_gib), ("non_torch_gib", logged.non_torch_gib)):
             assert layout.bands[term].contains(figure), (setting, term, layout.bands[term], figure)
-    assert max(abs(e) for e in errors.values()) < 0.018, errors
+    assert max(abs(e) for e in errors.values()) < 0.01, errors
     model, _, defaults = first[0]
     logged = read_values(truth_log(AIR_RUN, model, "defaults"))
     assert logged.graph_estimate_gib == 0.90 and defaults.bands["cuda_graphs_gib"].value == pytest.approx(
-        1.385, abs=0.01
+        0.90, abs=0.01
     )
 
     monkeypatch.setattr(planner.truth, "history_path", lambda: tmp_path / "plans.jsonl")
@@ -1407,3 +1432,53 @@ def test_a_block_fp8_dense_layer_ending_inside_the_first_half_of_a_block_is_refu
         "gate_up_proj: 10944 is not a multiple of the weight quantization block_n = 128)"
     ]
     assert tp1(11_008).accepted and tp1(11_000).accepted  # 86 blocks; 85.9 blocks: 2 x 86 rows of 172
+
+
+def test_a_gqa_profile_peak_is_vllms_sampler_and_workspaces_plus_what_a_cold_compile_leaves():
+    """vLLM's allocator at the profile run's peak (profile_peak/, H100, 2026-12-06, run-profile-peak): the sampler's
+    four vocabulary-wide tensors and its top-k/top-p scratch, fused_moe's Triton workspaces, the output hidden
+    states, and on a start that compiles whatever the compile's run left in reference cycles until profile_run's
+    gc.collect(). Without that last part the plan's terms give vLLM's peak to 0.01 GiB: GLM-4.5 at 4 layers
+    relaunched warm (3.48 GiB; it logged 5.01 cold, and 3.48 cold with the collector run before the sampler) and
+    the Air at 4 layers, whose cold compile left nothing. The four cold starts left 0 to 1.53 GiB; each is inside
+    the activation's band and each start's KV inside its band, three within 1 % (GLM-4.5 at 4 layers, the most
+    left behind, +1.92 %)."""
+    from servebook.vllm_log import read_values
+
+    gpu = planner.Device.for_gpu(gpus.lookup("NVIDIA H100 80GB HBM3"), 1, memory_bytes=H100_NVML_BYTES)
+    starts = {  # (folder, model): what vLLM logged there
+        (HELD_OUT_H100, "glm45-fp8-mtp"): "glm45-shapes-2l-mtp1-fp8",
+        (PEAK_RUN, "glm45-4l-fp8"): "",
+        (AIR_RUN, "glm45-air-fp8-mtp"): "",
+        (PEAK_RUN, "glm45-air-2l-fp8"): "",
+    }
+    left_behind, errors = {}, {}
+    for (folder, model), config in starts.items():
+        shape = spec(config) if config else modelspec.load(str(folder / f"{model}-config.json"))
+        logged = read_values(truth_log(folder, model, "defaults"))
+        assert logged.compile_cache == "miss"
+        cold = planner.plan(shape, gpu, max_model_len=4096, serving=planner.Serving(vllm_version="0.25.0")).layouts[0]
+        warm = planner.plan(shape, gpu, max_model_len=4096,
+                            serving=planner.Serving(vllm_version="0.25.0", compile_cache_hit=True)).layouts[0]  # fmt: skip
+        assert cold.reserve is not None and warm.reserve is not None
+        left_behind[model] = round(logged.activation_peak_gib - warm.reserve.activation / GiB, 2)
+        assert cold.bands["activation_gib"].contains(logged.activation_peak_gib), model
+        assert cold.bands["kv_tokens"].contains(logged.kv_cache_tokens) and cold.bands["kv_tokens"].band <= 0.03, model
+        errors[model] = round(100 * (cold.max_kv_tokens / logged.kv_cache_tokens - 1), 2)
+    assert left_behind == {
+        "glm45-fp8-mtp": 0.5,
+        "glm45-4l-fp8": 1.53,
+        "glm45-air-fp8-mtp": 0.0,
+        "glm45-air-2l-fp8": 0.44,
+    }
+    assert sorted(abs(e) < 1 for e in errors.values()) == [False, True, True, True] and errors["glm45-4l-fp8"] < 2, (
+        errors
+    )
+    # the same GLM-4.5 relaunched: nothing compiled, nothing left, the code-read terms alone
+    warm_log = read_values((PEAK_RUN / "warm" / "glm45-4l-fp8-defaults.log").read_text())
+    assert warm_log.compile_cache == "hit" and warm_log.activation_peak_gib == 3.48
+    shape = modelspec.load(str(PEAK_RUN / "glm45-4l-fp8-config.json"))
+    warm = planner.plan(shape, gpu, max_model_len=4096,
+                        serving=planner.Serving(vllm_version="0.25.0", compile_cache_hit=True)).layouts[0]  # fmt: skip
+    assert warm.reserve is not None and warm.reserve.activation / GiB == pytest.approx(3.48, abs=0.01)
+    assert abs(warm.max_kv_tokens / warm_log.kv_cache_tokens - 1) < 0.003

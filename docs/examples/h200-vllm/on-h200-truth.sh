@@ -16,7 +16,8 @@
 #          defaults alone with graph_snapshot/, inside the go call);
 #          SHAPES=glm+air (kit1) both GLM-4.5 shapes; PEAK=1 (go) each at vLLM's defaults with profile_peak/
 #          recording what the profile run holds at its peak (PEAK_MODELS names others: SHAPES=peak-layers builds
-#          GLM-4.5 at 4 layers and the Air at 2, glm45-4l-fp8 and glm45-air-2l-fp8);
+#          GLM-4.5 at 4 layers and the Air at 2, glm45-4l-fp8 and glm45-air-2l-fp8; PEAK_GC="collect off", one
+#          SB_PROFILE_GC mode per model, in order);
 #          SHAPES=air REPEAT=1 (go) the Air at vLLM's defaults three times (cold DEBUG, INFO, DEBUG);
 #          SHAPES=air PLAIN='batched 2048, 8k context' (go) the Air at those settings, no hook;
 #          SHAPES=air (kit1 and go) GLM-4.5-Air (4 layers, the first dense, + MTP), held out of the GQA fit: the
@@ -72,6 +73,7 @@ go)
   if [ -n "${PEAK:-}" ]; then  # GLM-4.5 and the Air at vLLM's defaults, profile_peak/ recording each profile run
     mkdir -p $R/peak
     for m in ${PEAK_MODELS:-glm45-fp8-mtp glm45-air-fp8-mtp}; do
+      [ -n "${PEAK_GC:-}" ] && export SB_PROFILE_GC=${PEAK_GC%% *} PEAK_GC=${PEAK_GC#* }  # one mode per model
       PYTHONPATH=$PWD/$EX/profile_peak:$PYTHONPATH SB_PROFILE_PEAK=$R/peak TRUTH_SETTINGS=defaults timeout 240 \
         python3 $EX/truth_run.py $R/peak-$m $MODELS/$m 2>&1 | tail -1 | cut -c1-200
       grep -h "torch peak memory increase" $R/peak-$m/*.log | grep -o "torch peak.*GiB;" 

@@ -260,6 +260,8 @@ class Reserve(BaseModel):
     sampler: float = 0.0  # the dummy sampler run for min(max_num_seqs, tokens) requests
     graph_captures: int = 0  # CUDA graphs vLLM captures (decode FULL and mixed PIECEWISE sizes)
     graph_further: float = 0.0  # of cuda_graphs, what the graphs after each mode's first are charged
+    graph_piecewise: int = 0  # of graph_captures, the PIECEWISE ones (a FULL graph after the first takes 1 MiB)
+    compile_miss: float = 0.0  # of activation, what a start that compiles is taken to keep beyond a warm one
     real_first_start: float = 0.0  # what a cold start on real weights keeps beyond a dummy-weight one (rehearsal)
     max_num_seqs: int = 0
 
@@ -269,11 +271,13 @@ class Reserve(BaseModel):
 
     def terms(self) -> dict[str, float]:
         """Each term in GiB, named as vLLM's log names it."""
+        left = {"of which a first start's compile leaves for Python's collector": self.compile_miss / GiB}
         return {
             "activation peak": self.activation / GiB,
             "of which the forward keeps": (self.forward - self.transient) / GiB,
             "of which the larger of the forward's transient part and the sampler": max(self.transient, self.sampler)
             / GiB,
+            **(left if self.compile_miss else {}),
             "non-torch": self.non_torch / GiB,
             "CUDA-graph estimate": self.cuda_graphs / GiB,
             "memory CUDA does not report": self.cuda_hidden / GiB,

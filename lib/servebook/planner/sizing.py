@@ -51,25 +51,38 @@ def capture_sizes(max_num_seqs: int, max_capture: int = 0) -> list[int]:
 
 # vLLM's profile run is the forward at max_num_batched_tokens, then the dummy sampler run on min(max_num_seqs,
 # tokens) requests (gpu_model_runner.py, profile_run and _dummy_sampler_run) with top-k and top-p set, over the
-# whole vocabulary on every GPU (logits_processor.py all-gathers the TP shards): the bf16 logits, their float32
-# copy, the probabilities and random_sample's exponential noise (4 bytes each) and the top-k/top-p kernel's
-# scratch, 16 bytes per logit (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py). By then the forward's
-# transient buffers are freed and what it keeps is still held, so the torch peak is the kept part plus the larger
-# of the transient part and the sampler. A GQA MoE forward keeps fused_moe's workspaces, which vLLM's workspace
-# manager holds for the process once the largest batch has asked for them (v1/worker/workspace.py;
-# modular_kernel.py, _allocate_buffers), GQA_KEPT_HIDDEN_TENSORS hidden-sized bf16 tensors per token and, where
-# the model has dense layers beside its MoE ones, their MLP's gate/up and activation buffers, less
-# GQA_KEPT_OFFSET_BYTES. Fitted on two shapes: the Qwen3-235B-shaped FP8 mini (151,936 tokens of vocabulary;
-# docs/examples/h200-vllm/run-truth) logged 1.53 GiB more at 1,024 requests than at 128 and 0.79 GiB less at
-# 2,048 batched tokens than at 8,192; GLM-4.5's (a dense first layer 12,288 wide, a shared expert, 96 heads;
-# run-truth-h100, run-truth-glm) logged its peak at DEBUG at five settings, the sampler beside all but 0.2-0.45
-# GiB of its forward. Keeping a share of the forward (0.58, from the first shape alone) put GLM-4.5's peak up to
-# 0.57 GiB low; this form misses its five peaks by at most 0.11 GiB and Qwen3-235B's three KV figures by 0.01 %.
-# A dense model keeps that share: no dense start has been measured.
-SAMPLER_BYTES_PER_LOGIT = 16.0
+# whole vocabulary on every GPU (logits_processor.py all-gathers the TP shards). By then the forward's transient
+# buffers are freed and what it keeps is still held, so the torch peak is the kept part plus the larger of the
+# transient part and the sampler. Under GQA both are read off vLLM 0.25's code and its allocator: the
+# profile_peak/ hook (docs/examples/h200-vllm/run-profile-peak) recorded every allocation alive at the peak of four
+# GLM-4.5-shaped minis (GLM-4.5 and the Air, 2 and 4 layers, H100, 2026-12-06), and these terms give each peak to
+# within 8 MiB once Python's collector has run (below).
+# The sampler: the bf16 logits, their float32 copy (sampler.py:96), the float32 probabilities
+# (topk_topp_sampler.py:141) and random_sample's float32 exponential noise (:434), 14 bytes per logit, 2,148 MiB at
+# 1,024 requests and 151,552 tokens of vocabulary; the top-k/top-p Triton kernel's scratch, one float32 row of the
+# vocabulary per program, as many programs as the GPU has SMs up to the next power of two of the requests
+# (topk_topp_triton.py, 76.3 MiB on an H100's 132); the last hidden states and their random stand-in, bf16.
+GQA_SAMPLER_BYTES_PER_LOGIT = 14.0
+TOP_K_TOP_P_PROGRAMS = 132  # SMs of an H100 or H200
+# What the forward keeps: fused_moe's Triton workspaces, which vLLM's workspace manager holds for the process
+# (v1/worker/workspace.py; modular_kernel.py, _allocate_buffers; triton_moe.py, workspace_shapes: top-k x
+# max(I, H) and top-k x max(2 I, H) per token, bf16: 1,024 MiB for the Air, 1,280 for GLM-4.5 at 8,192 tokens),
+# the model's output hidden states and a buffer of the attention's k and v size (32 MiB at 8,192 tokens on both).
+# A start that compiles (a torch.compile cache miss) also keeps what the compile's run left in reference cycles
+# until profile_run's own gc.collect(): 0, 0.44, 0.50 and 1.53 GiB at vLLM's defaults on the four minis, none on a
+# warm start or with the collector run before the sampler (GLM-4.5 at 4 layers: 5.01 GiB cold, 3.48 collected,
+# 3.48 warm). How much is left depends on when Python's collector last ran, which no shape figure tells: the point
+# is the minis' median, 6.6 hidden-sized bf16 tensors per batched token, with a spread of 13 either way (sizing's
+# activation band). The first GQA fit (six hidden tensors and the dense MLP's buffers kept, 16 bytes per logit)
+# fitted GLM-4.5's 2-layer mini and put the Air's peak 0.50 GiB high.
+GQA_COMPILE_MISS_HIDDEN_TENSORS = 6.6
+GQA_COMPILE_MISS_SPREAD_HIDDEN_TENSORS = 13.0
+# within this share of what vLLM's allocator held at the peak of the four recorded starts (the code-read terms)
+GQA_CODE_READ_ACTIVATION_BAND = 0.03
+# A dense GQA model keeps a share of its forward: no dense start has been measured.
 TRANSIENT_SHARE_GQA = 0.42
-GQA_KEPT_HIDDEN_TENSORS = 6.0
-GQA_KEPT_OFFSET_BYTES = 0.15 * GiB
+# The MLA fits below take the sampler at 16 bytes per logit, as they were fitted with it.
+SAMPLER_BYTES_PER_LOGIT = 16.0
 # MLA's sampler, fitted as a term on top of its forward: the Kimi-shaped mini (163,840) logged 0.41 GiB more at
 # 1,024 requests than at 128 with real weights, and the same peak at 32, 256 and 1,024 on dummy weights: its
 # forward's transient part covers most of the sampler, in a way these starts cannot yet separate.
@@ -118,20 +131,18 @@ GRAPH_PIECEWISE_BYTES_PER_HIDDEN = 144 * 2**20 / 7168
 # heads, 256 and 512 tokens (run-truth-heads, run-truth-h100)
 GRAPH_MLA_FP8_PIECEWISE_EXTRA_BYTES = 84 * 2**20
 GRAPH_EXTRA_BYTES = 2**20
-# Each further PIECEWISE graph is charged what the second-largest capture took from the device. Under GQA that is
-# the 1 MiB floor unless the attention's bf16 output for that many tokens (heads x head_dim per token) reaches 10 MiB:
-# PyTorch's caching allocator gives a request of 10 MiB or more a segment of its own, rounded up to 2 MiB
-# (kMinLargeAlloc, kRoundLarge), where smaller ones share 20 MiB segments the first capture left room in. GLM-4.5's
-# 96 heads logged 12 MiB per graph at vLLM's defaults (496 tokens: 11.6 MiB) and the floor at 128 requests (248
-# tokens: 5.8 MiB), 0.53 GiB of graphs the plan missed (run-truth-h100, run-truth-glm). Block-FP8 MLA logged the
-# floor at every head count: its first PIECEWISE capture frees GiBs of blocks the second one is served from.
-# The held-out GLM-4.5-Air mini (same 96 heads, hidden 4,096, 4 layers; run-truth-air) took 2 MiB, not 12: its
-# first capture left two free 12 MiB segments, GLM-4.5's one (graph_snapshot/ on both), so whether the output
-# finds room depends on how the first capture packed, which one shape's rule cannot tell. The rule stays GLM-4.5's
-# with the 11 MiB spread a graph (truth.GRAPH_PER_GRAPH_SPREAD_BYTES), which holds the Air's 0.90 GiB; one start at
-# the same captures replaces it (truth.Measured.measured_terms_gap).
+# Each further PIECEWISE graph is charged what the second-largest capture took from the device: vLLM's 1 MiB floor,
+# unless the attention's bf16 output for that many tokens (heads x head_dim per token) reaches 10 MiB, PyTorch's
+# size for a segment of its own (kMinLargeAlloc). Then the capture may find no free segment for it: GLM-4.5's 2-layer
+# mini (96 heads; 11.6 MiB at 496 tokens) logged 12 MiB per graph, its own segment rounded to 2 MiB; the same 96
+# heads at 4 layers logged 2 MiB, and so did the GLM-4.5-Air at 4 layers, at 2 layers the floor (run-truth-air,
+# run-profile-peak; graph_snapshot/ showed the Air's first capture leaving free 12 MiB segments GLM-4.5's did
+# not). Which one a shape gets depends on how its first capture packed: the point is the 2 MiB most took, and the
+# graphs' band spreads each further PIECEWISE graph by 11 MiB (truth.GRAPH_PER_GRAPH_SPREAD_BYTES). Block-FP8 MLA
+# logged the floor at every head count: its first PIECEWISE capture frees GiBs of blocks the second one is served
+# from. One start at the same captures replaces the point (truth.Measured.measured_terms_gap).
 GRAPH_OWN_SEGMENT_BYTES = 10 * 2**20
-GRAPH_SEGMENT_ROUNDING = 2 * 2**20
+GRAPH_LARGE_OUTPUT_PER_GRAPH_BYTES = 2 * 2**20
 # A start that compiles (a torch.compile cache miss) profiles with Inductor's compile-time buffers still in torch's
 # peak: the Kimi-shaped mini at vLLM's defaults logged 5.30 GiB on a miss, 4.21 GiB on a hit (warm relaunch and
 # dummy-weight start), 1.2 % of its KV cache. Measured on MLA only; the GQA rows were all misses, their fit holds it.
@@ -179,9 +190,7 @@ def piecewise_per_graph(spec: ModelSpec, piecewise: list[int], tp: int) -> float
     if spec.mla or len(piecewise) < 2:
         return GRAPH_EXTRA_BYTES
     attention_output = spec.heads / tp * spec.head_dim * 2 * piecewise[-2]
-    if attention_output < GRAPH_OWN_SEGMENT_BYTES:
-        return GRAPH_EXTRA_BYTES
-    return math.ceil(attention_output / GRAPH_SEGMENT_ROUNDING) * GRAPH_SEGMENT_ROUNDING
+    return GRAPH_EXTRA_BYTES if attention_output < GRAPH_OWN_SEGMENT_BYTES else GRAPH_LARGE_OUTPUT_PER_GRAPH_BYTES
 
 
 def moe_workspace_bytes(spec: ModelSpec, layout: Layout, tokens: int) -> float:
@@ -196,13 +205,34 @@ def moe_workspace_bytes(spec: ModelSpec, layout: Layout, tokens: int) -> float:
     return tokens * (2 * max(spec.dense_intermediate // layout.tp, 1) + spec.hidden) * 2
 
 
+def triton_moe_workspace_bytes(spec: ModelSpec, layout: Layout, tokens: int) -> float:
+    """Per GPU, fused_moe's Triton workspaces as vLLM 0.25 sizes them (TritonExperts.workspace_shapes), held by its
+    workspace manager once the profile forward has asked for them; tokens gathered over DP as moe_workspace_bytes
+    says."""
+    inter = spec.expert_intermediate // max(layout.moe_tp, 1)
+    per_token = spec.experts_per_token * (max(inter, spec.hidden) + max(2 * inter, spec.hidden)) * 2
+    return tokens * layout.dp * per_token
+
+
 def gqa_kept_bytes(spec: ModelSpec, layout: Layout, tokens: int, forward: float) -> float:
-    """Per GPU, what a GQA MoE forward still holds when vLLM's profile runs the sampler after it."""
-    if not spec.is_moe:
+    """Per GPU, what a GQA forward still holds when vLLM's profile runs the sampler after it (a warm start's)."""
+    if not (spec.is_moe and spec.expert_intermediate):
         return (1 - TRANSIENT_SHARE_GQA) * forward
-    dense = 3 * spec.dense_intermediate // max(layout.tp, 1) * 2 if spec.dense_layers else 0
-    kept = moe_workspace_bytes(spec, layout, tokens) + tokens * (GQA_KEPT_HIDDEN_TENSORS * spec.hidden * 2 + dense)
-    return min(max(kept - GQA_KEPT_OFFSET_BYTES, 0.0), forward)
+    kv = 2 * max(spec.kv_heads // layout.tp, 1) * spec.head_dim * 2
+    return triton_moe_workspace_bytes(spec, layout, tokens) + tokens * (spec.hidden * 2 + kv)
+
+
+def gqa_compile_miss_bytes(
+    spec: ModelSpec, tokens: int, hidden_tensors: float = GQA_COMPILE_MISS_HIDDEN_TENSORS
+) -> float:
+    """Per GPU, what a GQA MoE start that compiles keeps beyond a warm one at its sampler (:data:`GQA_COMPILE_MISS_HIDDEN_TENSORS`)."""
+    return hidden_tensors * tokens * spec.hidden * 2 if spec.is_moe and spec.expert_intermediate else 0.0
+
+
+def gqa_sampler_bytes(spec: ModelSpec, requests: int) -> float:
+    """Per GPU, vLLM 0.25's dummy sampler run for ``requests`` requests under GQA (:data:`GQA_SAMPLER_BYTES_PER_LOGIT`)."""
+    programs = min(2 ** math.ceil(math.log2(max(requests, 1))), TOP_K_TOP_P_PROGRAMS)
+    return (requests * GQA_SAMPLER_BYTES_PER_LOGIT + programs * 4) * spec.vocab + 2 * requests * spec.hidden * 2
 
 
 def reserve_for(
@@ -220,6 +250,7 @@ def reserve_for(
     tp = layout.tp
     moe = moe_workspace_bytes(spec, layout, tokens)
     logits = min(seqs, tokens) * spec.vocab
+    compile_miss = 0.0
     if spec.mla and spec.quant.method == "fp8":
         kept = MLA_FP8_KEPT_BYTES + MLA_FP8_KEPT_PER_MOE * moe
         transient = max(
@@ -236,8 +267,10 @@ def reserve_for(
         transient, sampler = 0.0, logits * MLA_SAMPLER_BYTES_PER_LOGIT  # on top of the whole forward, as fitted
     else:
         attention = tokens * (spec.heads + 2 * spec.kv_heads) * spec.head_dim * 2 / tp
-        forward = ACTIVATION_FACTOR * (moe + attention)
-        transient, sampler = forward - gqa_kept_bytes(spec, layout, tokens, forward), logits * SAMPLER_BYTES_PER_LOGIT
+        compile_miss = 0.0 if serving.compile_cache_hit else gqa_compile_miss_bytes(spec, tokens)
+        kept = gqa_kept_bytes(spec, layout, tokens, ACTIVATION_FACTOR * (moe + attention)) + compile_miss
+        forward = max(ACTIVATION_FACTOR * (moe + attention), kept)
+        transient, sampler = forward - kept, gqa_sampler_bytes(spec, min(seqs, tokens))
     collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 else 0.0
     graphs, captures, further_graphs = graph_estimate(spec, serving, seqs, tokens, max_model_len, tp)
     return Reserve(
@@ -251,6 +284,8 @@ def reserve_for(
         sampler=sampler,
         graph_captures=captures,
         graph_further=further_graphs,
+        graph_piecewise=len(capture_sizes(seqs, serving.max_capture_size)) if not serving.enforce_eager else 0,
+        compile_miss=compile_miss,
         max_num_seqs=seqs,
         real_first_start=real_first_start_bytes(spec, tokens),
     )
@@ -393,10 +428,14 @@ def _term_bands(spec: ModelSpec, layout: Layout, prov: truth.Provenance) -> dict
     bands = truth.term_bands(
         prov,
         reserve.cuda_graphs,
-        reserve.graph_captures,
+        reserve.graph_piecewise,
         (truth.attention_kind(spec), spec.quant.method),
         further=reserve.graph_further,
     )
+    if prov == "calibrated" and reserve.compile_miss and reserve.sampler >= reserve.transient:
+        spread = reserve.compile_miss * GQA_COMPILE_MISS_SPREAD_HIDDEN_TENSORS / GQA_COMPILE_MISS_HIDDEN_TENSORS
+        read = GQA_CODE_READ_ACTIVATION_BAND * (reserve.activation - reserve.compile_miss)
+        bands["activation"] = max(bands["activation"], (read + spread) / reserve.activation)
     if layout.graphs_measured_by is not None:
         bands["cuda_graphs"] = truth.TERM_BANDS["measured"]["cuda_graphs"]
     return bands

@@ -46,12 +46,12 @@ TERM_BANDS: dict[Provenance, dict[str, float]] = {
 }
 # The CUDA-graph estimate's two parts (sizing.graph_estimate): the first capture, from vLLM's own rule per request,
 # head and value dimension (within 3.5 % of every FULL first capture logged, 7 % of block-FP8 MLA's PIECEWISE
-# ones), and what each further graph takes: vLLM's 1 MiB floor, or under GQA the allocator segment of an attention
-# output of 10 MiB or more (sizing.GRAPH_OWN_SEGMENT_BYTES). That segment rule was read off the GLM-4.5 mini's two
-# per-graph figures (12 MiB, and the floor at half the tokens), so a further graph keeps a spread of 11 MiB where
-# it has not been seen (the INT4 Kimi mini's took 2 MiB, and so did the held-out GLM-4.5-Air mini's, where the rule
-# said 12: run-truth-air). Block-FP8 MLA has been: all 38 modes logged by its 19 starts (run-truth-h100,
-# run-truth-heads) took 1.00 MiB per graph.
+# ones), and what each further PIECEWISE graph takes (a further FULL graph took vLLM's 1 MiB floor on all 54 logs
+# that say): the floor, or under GQA, where the attention output reaches 10 MiB, the 2 MiB most such second
+# captures took (sizing.GRAPH_LARGE_OUTPUT_PER_GRAPH_BYTES). Four GLM-4.5-shaped minis at the same 96 heads took 1,
+# 2, 2 and 12 MiB (run-truth-h100, run-truth-air, run-profile-peak), and the INT4 Kimi mini 2: how the first capture
+# packed decides, so a further PIECEWISE graph keeps a spread of 11 MiB. Block-FP8 MLA has none: all 38 modes
+# logged by its 19 starts (run-truth-h100, run-truth-heads) took 1.00 MiB per graph.
 GRAPH_FIRST_CAPTURE_BAND = 0.07
 GRAPH_PER_GRAPH_SPREAD_BYTES = 11 * 2**20
 GRAPH_PER_GRAPH_SPREAD_MEASURED = {("mla", "fp8"): 0.0}  # (attention kind, quantization): the spread seen
@@ -322,28 +322,30 @@ def learned(
     )  # fmt: skip
 
 
-def graph_band(graph_bytes: float, captures: int, kind: tuple[str, str], further_bytes: float) -> float:
-    """The CUDA-graph estimate's relative band at first contact: its first capture's and its further graphs'
-    (``kind``: attention kind and quantization, which decide how far a further graph has been seen to pass what
-    it is charged; ``further_bytes``: what the further graphs are charged, sizing.graph_estimate's third figure)."""
+def graph_band(graph_bytes: float, piecewise: int, kind: tuple[str, str], further_bytes: float) -> float:
+    """The CUDA-graph estimate's relative band at first contact: its first captures' and its further PIECEWISE
+    graphs' (``piecewise``: how many PIECEWISE graphs; a FULL graph after the first took vLLM's 1 MiB floor on all
+    54 committed logs that say; ``kind``: attention kind and quantization, which decide how far a further graph has
+    been seen to pass what it is charged; ``further_bytes``: what the further graphs are charged,
+    sizing.graph_estimate's third figure)."""
     if graph_bytes <= 0:
         return 0.0
-    further = max(captures - 2, 0)
+    further = max(piecewise - 1, 0)
     first = max(graph_bytes - further_bytes, 0.0)
     spread = GRAPH_PER_GRAPH_SPREAD_MEASURED.get(kind, GRAPH_PER_GRAPH_SPREAD_BYTES)
     return (GRAPH_FIRST_CAPTURE_BAND * first + spread * further) / graph_bytes
 
 
-# GQA's activation where the fit is applied: the widest miss of a GQA start logged at DEBUG is 9 % (the MiniMax mini's
-# forward); GLM-4.5's mini, 24 % above the share form at 512 requests, is within 4 % of the kept-buffers form
-# (sizing.gqa_kept_bytes)
+# GQA's activation where the fit is applied: the widest miss of a GQA start logged at DEBUG where the forward sets the
+# peak is 9 % (the MiniMax mini's); where the sampler sets it, the plan's terms are vLLM's own within 3 % and what a
+# cold compile leaves for the collector widens the band (sizing._term_bands, GQA_COMPILE_MISS_SPREAD_HIDDEN_TENSORS)
 GQA_CALIBRATED_ACTIVATION_BAND = 0.15
 
 
 def term_bands(
     prov: Provenance,
     graph_bytes: float = 0.0,
-    captures: int = 0,
+    piecewise: int = 0,
     kind: tuple[str, str] = ("gqa", "none"),
     further: float = 0.0,
 ) -> dict[str, float]:
@@ -351,8 +353,8 @@ def term_bands(
     bands = dict(TERM_BANDS[prov])
     if prov == "calibrated" and kind[0] == "gqa":
         bands["activation"] = GQA_CALIBRATED_ACTIVATION_BAND
-    if prov != "measured" and captures:
-        bands["cuda_graphs"] = graph_band(graph_bytes, captures, kind, further)
+    if prov != "measured" and piecewise:
+        bands["cuda_graphs"] = graph_band(graph_bytes, piecewise, kind, further)
     return bands
 
 

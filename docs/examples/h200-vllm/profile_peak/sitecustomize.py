@@ -18,6 +18,9 @@ import os
 import sys
 
 OUT = os.environ.get("SB_PROFILE_PEAK")
+# SB_PROFILE_GC=collect runs Python's garbage collector before the sampler; =off keeps it off through the profile
+# run: whether what the forward leaves alive is garbage in reference cycles awaiting the collector
+GC = os.environ.get("SB_PROFILE_GC", "")
 TARGET = "vllm.v1.worker.gpu_model_runner"
 MiB = 1 << 20
 
@@ -59,22 +62,35 @@ def describe(label: str, peak: int, base: int, live: dict) -> list[str]:
 
 
 def patch(module) -> None:
+    import gc
+
     import torch
 
     runner = module.GPUModelRunner
     original = runner.profile_run
+    sampler_run = runner._dummy_sampler_run
+
+    def collected_first(self, *args, **kwargs):
+        if GC == "collect":
+            gc.collect()
+        return sampler_run(self, *args, **kwargs)
+
+    runner._dummy_sampler_run = collected_first
 
     def recorded(self, *args, **kwargs):
         torch.cuda.synchronize()
         base, peak_before = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
         torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
+        if GC == "off":
+            gc.disable()
         try:
             return original(self, *args, **kwargs)
         finally:
+            gc.enable()
             torch.cuda.synchronize()
             snapshot = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
-            lines = [f"profile_run: allocated {base / MiB:.1f} MiB at its start; torch's peak {peak_before / MiB:.1f}"
+            lines = [f"profile_run (SB_PROFILE_GC={GC or 'unset'}): allocated {base / MiB:.1f} MiB at its start; torch's peak {peak_before / MiB:.1f}"
                      f" MiB before it, {torch.cuda.max_memory_allocated() / MiB:.1f} after"]  # fmt: skip
             try:
                 trace = snapshot.get("device_traces", [[]])[torch.cuda.current_device()]
