@@ -16,7 +16,8 @@
 #          defaults alone with graph_snapshot/, inside the go call);
 #          SHAPES=glm+air (kit1) both GLM-4.5 shapes; PEAK=1 (go) each at vLLM's defaults with profile_peak/
 #          recording what the profile run holds at its peak (PEAK_MODELS names others: SHAPES=peak-layers builds
-#          GLM-4.5 at 4 layers and the Air at 2, glm45-4l-fp8 and glm45-air-2l-fp8; PEAK_GC="collect off", one
+#          GLM-4.5 at 4 layers and the Air at 2, glm45-4l-fp8 and glm45-air-2l-fp8; SHAPES=air-deep the Air at 8
+#          and 16 layers, glm45-air-8l-fp8 and glm45-air-16l-fp8; PEAK_GC="collect off", one
 #          SB_PROFILE_GC mode per model, in order);
 #          SHAPES=air REPEAT=1 (go) the Air at vLLM's defaults three times (cold DEBUG, INFO, DEBUG);
 #          SHAPES=air PLAIN='batched 2048, 8k context' (go) the Air at those settings, no hook;
@@ -41,6 +42,11 @@ kit1)
     python3 $EX/mkglm.py $MODELS/glm45-4l-fp8 --tokenizer /tmp/tok --layers 4 --mtp 0 2>&1 | tail -1
     python3 $EX/mkglm.py $MODELS/glm45-air-2l-fp8 --tokenizer /tmp/tok --layers 2 --mtp 0 --shape glm-4.5-air \
       2>&1 | tail -1
+  elif [ "${SHAPES:-}" = air-deep ]; then  # the Air at 8 and 16 layers: does a deeper model leave more behind?
+    for l in 8 16; do
+      python3 $EX/mkglm.py $MODELS/glm45-air-${l}l-fp8 --tokenizer /tmp/tok --layers $l --mtp 0 --shape glm-4.5-air \
+        2>&1 | tail -1
+    done
   elif [ "${SHAPES:-}" = glm ]; then  # GLM-4.5 alone, for its activation at half the requests and half the tokens
     python3 $EX/mkglm.py $MODELS/glm45-fp8-mtp --tokenizer /tmp/tok --layers 2 --mtp 1 2>&1 | tail -1
   elif [ "${SHAPES:-}" = small ]; then  # held out of the FP8-MLA fit: hidden 2048, top-6 of 1,408-wide experts
