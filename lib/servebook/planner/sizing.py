@@ -143,9 +143,9 @@ GRAPH_EXTRA_BYTES = 2**20
 # from. One start at the same captures replaces the point (truth.Measured.measured_terms_gap).
 GRAPH_OWN_SEGMENT_BYTES = 10 * 2**20
 GRAPH_LARGE_OUTPUT_PER_GRAPH_BYTES = 2 * 2**20
-# A start that compiles (a torch.compile cache miss) profiles with Inductor's compile-time buffers still in torch's
-# peak: the Kimi-shaped mini at vLLM's defaults logged 5.30 GiB on a miss, 4.21 GiB on a hit (warm relaunch and
-# dummy-weight start), 1.2 % of its KV cache. Measured on MLA only; the GQA rows were all misses, their fit holds it.
+# A start that compiles (a torch.compile cache miss) profiles with what the compile's run left for Python's
+# collector still in torch's peak (on GQA, GQA_COMPILE_MISS_HIDDEN_TENSORS): the Kimi-shaped mini at vLLM's
+# defaults logged 5.30 GiB on a miss, 4.21 GiB on a hit (warm relaunch and dummy-weight start), 1.2 % of its KV cache.
 MLA_COMPILE_MISS_BYTES = 1.09 * GiB
 # Dummy weights never add it: the Kimi-shaped mini's dummy starts logged the warm figure also when they compiled
 # cold, and its first real start after a rehearsal sized 0.285 % fewer KV tokens than the rehearsal, twice (0.28 GiB

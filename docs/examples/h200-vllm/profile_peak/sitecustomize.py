@@ -1,8 +1,10 @@
 """Issue #40's lead on the GQA activation: what vLLM 0.25's profile run holds at its torch peak. The GLM-4.5 mini
-keeps 239 kB per batched token beside its sampler, the GLM-4.5-Air and Qwen3-235B minis 137 kB (run-truth-h100,
+kept 239 kB per batched token beside its sampler, the GLM-4.5-Air and Qwen3-235B minis 137 kB (run-truth-h100,
 run-truth-air, run-truth); fused_moe's Triton workspaces alone are 164 and 131 kB. This hook records PyTorch's
 allocator through ``GPUModelRunner.profile_run`` and writes, at the peak of the whole run and at the forward's own
-peak, which allocations were alive, from which Python frames: the answer to "what is the rest".
+peak, which allocations were alive, from which Python frames: the answer to "what is the rest" (run-profile-peak,
+2026-12-06): the output hidden states, and on a start that compiles, forward tensors the compile's run left in
+reference cycles until profile_run's gc.collect() (SB_PROFILE_GC=collect runs the collector first; none are left).
 
 Used only by on-h200-truth.sh (PEAK=1): ``PYTHONPATH=<this folder>:$PYTHONPATH SB_PROFILE_PEAK=DIR`` on the truth
 run, one ``DIR/peak-PID.txt`` per start. Python imports ``sitecustomize`` in every process, vLLM's engine included;
