@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/gqa_activation_terms.py
 
 For each start (docs/examples/h200-vllm: run-truth-h100 and run-truth-glm for GLM-4.5 at 2 layers, run-truth-air
-for the Air at 4, run-profile-peak for GLM-4.5 at 4 layers and the Air at 2; one H100, vLLM 0.25) prints vLLM's
+for the Air at 4, run-profile-peak for GLM-4.5 at 4 layers and the Air at 2, 8 and 16; one H100, vLLM 0.25) prints vLLM's
 torch peak, the plan's code-read terms for a warm start (the sampler, fused_moe's Triton workspaces, what the
 forward keeps), what the cold start kept beyond them (the compile's garbage, freed by gc.collect()), and the
 plan's first-contact KV tokens against vLLM's with its band; then the garbage's spread against the point the plan
@@ -32,6 +32,8 @@ STARTS = [  # (folder, model, config, settings)
     ("run-profile-peak", "glm45-4l-fp8", None, ("defaults",)),
     ("run-truth-air", "glm45-air-fp8-mtp", None, ("defaults", "max_num_seqs 128", "batched 2048, 8k context")),
     ("run-profile-peak", "glm45-air-2l-fp8", None, ("defaults",)),
+    ("run-profile-peak", "glm45-air-8l-fp8", None, ("defaults",)),
+    ("run-profile-peak", "glm45-air-16l-fp8", None, ("defaults",)),
 ]
 
 
@@ -62,8 +64,8 @@ def main() -> None:
                   f"{left:+6.2f} {100 * kv:+7.2f} % ±{100 * band.band:.2f} {'in' if band.contains(logged.kv_cache_tokens) else 'OUT'}")  # fmt: skip
     print(f"\nleft by a cold compile, hidden-sized bf16 tensors per batched token, where the sampler sets the peak:"
           f" {', '.join(f'{x:.1f}' for x in sorted(left_per_token))}; median {statistics.median(left_per_token):.1f}"
-          f" (the plan charges {sizing.GQA_COMPILE_MISS_HIDDEN_TENSORS}, spread"
-          f" ±{sizing.GQA_COMPILE_MISS_SPREAD_HIDDEN_TENSORS})")  # fmt: skip
+          f" (the plan charges {sizing.GQA_COMPILE_MISS_HIDDEN_TENSORS}; its band reaches none and"
+          f" sizing.gqa_compile_garbage_bound)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -69,14 +69,14 @@ TOP_K_TOP_P_PROGRAMS = 132  # SMs of an H100 or H200
 # max(I, H) and top-k x max(2 I, H) per token, bf16: 1,024 MiB for the Air, 1,280 for GLM-4.5 at 8,192 tokens),
 # the model's output hidden states and a buffer of the attention's k and v size (32 MiB at 8,192 tokens on both).
 # A start that compiles (a torch.compile cache miss) also keeps what the compile's run left in reference cycles
-# until profile_run's own gc.collect(): 0, 0.44, 0.50 and 1.53 GiB at vLLM's defaults on the four minis, none on a
+# until profile_run's own gc.collect(): 0, 0.44, 0.50 and 1.53 GiB at vLLM's defaults on the four minis (the Air at 8 and 16 layers 1.43), none on a
 # warm start or with the collector run before the sampler (GLM-4.5 at 4 layers: 5.01 GiB cold, 3.48 collected,
 # 3.48 warm). How much is left depends on when Python's collector last ran, which no shape figure tells: the point
-# is the minis' median, 6.6 hidden-sized bf16 tensors per batched token, with a spread of 13 either way (sizing's
-# activation band). The first GQA fit (six hidden tensors and the dense MLP's buffers kept, 16 bytes per logit)
+# is the minis' median, 6.6 hidden-sized bf16 tensors per batched token; the band reaches from none to the most
+# seen, one set of tensors per distinct compiled piece (gqa_compile_garbage_bound: 1.53 GiB for GLM-4.5 at 4
+# layers, 1.43 for the Air at 8 and at 16 layers alike, 20-22 hidden tensors). The first GQA fit (six hidden tensors and the dense MLP's buffers kept, 16 bytes per logit)
 # fitted GLM-4.5's 2-layer mini and put the Air's peak 0.50 GiB high.
 GQA_COMPILE_MISS_HIDDEN_TENSORS = 6.6
-GQA_COMPILE_MISS_SPREAD_HIDDEN_TENSORS = 13.0
 # within this share of what vLLM's allocator held at the peak of the four recorded starts (the code-read terms)
 GQA_CODE_READ_ACTIVATION_BAND = 0.03
 # A dense GQA model keeps a share of its forward: no dense start has been measured.
@@ -227,6 +227,25 @@ def gqa_compile_miss_bytes(
 ) -> float:
     """Per GPU, what a GQA MoE start that compiles keeps beyond a warm one at its sampler (:data:`GQA_COMPILE_MISS_HIDDEN_TENSORS`)."""
     return hidden_tensors * tokens * spec.hidden * 2 if spec.is_moe and spec.expert_intermediate else 0.0
+
+
+def gqa_compile_garbage_bound(spec: ModelSpec, layout: Layout, tokens: int) -> float:
+    """Per GPU, the most a GQA MoE start that compiles was seen to leave for Python's collector at its sampler:
+    one set of tensors for each distinct compiled piece between two attentions, as the four-layer GLM-4.5 and the
+    Air at 8 and 16 layers left them (run-profile-peak): from a dense layer's o_proj to the next attention, a query
+    and a hidden state; from a MoE layer's, three queries, a q/k/v, three hidden states and 2 kB; from the last
+    one, three hidden states and the router's float32 logits."""
+    if not (spec.is_moe and spec.expert_intermediate):
+        return 0.0
+    q = spec.heads / layout.tp * spec.head_dim * 2
+    qkv = (spec.heads + 2 * spec.kv_heads) / layout.tp * spec.head_dim * 2
+    hidden = spec.hidden * 2
+    per_token = 3 * hidden + spec.experts * 4
+    if spec.dense_layers:
+        per_token += q + hidden
+    if spec.moe_layers >= 2:
+        per_token += 3 * q + qkv + 3 * hidden + 2048
+    return tokens * per_token
 
 
 def gqa_sampler_bytes(spec: ModelSpec, requests: int) -> float:
@@ -433,7 +452,8 @@ def _term_bands(spec: ModelSpec, layout: Layout, prov: truth.Provenance) -> dict
         further=reserve.graph_further,
     )
     if prov == "calibrated" and reserve.compile_miss and reserve.sampler >= reserve.transient:
-        spread = reserve.compile_miss * GQA_COMPILE_MISS_SPREAD_HIDDEN_TENSORS / GQA_COMPILE_MISS_HIDDEN_TENSORS
+        bound = gqa_compile_garbage_bound(spec, layout, reserve.tokens)
+        spread = max(bound - reserve.compile_miss, reserve.compile_miss)
         read = GQA_CODE_READ_ACTIVATION_BAND * (reserve.activation - reserve.compile_miss)
         bands["activation"] = max(bands["activation"], (read + spread) / reserve.activation)
     if layout.graphs_measured_by is not None:

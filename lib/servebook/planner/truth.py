@@ -338,7 +338,7 @@ def graph_band(graph_bytes: float, piecewise: int, kind: tuple[str, str], furthe
 
 # GQA's activation where the fit is applied: the widest miss of a GQA start logged at DEBUG where the forward sets the
 # peak is 9 % (the MiniMax mini's); where the sampler sets it, the plan's terms are vLLM's own within 3 % and what a
-# cold compile leaves for the collector widens the band (sizing._term_bands, GQA_COMPILE_MISS_SPREAD_HIDDEN_TENSORS)
+# cold compile leaves for the collector widens the band (sizing._term_bands, gqa_compile_garbage_bound)
 GQA_CALIBRATED_ACTIVATION_BAND = 0.15
 
 
