@@ -240,7 +240,7 @@ def gqa_compile_garbage_bound(spec: ModelSpec, layout: Layout, tokens: int) -> f
     q = spec.heads / layout.tp * spec.head_dim * 2
     qkv = (spec.heads + 2 * spec.kv_heads) / layout.tp * spec.head_dim * 2
     hidden = spec.hidden * 2
-    per_token = 3 * hidden + spec.experts * 4
+    per_token: float = 3 * hidden + spec.experts * 4
     if spec.dense_layers:
         per_token += q + hidden
     if spec.moe_layers >= 2:
