@@ -69,13 +69,14 @@ TOP_K_TOP_P_PROGRAMS = 132  # SMs of an H100 or H200
 # max(I, H) and top-k x max(2 I, H) per token, bf16: 1,024 MiB for the Air, 1,280 for GLM-4.5 at 8,192 tokens),
 # the model's output hidden states and a buffer of the attention's k and v size (32 MiB at 8,192 tokens on both).
 # A start that compiles (a torch.compile cache miss) also keeps what the compile's run left in reference cycles
-# until profile_run's own gc.collect(): 0, 0.44, 0.50 and 1.53 GiB at vLLM's defaults on the four minis (the Air at 8 and 16 layers 1.43), none on a
-# warm start or with the collector run before the sampler (GLM-4.5 at 4 layers: 5.01 GiB cold, 3.48 collected,
-# 3.48 warm). How much is left depends on when Python's collector last ran, which no shape figure tells: the point
+# until profile_run's own gc.collect(): 0, 0.44, 0.50 and 1.53 GiB at vLLM's defaults on the four minis (the Air
+# at 8 and 16 layers 1.43), none on a warm start or with the collector run before the sampler (GLM-4.5 at 4
+# layers: 5.01 GiB cold, 3.48 collected, 3.48 warm). How much is left depends on when Python's collector last ran, which no shape figure tells: the point
 # is the minis' median, 6.6 hidden-sized bf16 tensors per batched token; the band reaches from none to the most
 # seen, one set of tensors per distinct compiled piece (gqa_compile_garbage_bound: 1.53 GiB for GLM-4.5 at 4
-# layers, 1.43 for the Air at 8 and at 16 layers alike, 20-22 hidden tensors). The first GQA fit (six hidden tensors and the dense MLP's buffers kept, 16 bytes per logit)
-# fitted GLM-4.5's 2-layer mini and put the Air's peak 0.50 GiB high.
+# layers, 1.43 for the Air at 8 and at 16 layers alike, 20-22 hidden tensors). The first GQA fit (six hidden
+# tensors and the dense MLP's buffers kept, 16 bytes per logit) fitted GLM-4.5's 2-layer mini and put the Air's peak
+# 0.50 GiB high.
 GQA_COMPILE_MISS_HIDDEN_TENSORS = 6.6
 # within this share of what vLLM's allocator held at the peak of the four recorded starts (the code-read terms)
 GQA_CODE_READ_ACTIVATION_BAND = 0.03
@@ -222,11 +223,12 @@ def gqa_kept_bytes(spec: ModelSpec, layout: Layout, tokens: int, forward: float)
     return triton_moe_workspace_bytes(spec, layout, tokens) + tokens * (spec.hidden * 2 + kv)
 
 
-def gqa_compile_miss_bytes(
-    spec: ModelSpec, tokens: int, hidden_tensors: float = GQA_COMPILE_MISS_HIDDEN_TENSORS
-) -> float:
-    """Per GPU, what a GQA MoE start that compiles keeps beyond a warm one at its sampler (:data:`GQA_COMPILE_MISS_HIDDEN_TENSORS`)."""
-    return hidden_tensors * tokens * spec.hidden * 2 if spec.is_moe and spec.expert_intermediate else 0.0
+def gqa_compile_miss_bytes(spec: ModelSpec, tokens: int) -> float:
+    """Per GPU, what a GQA MoE start that compiles is taken to keep beyond a warm one at its sampler
+    (:data:`GQA_COMPILE_MISS_HIDDEN_TENSORS`)."""
+    if not (spec.is_moe and spec.expert_intermediate):
+        return 0.0
+    return GQA_COMPILE_MISS_HIDDEN_TENSORS * tokens * spec.hidden * 2
 
 
 def gqa_compile_garbage_bound(spec: ModelSpec, layout: Layout, tokens: int) -> float:
@@ -249,7 +251,8 @@ def gqa_compile_garbage_bound(spec: ModelSpec, layout: Layout, tokens: int) -> f
 
 
 def gqa_sampler_bytes(spec: ModelSpec, requests: int) -> float:
-    """Per GPU, vLLM 0.25's dummy sampler run for ``requests`` requests under GQA (:data:`GQA_SAMPLER_BYTES_PER_LOGIT`)."""
+    """Per GPU, vLLM 0.25's dummy sampler run for ``requests`` requests under GQA
+    (:data:`GQA_SAMPLER_BYTES_PER_LOGIT`)."""
     programs = min(2 ** math.ceil(math.log2(max(requests, 1))), TOP_K_TOP_P_PROGRAMS)
     return (requests * GQA_SAMPLER_BYTES_PER_LOGIT + programs * 4) * spec.vocab + 2 * requests * spec.hidden * 2
 
