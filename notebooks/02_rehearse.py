@@ -78,6 +78,7 @@ bench_e2el_slo_ms: float = 0.0  # end-to-end latency objective in ms; 0 means no
 bench_request_timeout_s: float = 600.0  # a request without a complete answer by then counts as failed
 bench_client_processes: int = 0  # client processes sharing the streams; 0 doubles them past half a core each
 download_revision: str = "main"  # branch, tag or commit to fetch
+model_store: str = "~/.cache/huggingface"  # where checkpoints live; its free space is checked
 layout_from_plan: bool = False  # launch with the plan's recommended layout instead of the params' layout
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
 served_model_name: str = ""  # name clients use; empty means the model folder's name

@@ -166,7 +166,7 @@ class RehearsalRecord(Record):
 
     FILE = "02_rehearse"
 
-    model_path: str  # config, tokenizer and index the dummy starts read (the download's folder, or its headers)
+    model_path: str  # config, tokenizer and index the dummy starts read (the download's folder, headers first)
     routing: str  # the routing simulation every candidate ran with ("" where none)
     routing_note: str = ""  # why none ran
     ranked_by: Literal["goodput", "output tok/s"]
@@ -334,6 +334,8 @@ class PlanCheck(BaseModel):
     reserve_terms: dict[str, tuple[float, float | None]] = {}
     # the plan's band for each figure it stated one for (planner.truth), by the names above
     bands: dict[str, planner.truth.Band] = {}
+    # the start the figures were planned for (cold compile or compile-cache hit) and what the KV figure rests on
+    planned_for: str = ""
 
     @classmethod
     def of(cls, predicted: planner.Layout, reported: LogValues) -> PlanCheck:
@@ -352,9 +354,15 @@ class PlanCheck(BaseModel):
             reserve_terms[LEFT_BY_KV_MEMORY] = left
         named = {"KV tokens": "kv_tokens", "weights per GPU": "weights_gib", **BAND_OF_TERM}
         bands = {name: predicted.bands[key] for name, key in named.items() if key in predicted.bands}
+        start = {
+            "True": "a start that loads torch.compile's cache (one with the same compile key ran before)",
+            "False": "a start that compiles cold",
+        }.get(predicted.settings.get("compile_cache_hit", ""), "")
+        kv = predicted.bands.get("kv_tokens")
         return cls(
             layout=predicted.name,
             bands=bands,
+            planned_for="; KV: ".join(part for part in (start, kv.basis if kv else "") if part),
             predicted_kv_tokens=predicted.max_kv_tokens,
             reported_kv_tokens=reported.kv_cache_tokens,
             predicted_weight_gib=weight_gib,
@@ -394,6 +402,8 @@ class PlanCheck(BaseModel):
         for name, (plan, logged) in self.reserve_terms.items():
             vllm = "—" if logged is None else _size(logged)
             rows.append(f"| {name} | {_size(plan)} | {vllm} | {verdicts.get(name, '')} |")
+        if self.planned_for:
+            rows += ["", f"Planned for {self.planned_for}."]
         return "\n".join(rows)
 
     def worst_term(self) -> str:

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from servebook import bench, planner, server
+from servebook import bench, planner, server, startup, vllm_compat
 from servebook.ab import variant_config
 from servebook.errors import LaunchError, PreflightError
 from servebook.levels import Level, SweepConfig
@@ -279,6 +279,8 @@ class Runner:
             return found
         try:
             self._logged(found, launch, spec)
+            if launch.timeline and not launch.reused:  # the real launch of this command will load its compile cache
+                startup.remember_launch(cfg, launch.timeline, launch.values.vllm_version or vllm_compat.vllm_version())
             swept = bench.sweep(
                 cfg.target(self.sweep_cfg.request_timeout_s), cfg.model_path, self.sweep_cfg, self.out_dir / spec.slug,
                 log=self.log, table_prefix="sweep", drop_when=drop_rule(leader),

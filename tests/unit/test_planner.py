@@ -1097,9 +1097,11 @@ def test_the_launch_record_says_whether_each_figure_fell_inside_the_plans_band(m
         verdicts = PlanCheck.of(held_out(model, setting), logged).band_verdicts()
         assert set(verdicts) == {"KV tokens", "weights per GPU", "activation peak", "non-torch", "CUDA-graph estimate"}
         assert all(v.endswith("· inside") for v in verdicts.values()), (setting, verdicts)
-    table = PlanCheck.of(held_out(model, setting), logged).markdown().splitlines()
+    shown, said = PlanCheck.of(held_out(model, setting), logged).markdown().split("\n\n")
+    table = shown.splitlines()
     assert table[0].endswith("| plan | vLLM | plan's band |") and table[2].startswith("| KV tokens |")
     assert all(row.count("|") == 5 for row in table) and "· inside |" in table[2]
+    assert said == "Planned for a start that compiles cold."  # truth_run's vllm serve: a fresh compile each
     beyond = logged.model_copy(update={"activation_peak_gib": 3 * logged.activation_peak_gib})
     verdict = PlanCheck.of(held_out(model, setting), beyond).band_verdicts()["activation peak"]
     assert verdict.endswith("· outside") and verdict.startswith("±")
@@ -1486,3 +1488,59 @@ def test_a_gqa_profile_peak_is_vllms_sampler_and_workspaces_plus_what_a_cold_com
                         serving=planner.Serving(vllm_version="0.25.0", compile_cache_hit=True)).layouts[0]  # fmt: skip
     assert warm.reserve is not None and warm.reserve.activation / GiB == pytest.approx(3.48, abs=0.01)
     assert abs(warm.max_kv_tokens / warm_log.kv_cache_tokens - 1) < 0.003
+
+
+def test_a_start_that_finds_its_compile_cache_is_planned_without_what_a_cold_compile_leaves():
+    """A start that loads torch.compile's artefacts (a rehearsal or launch of the same compile key ran before) is
+    sized without the cold compile's garbage, layout by layout, and says so in the history's key; with nothing
+    left for the collector the code-read terms are vLLM's peak, so the activation's band is theirs (3 %), and the
+    GLM-4.5 mini relaunched warm (3.48 GiB) is planned within 0.3 % at first contact, inside a band under 3 %.
+    Learned from its cold start (5.01 GiB, 1.53 GiB of it left for the collector), only the weights and CUDA
+    graphs vLLM logged are taken: the rest of that start's figure is the garbage this start will not keep."""
+    from servebook.vllm_log import read_values
+
+    gpu = planner.Device.for_gpu(gpus.lookup("NVIDIA H100 80GB HBM3"), 1, memory_bytes=H100_NVML_BYTES)
+    shape = modelspec.load(str(PEAK_RUN / "glm45-4l-fp8-config.json"))
+    cold_log = read_values(truth_log(PEAK_RUN, "glm45-4l-fp8", "defaults"))
+    warm_log = read_values((PEAK_RUN / "warm" / "glm45-4l-fp8-defaults.log").read_text())
+    assert (cold_log.compile_cache, warm_log.compile_cache) == ("miss", "hit")
+
+    def glm(warm: frozenset[str] = frozenset(), history=()) -> planner.Layout:
+        serving = planner.Serving(vllm_version="0.25.0", warm_layouts=warm)
+        return planner.plan(shape, gpu, max_model_len=4096, serving=serving, history=history).layouts[0]
+
+    cold, warm = glm(), glm(frozenset({"TP=1"}))
+    assert cold.reserve and warm.reserve and warm.reserve.compile_cache_hit and not cold.reserve.compile_cache_hit
+    assert (cold.settings["compile_cache_hit"], warm.settings["compile_cache_hit"]) == ("False", "True")
+    assert warm.reserve.compile_miss == 0 < cold.reserve.compile_miss
+    assert warm.bands["activation_gib"].band == sizing.GQA_CODE_READ_ACTIVATION_BAND
+    assert warm.bands["activation_gib"].contains(warm_log.activation_peak_gib)
+    assert abs(warm.max_kv_tokens / warm_log.kv_cache_tokens - 1) < 0.003
+    assert warm.bands["kv_tokens"].contains(warm_log.kv_cache_tokens) and warm.bands["kv_tokens"].band < 0.03
+    assert warm.bands["kv_tokens"].band < cold.bands["kv_tokens"].band
+    # the cold start in the history: its figure as it stands would put the warm relaunch 1.53 GiB short
+    entry = planner.truth.learned(cold, gpu.name, "0.25.0", "launch", cold_log.kv_cache_tokens,
+                                  weight_gib=cold_log.model_memory_gib, graph_gib=cold_log.graph_estimate_gib)  # fmt: skip
+    assert entry.compiled_cold
+    relaunch = glm(frozenset({"TP=1"}), (entry,))
+    assert relaunch.graphs_measured_by == entry and "set aside" in relaunch.kv_basis, relaunch.kv_basis
+    assert abs(relaunch.max_kv_tokens / warm_log.kv_cache_tokens - 1) < 0.003
+    assert relaunch.bands["kv_tokens"].contains(warm_log.kv_cache_tokens)
+    taken_whole = cold.max_kv_tokens + round(entry.kv_gap_bytes / cold.kv_bytes_per_token_per_gpu)
+    assert warm_log.kv_cache_tokens / taken_whole - 1 > 0.025  # what the rule keeps the plan from
+    # the same cold command again learns the whole figure, as before
+    again = glm(history=(entry,))
+    assert again.same_command_measured and again.max_kv_tokens == cold_log.kv_cache_tokens
+
+
+def test_only_the_layouts_whose_compile_cache_is_there_are_planned_warm():
+    """The warm set is per layout: on two GPUs, TP=2 warm leaves TP=1+DP=2 planned cold."""
+    two = h200s(2)
+    shape = spec("glm45-shapes-2l-mtp1-fp8")
+    planned = planner.plan(shape, two, serving=planner.Serving(warm_layouts=frozenset({"TP=2"})))
+    by_name = {layout.name: layout for layout in planned.layouts if layout.reserve}
+    assert by_name["TP=2"].settings["compile_cache_hit"] == "True"
+    assert by_name["TP=1+DP=2"].settings["compile_cache_hit"] == "False"
+    assert by_name["TP=1+DP=2"].reserve.compile_miss > 0 == by_name["TP=2"].reserve.compile_miss
+    back = planner.sized_for_compile_cache(planned, by_name["TP=2"], False)
+    assert back.settings["compile_cache_hit"] == "False" and back.max_kv_tokens < by_name["TP=2"].max_kv_tokens

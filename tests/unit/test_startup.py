@@ -486,3 +486,46 @@ def test_a_start_marks_the_boot_even_when_a_benchmark_puts_the_history_back(monk
     assert startup.kernels_warm() is True
     startup.boot_marker_path().write_text("12345\n")  # a mark from an earlier boot warms nothing
     assert startup.kernels_warm() is False
+
+
+def test_the_plan_sizes_warm_the_layouts_a_start_left_its_compile_cache_for_and_learns_what_really_happened(
+    tmp_path, monkeypatch
+):
+    """The plan asks the start history which layouts will load torch.compile's artefacts (a rehearsal or launch
+    of the same compile key, the cache folder still there) and sizes those without a cold compile's garbage; the
+    launch stage plans its start again where that changed since the plan; a start that went otherwise than
+    planned joins the plan history keyed and judged as it really started."""
+    from servebook import gpus, params, planner, server_config, startplan, vllm_compat
+    from servebook.vllm_log import LogValues
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("SERVEBOOK_CACHE", str(tmp_path / "servebook"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    config = repo / "tests" / "fixtures" / "configs" / "glm45-shapes-2l-mtp1-fp8.json"
+    p = params.load(
+        repo / "params" / "ci.yaml", [f"model={config}", "device=cuda", "max_model_len=4096", "enforce_eager=false"]
+    )
+    two = planner.Device.for_gpu(gpus.lookup("H200"), 2)
+    cold = startplan.plan(p, two)
+    tp2 = next(layout for layout in cold.layouts if layout.name == "TP=2")
+    assert {layout.settings.get("compile_cache_hit") for layout in cold.layouts if layout.reserve} == {"False"}
+    cfg = server_config.ServerConfig.from_params(p, "cuda", tp2.parallelism)
+    key = startup.compile_key(cfg, vllm_compat.vllm_version())
+    startup.remember(startup.StartEntry(at="2026-12-06T12:00:00+00:00", model_path=cfg.model_path, compile_key=key,
+                                        device="cuda", compile_cache="miss", total_s=60.0, phases={}))  # fmt: skip
+    assert startplan.warm_layouts(p, cold) == frozenset()  # vLLM's cache folder is gone: nothing to load
+    (tmp_path / "vllm" / "torch_compile_cache").mkdir(parents=True)
+    assert startplan.warm_layouts(p, cold) == {"TP=2"}
+    warm = startplan.plan(p, two)
+    warm_tp2 = next(layout for layout in warm.layouts if layout.name == "TP=2")
+    assert warm_tp2.settings["compile_cache_hit"] == "True" and warm_tp2.max_kv_tokens > tp2.max_kv_tokens
+    assert next(lay for lay in warm.layouts if lay.name == "TP=1+DP=2").settings["compile_cache_hit"] == "False"
+    # the launch stage: the plan made before the start that compiled, planned again for a start that will not
+    assert startplan.for_start(p, cold, cfg, tp2).settings["compile_cache_hit"] == "True"
+    assert startplan.for_start(p, warm, cfg, warm_tp2) is warm_tp2
+    # vLLM compiled after all (its artefact failed to load): the history keeps a cold start, judged as one
+    startplan.learn(warm, warm_tp2, LogValues(kv_cache_tokens=tp2.max_kv_tokens, compile_cache="miss",
+                                              vllm_version="0.25.0"), "launch")  # fmt: skip
+    (kept,) = planner.truth.history()
+    assert kept.settings["compile_cache_hit"] == "False" and kept.compiled_cold
+    assert kept.predicted_kv_tokens == tp2.max_kv_tokens

@@ -19,6 +19,8 @@
 #          GLM-4.5 at 4 layers and the Air at 2, glm45-4l-fp8 and glm45-air-2l-fp8; SHAPES=air-deep the Air at 8
 #          and 16 layers, glm45-air-8l-fp8 and glm45-air-16l-fp8; PEAK_GC="collect off", one
 #          SB_PROFILE_GC mode per model, in order);
+#          SHAPES=air-deep WARM=1 PEAK_MODELS="..." (go) each model as servebook starts it: a cold dummy-weight
+#          rehearsal at vLLM's defaults, then the real weights finding its compile cache;
 #          SHAPES=air REPEAT=1 (go) the Air at vLLM's defaults three times (cold DEBUG, INFO, DEBUG);
 #          SHAPES=air PLAIN='batched 2048, 8k context' (go) the Air at those settings, no hook;
 #          SHAPES=air (kit1 and go) GLM-4.5-Air (4 layers, the first dense, + MTP), held out of the GQA fit: the
@@ -85,6 +87,17 @@ go)
       grep -h "torch peak memory increase" $R/peak-$m/*.log | grep -o "torch peak.*GiB;" 
     done
     head -c 6000 $R/peak/peak-*.txt; pack; exit 0
+  fi
+  if [ -n "${WARM:-}" ]; then  # each of PEAK_MODELS at vLLM's defaults as servebook runs it: a dummy-weight
+    # rehearsal that compiles cold, then the real weights, which find the rehearsal's compile cache (same key)
+    rm -rf ~/.cache/vllm/torch_compile_cache ${VLLM_CACHE_ROOT:-/nonexistent}/torch_compile_cache
+    for m in ${PEAK_MODELS:-glm45-air-16l-fp8}; do
+      TRUTH_LOAD_FORMAT=dummy TRUTH_SETTINGS=defaults timeout 150 python3 $EX/truth_run.py $R/warm-$m-1-dummy \
+        $MODELS/$m 2>&1 | tail -1 | cut -c1-700
+      TRUTH_SETTINGS=defaults timeout 150 python3 $EX/truth_run.py $R/warm-$m-2-real $MODELS/$m 2>&1 | tail -1 \
+        | cut -c1-700
+    done
+    pack; exit 0
   fi
   if [ -n "${REPEAT:-}" ]; then  # the Air at vLLM's defaults three times: cold at DEBUG, warm at INFO, warm at DEBUG
     for run in 1-debug 2-info 3-debug; do

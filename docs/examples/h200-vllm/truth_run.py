@@ -58,6 +58,8 @@ def start(model: str, log: Path, max_model_len: int, seqs: int, batched: int) ->
     cmd = ["vllm", "serve", model, "--host", "127.0.0.1", "--port", "8011", "--max-model-len", str(max_model_len)]
     cmd += ["--max-num-seqs", str(seqs)] if seqs else []
     cmd += ["--max-num-batched-tokens", str(batched)] if batched else []
+    # TRUTH_LOAD_FORMAT=dummy starts as servebook's rehearsal does: random weights, the same compile key
+    cmd += ["--load-format", os.environ["TRUTH_LOAD_FORMAT"]] if os.environ.get("TRUTH_LOAD_FORMAT") else []
     began = time.monotonic()
     # DEBUG logs vLLM's memory profile term by term (activation peak, non-torch) and each graph mode's estimate
     env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("TRUTH_LOG_LEVEL", "DEBUG"))
@@ -80,9 +82,11 @@ def start(model: str, log: Path, max_model_len: int, seqs: int, batched: int) ->
     return time.monotonic() - began
 
 
-def planned(spec: modelspec.ModelSpec, device: planner.Device, setting: tuple, history=()) -> planner.Layout:
+def planned(
+    spec: modelspec.ModelSpec, device: planner.Device, setting: tuple, history=(), compile_cache_hit: bool = False
+) -> planner.Layout:
     _, max_model_len, seqs, batched = setting
-    serving = planner.Serving(seqs, batched, vllm_version=VLLM)
+    serving = planner.Serving(seqs, batched, compile_cache_hit=compile_cache_hit, vllm_version=VLLM)
     return planner.plan(spec, device, max_model_len=max_model_len, serving=serving, history=history).layouts[0]
 
 
@@ -103,6 +107,7 @@ def main() -> None:
             v = read_values(log.read_text(errors="replace"))
             first = planned(spec, device, setting)
             learned = planned(spec, device, setting, history) if history else None
+            warm = planned(spec, device, setting, compile_cache_hit=True)
             row = {
                 "start": name, "seconds": round(seconds, 1), "signature": first.signature,
                 "gpu": device.name, "gpu_memory_bytes": device.memory_bytes,
@@ -112,6 +117,8 @@ def main() -> None:
                 "plan_terms_gib": {k: round(b.value, 3) for k, b in first.bands.items() if k.endswith("_gib")},
                 "logged_share": v.gpu_memory_utilization, "planned_share": vllm_defaults.for_version(VLLM).gpu_memory_utilization,
                 "plan_kv": first.max_kv_tokens, "kv_band": first.bands["kv_tokens"].band,
+                "compile_cache": v.compile_cache, "load_format": os.environ.get("TRUTH_LOAD_FORMAT", "auto"),
+                "plan_kv_warm": warm.max_kv_tokens, "kv_band_warm": warm.bands["kv_tokens"].band,
                 "plan_weights_gib": first.weight_bytes_per_gpu / 2**30, "weights_band": first.bands["weights_gib"].band,
                 "files_gb": (spec.checkpoint_bytes or 0) / 1e9, "mtp_skipped_gb": (spec.skipped_bytes or 0) / 1e9,
                 "learned_kv": learned.max_kv_tokens if learned else None,

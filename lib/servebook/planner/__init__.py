@@ -207,6 +207,23 @@ def plan(
     )
 
 
+def sized_for_compile_cache(planned: Plan, layout: Layout, compile_cache_hit: bool) -> Layout:
+    """``layout`` sized again, at the settings it was planned with, for a start that found (or missed)
+    torch.compile's cache: what a start that went otherwise than planned is learned against."""
+    s = layout.settings
+    serving = Serving(
+        int(s.get("max_num_seqs", 0)), int(s.get("max_num_batched_tokens", 0)), s.get("enforce_eager") == "True",
+        int(s.get("max_capture_size", 0)), compile_cache_hit=compile_cache_hit, vllm_version=planned.vllm_version,
+    )  # fmt: skip
+    reserve = planned.activation_reserve_bytes
+    again = plan(
+        planned.model, planned.device, max_model_len=planned.max_model_len,
+        gpu_memory_utilization=planned.gpu_memory_utilization, kv_cache_dtype=planned.kv_cache_dtype,
+        reserve_gib=reserve / GiB if reserve is not None else None, batch=planned.batch, serving=serving,
+    ).find(layout.parallelism)  # fmt: skip
+    return again or layout
+
+
 def _forecast_band(layout: Layout) -> float:
     band = layout.bands.get("forecast_tok_s")
     return band.band if band else 0.0
@@ -299,6 +316,7 @@ __all__ = [
     "pp_split",
     "reserve_for",
     "size",
+    "sized_for_compile_cache",
     "weight_bytes",
     "GpuModel",
 ]

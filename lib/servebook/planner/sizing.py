@@ -270,6 +270,7 @@ def reserve_for(
     tokens = serving.max_num_batched_tokens or max_num_batched_tokens(device, serving.vllm_version)
     seqs = serving.max_num_seqs or default_max_num_seqs(device, vllm_version=serving.vllm_version)
     tp = layout.tp
+    warm = serving.finds_compile_cache(layout.name)
     moe = moe_workspace_bytes(spec, layout, tokens)
     logits = min(seqs, tokens) * spec.vocab
     compile_miss = 0.0
@@ -284,12 +285,12 @@ def reserve_for(
         forward, sampler = kept + transient, logits * SAMPLER_BYTES_PER_LOGIT
     elif spec.mla:
         forward = ACTIVATION_FACTOR * moe + MLA_FIXED_BYTES + tokens * spec.heads / tp * MLA_BYTES_PER_TOKEN_HEAD
-        if serving.compile_cache_hit:
+        if warm:
             forward -= MLA_COMPILE_MISS_BYTES
         transient, sampler = 0.0, logits * MLA_SAMPLER_BYTES_PER_LOGIT  # on top of the whole forward, as fitted
     else:
         attention = tokens * (spec.heads + 2 * spec.kv_heads) * spec.head_dim * 2 / tp
-        compile_miss = 0.0 if serving.compile_cache_hit else gqa_compile_miss_bytes(spec, tokens)
+        compile_miss = 0.0 if warm else gqa_compile_miss_bytes(spec, tokens)
         kept = gqa_kept_bytes(spec, layout, tokens, ACTIVATION_FACTOR * (moe + attention)) + compile_miss
         forward = max(ACTIVATION_FACTOR * (moe + attention), kept)
         transient, sampler = forward - kept, gqa_sampler_bytes(spec, min(seqs, tokens))
@@ -308,6 +309,7 @@ def reserve_for(
         graph_further=further_graphs,
         graph_piecewise=len(capture_sizes(seqs, serving.max_capture_size)) if not serving.enforce_eager else 0,
         compile_miss=compile_miss,
+        compile_cache_hit=warm,
         max_num_seqs=seqs,
         real_first_start=real_first_start_bytes(spec, tokens),
     )
@@ -323,6 +325,12 @@ class Serving:
     max_capture_size: int = 0  # compilation_config's max_cudagraph_capture_size; 0: vLLM's rule
     compile_cache_hit: bool = False  # a relaunch that loads its torch.compile artefacts profiles a smaller peak
     vllm_version: str = ""  # whose defaults fill the zeros (servebook.vllm_defaults); empty: the newest known
+    # the layouts (by name) whose start will load torch.compile's artefacts: a launch or rehearsal with the same
+    # compile key ran on this machine and its cache is still there (startplan.warm_layouts)
+    warm_layouts: frozenset[str] = frozenset()
+
+    def finds_compile_cache(self, layout: str) -> bool:
+        return self.compile_cache_hit or layout in self.warm_layouts
 
 
 @dataclass(frozen=True)
@@ -349,7 +357,7 @@ class Sizing:
             "max_num_batched_tokens": str(s.max_num_batched_tokens or max_num_batched_tokens(device, s.vllm_version)),
             "kv_dtype_bytes": str(self.kv_dtype_bytes),
             "enforce_eager": str(s.enforce_eager),
-            "compile_cache_hit": str(s.compile_cache_hit),
+            "compile_cache_hit": str(s.finds_compile_cache(layout.name)),
             "max_capture_size": str(s.max_capture_size),
         }
 
@@ -454,11 +462,16 @@ def _term_bands(spec: ModelSpec, layout: Layout, prov: truth.Provenance) -> dict
         (truth.attention_kind(spec), spec.quant.method),
         further=reserve.graph_further,
     )
-    if prov == "calibrated" and reserve.compile_miss and reserve.sampler >= reserve.transient:
+    sampler_peak = prov == "calibrated" and not spec.mla and reserve.sampler >= reserve.transient
+    if sampler_peak and reserve.compile_miss:
         bound = gqa_compile_garbage_bound(spec, layout, reserve.tokens)
         spread = max(bound - reserve.compile_miss, reserve.compile_miss)
         read = GQA_CODE_READ_ACTIVATION_BAND * (reserve.activation - reserve.compile_miss)
         bands["activation"] = max(bands["activation"], (read + spread) / reserve.activation)
+    elif sampler_peak and reserve.compile_cache_hit:
+        # nothing left for the collector: the terms read off vLLM's code are the peak (the six GLM-4.5-shaped
+        # minis, warm or collected, within 8 MiB: docs/examples/h200-vllm/run-profile-peak)
+        bands["activation"] = GQA_CODE_READ_ACTIVATION_BAND
     if layout.graphs_measured_by is not None:
         bands["cuda_graphs"] = truth.TERM_BANDS["measured"]["cuda_graphs"]
     return bands
@@ -478,6 +491,18 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
     if entry is None:
         return 0.0
     how = "the same command" if same else f"{entry.layout} at other settings"
+    if layout.reserve and layout.reserve.compile_cache_hit and not spec.mla and entry.compiled_cold:
+        # its rest holds what its compile left for Python's collector (none to 1.5 GiB on the same command), which
+        # this start, loading the compile cache, will not keep
+        layout.learned_bytes = entry.measured_terms_gap(weights, terms)
+        layout.graphs_measured_by = entry if entry.same_graphs(terms) else None
+        layout.kv_basis = (
+            f"as first planned for a start that finds its compile cache, but for the weights"
+            f"{' and CUDA graphs' if layout.graphs_measured_by else ''} the {entry.source} of {how} on "
+            f"{entry.at[:10]} logged ({layout.learned_bytes / GiB:+.2f} GiB); the rest of its figure set aside: it "
+            "compiled cold, and what a cold compile leaves for Python's collector varies from start to start"
+        )
+        return layout.learned_bytes
     first = truth.kv_band(
         weights, terms, available, layout.provenance, bands=_term_bands(spec, layout, layout.provenance)
     )

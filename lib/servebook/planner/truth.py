@@ -159,6 +159,11 @@ class Measured(BaseModel):
         graphs = planned_graphs - self.graph_gib * 2**30 if self.graph_gib is not None and planned_graphs else 0.0
         return {"weights": weights, "cuda_graphs": graphs, "rest": self.kv_gap_bytes - weights - graphs}
 
+    @property
+    def compiled_cold(self) -> bool:
+        """The start compiled cold (the plan it was learned against expected a torch.compile cache miss)."""
+        return self.settings.get("compile_cache_hit") == "False" and self.settings.get("enforce_eager") != "True"
+
     def same_graphs(self, terms: dict[str, float]) -> bool:
         """Whether a plan with these reserve terms captures the graphs this start captured, and vLLM logged their
         estimate: its figure is then a measurement, whatever else the settings moved."""

@@ -151,7 +151,7 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     p = rehearsed.params_for_launch(p) if rehearsed else p
     cfg = config_for(p, run_dir)
     check_load_options(cfg)
-    predicted = plan.find(cfg.layout) if plan else None
+    predicted = startplan.for_start(p, plan, cfg, plan.find(cfg.layout)) if plan else None
     dry = dry_start(cfg, run_dir, p, predicted) if p.launch_dry_run else None
     if dry and not dry.ok:
         raise LaunchError("the dry start (--load-format dummy) failed; nothing was read", cause=dry.error)
@@ -238,9 +238,10 @@ def remember_start(
     assert launch.timeline is not None
     size, _ = models.checkpoint_bytes(cfg.model_path)
     version = launch.values.vllm_version or vllm_compat.vllm_version()
-    loader = startup.loader_of(cfg.load_strategy, list(cfg.extra_args), cfg.load_format)
-    entry = startup.entry_of(cfg, launch.timeline, version, float(size or 0), cached_share, loader)
-    startup.remember(entry.model_copy(update={"kernels_cached": kernels_cached}))
+    startup.remember_launch(
+        cfg, launch.timeline, version, bytes_per_rank=float(size or 0), cached_share=cached_share,
+        kernels_cached=kernels_cached,
+    )  # fmt: skip
 
 
 def check(record: LaunchRecord, p: Params) -> None:

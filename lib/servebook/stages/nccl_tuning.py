@@ -128,7 +128,7 @@ def dummy_weights(p: Params, launch: LaunchRecord) -> tuple[ab.DummyWeights, str
 
 def rehearsed_servers(run_dir: Path, model_path: str) -> list[ab.RehearsedServer]:
     """Stage 02's measured candidates with their windows' throughput, for the A/B's dummy pass (the command lines
-    name the launch's checkpoint where the rehearsal read only its headers beside the download)."""
+    name the launch's checkpoint, where the rehearsal read another folder)."""
     record = results.read(run_dir, RehearsalRecord)
     if record is None:
         return []

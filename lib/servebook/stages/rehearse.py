@@ -36,16 +36,21 @@ HEADER_PATTERNS = ["*.json", "tokenizer*", "*.txt", "*.model", "*.tiktoken", "*.
 
 def model_folder(p: Params, run_dir: Path) -> str:
     """What the dummy starts read: the download's folder when it finished, the embedded or local model, else the
-    hub checkpoint's config and tokenizer fetched into the run folder (megabytes, while the weights download)."""
+    hub checkpoint's config and tokenizer fetched (megabytes, while the weights download) into the folder the
+    download fills. vLLM keys its torch.compile cache by the model's path among the rest (vllm/config/model.py
+    ``compute_hash``: ``model`` is not an ignored factor), so the real launch of the winner, from that folder,
+    loads what the winner's rehearsal compiled: a shorter start, and on a GQA model none of the up to 1.5 GiB a
+    cold compile leaves in vLLM's profile peak (more KV cache)."""
     downloaded = results.read(run_dir, DownloadRecord)
     if downloaded:
         return downloaded.local_path
     if models.is_builtin(p.model) or Path(p.model).expanduser().is_dir():
         return models.resolve(p.model)
     listing = download.list_files(p.model, p.download_revision, allow=HEADER_PATTERNS)
-    target = run_dir / RehearsalRecord.FILE / "headers"
+    target = download.local_dir_for(p.model_store, p.model)
     download.fetch(listing, target, workers=4)
-    print(f"{listing.repo}: config and tokenizer ({len(listing.files)} files) in {target}; no weights read")
+    print(f"{listing.repo}: config and tokenizer ({len(listing.files)} files) in {target}, where the download puts "
+          "them (the real launch then finds the rehearsal's compile cache); no weights read")  # fmt: skip
     return str(target)
 
 
