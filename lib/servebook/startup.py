@@ -183,13 +183,24 @@ def phase_messages(seen: dict[str, float]) -> list[tuple[str, float]]:
 # ---------------------------------------------------------------- compile key and start history
 
 
+# vLLM variables its compile key leaves out (vllm/envs.py compile_factors' ignored_factors) that servebook's
+# servers are given: every other VLLM_ variable is hashed, the rehearsal's MoE routing simulation among them
+ENV_OUTSIDE_COMPILE_KEY = frozenset({"VLLM_LOGGING_LEVEL", "VLLM_CACHE_ROOT", "VLLM_PORT", "VLLM_HOST_IP",
+                                     "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "VLLM_CPU_KVCACHE_SPACE",
+                                     "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_LOG_STATS_INTERVAL"})  # fmt: skip
+
+
 def compile_key(config: object, vllm_version: str | None) -> str:
     """What vLLM's torch.compile cache key depends on among servebook's fields (vllm/config/vllm.py compute_hash:
     model config, parallel config, max_num_batched_tokens, compilation config with its capture sizes), the rows
-    ``serving.FIELDS`` marks; the memory share and the load options are outside it."""
+    ``serving.FIELDS`` marks, and the vLLM variables of the server's environment (vllm/envs.py compile_factors:
+    on the H100 the real launch of a rehearsed command compiled cold, the rehearsal having run with
+    VLLM_MOE_ROUTING_SIMULATION_STRATEGY set); the memory share and the load options are outside it."""
     data = {f: serving.value_of(config, f) for f in serving.COMPILE_KEY_FIELDS}
     data["vllm"] = vllm_version
     data["extra_args"] = [a for a in data.get("extra_args") or [] if "load" not in str(a)]
+    env = getattr(config, "extra_env", None) or {}
+    data["env"] = {k: v for k, v in env.items() if k.startswith("VLLM_") and k not in ENV_OUTSIDE_COMPILE_KEY}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

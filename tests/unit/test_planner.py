@@ -1528,9 +1528,13 @@ def test_a_start_that_finds_its_compile_cache_is_planned_without_what_a_cold_com
     assert relaunch.bands["kv_tokens"].contains(warm_log.kv_cache_tokens)
     taken_whole = cold.max_kv_tokens + round(entry.kv_gap_bytes / cold.kv_bytes_per_token_per_gpu)
     assert warm_log.kv_cache_tokens / taken_whole - 1 > 0.025  # what the rule keeps the plan from
-    # the same cold command again learns the whole figure, as before
+    # the same cold command again: what its compile leaves differs from start to start (the Air at 8 layers: none on
+    # its rehearsal, 1.42 GiB on the real launch after it, run-warm-launch), so that start's figure is no surer
+    # than the plan's and only the terms vLLM logged are taken from it
     again = glm(history=(entry,))
-    assert again.same_command_measured and again.max_kv_tokens == cold_log.kv_cache_tokens
+    assert not again.same_command_measured and again.graphs_measured_by == entry
+    assert again.bands["kv_tokens"].contains(cold_log.kv_cache_tokens)
+    assert again.bands["kv_tokens"].contains(warm_log.kv_cache_tokens)  # a cold start that left nothing logs this
 
 
 def test_only_the_layouts_whose_compile_cache_is_there_are_planned_warm():

@@ -362,6 +362,13 @@ def test_the_compile_key_moves_with_what_vllm_hashes_and_not_with_the_load_path(
     assert startup.compile_key(replace(base, max_num_seqs=128), "0.25.0") != key
     assert startup.compile_key(replace(base, max_model_len=4096), "0.25.0") != key
     assert startup.compile_key(base, "0.26.0") != key
+    # vLLM hashes its own variables: the rehearsal's routing simulation compiles apart, its log level does not
+    routed = replace(base, extra_env={"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"})
+    assert startup.compile_key(routed, "0.25.0") != key
+    assert (
+        startup.compile_key(replace(base, extra_env={"VLLM_LOGGING_LEVEL": "DEBUG", "NCCL_DEBUG": "INFO"}), "0.25.0")
+        == key
+    )
 
 
 def test_the_limit_names_the_disk_when_the_read_is_the_longest_phase():
@@ -529,3 +536,27 @@ def test_the_plan_sizes_warm_the_layouts_a_start_left_its_compile_cache_for_and_
     (kept,) = planner.truth.history()
     assert kept.settings["compile_cache_hit"] == "False" and kept.compiled_cold
     assert kept.predicted_kv_tokens == tp2.max_kv_tokens
+
+
+def test_the_real_launch_of_a_routed_rehearsal_is_known_to_compile_cold():
+    """On the H100 (docs/examples/h200-vllm/run-warm-launch/servebook-run, the GLM-4.5-Air mini at 8 layers):
+    servebook's key took the launch to load its rehearsal's compile cache and planned it warm; vLLM compiled
+    cold, its key hashing the VLLM_MOE_ROUTING_SIMULATION_STRATEGY the rehearsal set, and the warm plan missed
+    by 2.8 %. The key now tells the two servers apart, so the launch after a routed rehearsal is planned cold."""
+    from servebook import rehearsal
+    from servebook.server_config import ServerConfig
+
+    run = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-warm-launch" / "servebook-run"
+    launch = json.loads((run / "03_launch.json").read_text())
+    (candidate,) = json.loads((run / "02_rehearse.json").read_text())["candidates"]
+    assert (candidate["compile_cache"], candidate["routing"]) == ("miss", "uniform_random")
+    assert launch["timeline"]["compile_cache"] == "miss" and launch["plan_check"]["kv_tokens_error_pct"] > 2.5
+    fields = {k: v for k, v in launch["config"].items() if k != "layout"}
+    real = ServerConfig(
+        **fields, layout=rehearsal.Parallelism(**{k: launch["config"]["layout"][k] for k in "tp pp dp ep".split()})
+    )
+    rehearsed = rehearsal.routing_env(real, candidate["routing"], moe=True)
+    assert startup.compile_key(rehearsed, "0.25.0") != startup.compile_key(real, "0.25.0")
+    assert startup.compile_key(rehearsal.routing_env(real, "", moe=True), "0.25.0") == startup.compile_key(
+        real, "0.25.0"
+    )

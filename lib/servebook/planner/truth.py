@@ -372,18 +372,23 @@ def kv_band(
     same_command: bool = False,
     *,
     bands: dict[str, float] | None = None,
+    varies_bytes: float = 0.0,
 ) -> float:
     """The KV figure's relative band over the KV memory. At first contact each term's bytes times its band and
     the unmodelled part, taken as independent (root sum of squares); learned from an earlier start, vLLM's
     run-to-run spread, plus (at other settings) half of what the terms moved since and the unmodelled part
-    that moves with the settings, added up. ``bands``: each term's (:func:`term_bands`), else the provenance's."""
+    that moves with the settings, added up, plus ``varies_bytes``, what differs from start to start of the very
+    command (a cold compile's garbage under GQA). ``bands``: each term's (:func:`term_bands`), else the
+    provenance's."""
     if kv_bytes <= 0:
         return math.inf
     if learned_from is not None and same_command:
-        return SAME_COMMAND_KV_BAND
+        return SAME_COMMAND_KV_BAND + varies_bytes / kv_bytes
     if learned_from is not None:
         moved = moved_bytes(learned_from, terms)
-        return SAME_COMMAND_KV_BAND + (MOVED_TERMS_SHARE * moved + UNMODELLED_BYTES["measured"]) / kv_bytes
+        return (
+            SAME_COMMAND_KV_BAND + (MOVED_TERMS_SHARE * moved + UNMODELLED_BYTES["measured"] + varies_bytes) / kv_bytes
+        )
     bands = bands or TERM_BANDS[prov]
     parts = [weights * bands["weights"], UNMODELLED_BYTES[prov], *(size * bands[name] for name, size in terms.items())]
     return math.sqrt(sum(part * part for part in parts)) / kv_bytes
