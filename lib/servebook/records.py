@@ -340,8 +340,7 @@ class PlanCheck(BaseModel):
     reserve_terms: dict[str, tuple[float, float | None]] = {}
     # the plan's band for each figure it stated one for (planner.truth), by the names above
     bands: dict[str, planner.truth.Band] = {}
-    # the start the figures were planned for (cold compile or compile-cache hit) and what the KV figure rests on
-    planned_for: str = ""
+    planned_for: str = ""  # the start the figures were planned for: a cold compile, a compile-cache hit, none
 
     @classmethod
     def of(cls, predicted: planner.Layout, reported: LogValues) -> PlanCheck:
@@ -364,11 +363,12 @@ class PlanCheck(BaseModel):
             "True": "a start that loads torch.compile's cache (one with the same compile key ran before)",
             "False": "a start that compiles cold",
         }.get(predicted.settings.get("compile_cache_hit", ""), "")
-        kv = predicted.bands.get("kv_tokens")
+        if predicted.settings.get("enforce_eager") == "True":
+            start = "a start that compiles nothing (enforce_eager)"
         return cls(
             layout=predicted.name,
             bands=bands,
-            planned_for="; KV: ".join(part for part in (start, kv.basis if kv else "") if part),
+            planned_for=start,
             predicted_kv_tokens=predicted.max_kv_tokens,
             reported_kv_tokens=reported.kv_cache_tokens,
             predicted_weight_gib=weight_gib,
@@ -408,8 +408,11 @@ class PlanCheck(BaseModel):
         for name, (plan, logged) in self.reserve_terms.items():
             vllm = "—" if logged is None else _size(logged)
             rows.append(f"| {name} | {_size(plan)} | {vllm} | {verdicts.get(name, '')} |")
-        if self.planned_for:
-            rows += ["", f"Planned for {self.planned_for}."]
+        kv = self.bands.get("KV tokens")
+        said = [f"Planned for {self.planned_for}."] if self.planned_for else []
+        said += [f"The KV figure: {kv.basis}."] if kv and kv.basis else []
+        if said:
+            rows += ["", " ".join(said)]
         return "\n".join(rows)
 
     def worst_term(self) -> str:
