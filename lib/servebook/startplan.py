@@ -14,10 +14,10 @@ from servebook.vllm_log import LogValues
 DATASHEET_DISK_GB_S = 7.0
 
 
-def plan(p: Params, device: planner.Device, model: str = "", model_path: str | None = None) -> planner.Plan:
+def plan(p: Params, device: planner.Device, model: str = "") -> planner.Plan:
     """The plan for these params on ``device``, ranked as they ask; ``model`` (a config.json) stands in for
     ``p.model`` where the architecture must come from elsewhere. A layout whose start will load torch.compile's
-    cache is sized for it (:func:`warm_layouts`; ``model_path``: the folder a launch serves, where it is known)."""
+    cache is sized for it (:func:`warm_layouts`)."""
     spec = modelspec.load(model or p.model)
     serving = planner.Serving(
         p.max_num_seqs, p.max_num_batched_tokens, p.enforce_eager, vllm_version=planned_vllm_version(p)
@@ -32,11 +32,11 @@ def plan(p: Params, device: planner.Device, model: str = "", model_path: str | N
         )  # fmt: skip
 
     cold = planned(serving)
-    warm = warm_layouts(p, cold, model_path)
+    warm = warm_layouts(p, cold)
     return (planned(dataclasses.replace(serving, warm_layouts=warm)) if warm else cold).rank_by(p.plan_rank_by)
 
 
-def warm_layouts(p: Params, planned: planner.Plan, model_path: str | None = None) -> frozenset[str]:
+def warm_layouts(p: Params, planned: planner.Plan) -> frozenset[str]:
     """The layouts whose start will load torch.compile's artefacts rather than compile: a launch or rehearsal with
     the same compile key (``startup.compile_key``: the model folder, layout, batch limits, compilation flags;
     not the load format, so a dummy-weight rehearsal counts) is in the start history and vLLM's cache folder is
@@ -50,7 +50,7 @@ def warm_layouts(p: Params, planned: planner.Plan, model_path: str | None = None
     version = vllm_compat.vllm_version()
     keys = {
         layout.name: startup.compile_key(
-            server_config.ServerConfig.from_params(p, planned.device.kind, layout.parallelism, model_path), version
+            server_config.ServerConfig.from_params(p, planned.device.kind, layout.parallelism), version
         )
         for layout in planned.layouts
         if layout.accepted
@@ -59,17 +59,17 @@ def warm_layouts(p: Params, planned: planner.Plan, model_path: str | None = None
 
 
 def for_start(
-    p: Params, planned: planner.Plan, cfg: server_config.ServerConfig, predicted: planner.Layout | None
+    planned: planner.Plan, cfg: server_config.ServerConfig, predicted: planner.Layout | None
 ) -> planner.Layout | None:
     """The plan's figures for the start of ``cfg``, as its compile cache will find it: where the plan expected a
     cold compile and a rehearsal or launch of the same compile key has run since (or the other way round), the
-    layout planned again, with what the history learned since."""
+    layout sized again from the plan's own inputs, with what the history learned since."""
     if predicted is None or planned.device.kind == "cpu" or cfg.enforce_eager:
         return predicted
     expected = startup.compile_cache_expected(startup.compile_key(cfg, vllm_compat.vllm_version()))
     if predicted.settings.get("compile_cache_hit") == str(expected):
         return predicted
-    return plan(p, planned.device, model_path=cfg.model_path).find(cfg.layout) or predicted
+    return planner.sized_for_compile_cache(planned, predicted, expected, history=planner.truth.history())
 
 
 def planned_vllm_version(p: Params) -> str:

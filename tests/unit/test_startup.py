@@ -528,8 +528,8 @@ def test_the_plan_sizes_warm_the_layouts_a_start_left_its_compile_cache_for_and_
     assert warm_tp2.settings["compile_cache_hit"] == "True" and warm_tp2.max_kv_tokens > tp2.max_kv_tokens
     assert next(lay for lay in warm.layouts if lay.name == "TP=1+DP=2").settings["compile_cache_hit"] == "False"
     # the launch stage: the plan made before the start that compiled, planned again for a start that will not
-    assert startplan.for_start(p, cold, cfg, tp2).settings["compile_cache_hit"] == "True"
-    assert startplan.for_start(p, warm, cfg, warm_tp2) is warm_tp2
+    assert startplan.for_start(cold, cfg, tp2).settings["compile_cache_hit"] == "True"
+    assert startplan.for_start(warm, cfg, warm_tp2) is warm_tp2
     # vLLM compiled after all (its artefact failed to load): the history keeps a cold start, judged as one
     startplan.learn(warm, warm_tp2, LogValues(kv_cache_tokens=tp2.max_kv_tokens, compile_cache="miss",
                                               vllm_version="0.25.0"), "launch")  # fmt: skip

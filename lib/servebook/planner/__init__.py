@@ -207,9 +207,12 @@ def plan(
     )
 
 
-def sized_for_compile_cache(planned: Plan, layout: Layout, compile_cache_hit: bool) -> Layout:
-    """``layout`` sized again, at the settings it was planned with, for a start that found (or missed)
-    torch.compile's cache: what a start that went otherwise than planned is learned against."""
+def sized_for_compile_cache(
+    planned: Plan, layout: Layout, compile_cache_hit: bool, history: Sequence[truth.Measured] = ()
+) -> Layout:
+    """``layout`` sized again, at the settings it was planned with, for a start that will find (or miss)
+    torch.compile's cache, or did: what the launch checks its start against, and what a start that went
+    otherwise than planned is learned against (without ``history``)."""
     s = layout.settings
     serving = Serving(
         int(s.get("max_num_seqs", 0)), int(s.get("max_num_batched_tokens", 0)), s.get("enforce_eager") == "True",
@@ -220,6 +223,7 @@ def sized_for_compile_cache(planned: Plan, layout: Layout, compile_cache_hit: bo
         planned.model, planned.device, max_model_len=planned.max_model_len,
         gpu_memory_utilization=planned.gpu_memory_utilization, kv_cache_dtype=planned.kv_cache_dtype,
         reserve_gib=reserve / GiB if reserve is not None else None, batch=planned.batch, serving=serving,
+        history=history,
     ).find(layout.parallelism)  # fmt: skip
     return again or layout
 

@@ -151,7 +151,7 @@ def run(p: Params, run_dir: str | Path) -> LaunchRecord:
     p = rehearsed.params_for_launch(p) if rehearsed else p
     cfg = config_for(p, run_dir)
     check_load_options(cfg)
-    predicted = startplan.for_start(p, plan, cfg, plan.find(cfg.layout)) if plan else None
+    predicted = startplan.for_start(plan, cfg, plan.find(cfg.layout)) if plan else None
     dry = dry_start(cfg, run_dir, p, predicted) if p.launch_dry_run else None
     if dry and not dry.ok:
         raise LaunchError("the dry start (--load-format dummy) failed; nothing was read", cause=dry.error)
