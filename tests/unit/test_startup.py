@@ -560,3 +560,32 @@ def test_the_real_launch_of_a_routed_rehearsal_is_known_to_compile_cold():
     assert startup.compile_key(rehearsal.routing_env(real, "", moe=True), "0.25.0") == startup.compile_key(
         real, "0.25.0"
     )
+
+
+def test_the_launch_after_a_rehearsal_without_routing_simulation_loads_its_compile_cache_as_planned():
+    """On the H100 (docs/examples/h200-vllm/run-warm-launch/servebook-run-unrouted, the same 8-layer Air, fifth
+    session): with rehearse_routing=none the rehearsal's server has the launch's compile key, vLLM loaded the
+    rehearsal's artefacts (compile 17.7 s, then 3.1 s), and the launch stage, having planned a start that finds
+    its cache from the rehearsal's logged weights and graphs, landed within 0.3 % of vLLM's KV tokens."""
+    from servebook import rehearsal
+    from servebook.server_config import ServerConfig
+
+    run = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-warm-launch"
+    run = run / "servebook-run-unrouted"
+    launch = json.loads((run / "03_launch.json").read_text())
+    (candidate,) = json.loads((run / "02_rehearse.json").read_text())["candidates"]
+    rehearsed, launched = (json.loads(line) for line in (run / "starts.jsonl").read_text().splitlines())
+    assert (rehearsed["load_strategy"], rehearsed["compile_cache"]) == ("dummy", "miss")
+    assert launched["compile_cache"] == "hit" and launched["compile_key"] == rehearsed["compile_key"]
+    assert launched["phases"]["compile"] < rehearsed["phases"]["compile"] / 4
+    fields = {k: v for k, v in launch["config"].items() if k != "layout"}
+    real = ServerConfig(
+        **fields, layout=rehearsal.Parallelism(**{k: launch["config"]["layout"][k] for k in "tp pp dp ep".split()})
+    )
+    assert rehearsal.routing_for(True, "none", "cuda")[0] == "" and candidate["routing"] in ("", "none")
+    unrouted = rehearsal.routing_env(real, "", moe=True)
+    assert startup.compile_key(unrouted, "0.25.0") == startup.compile_key(real, "0.25.0")
+    check = launch["plan_check"]
+    assert "loads torch.compile's cache" in check["planned_for"]
+    band = check["bands"]["KV tokens"]["band"]
+    assert abs(check["kv_tokens_error_pct"]) < 0.3 and abs(check["kv_tokens_error_pct"]) < band * 100
