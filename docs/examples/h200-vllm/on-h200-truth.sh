@@ -21,8 +21,9 @@
 #          SB_PROFILE_GC mode per model, in order);
 #          SHAPES=air-deep WARM=1 PEAK_MODELS="..." (go) each model as servebook starts it: a cold dummy-weight
 #          rehearsal at vLLM's defaults, then the real weights finding its compile cache;
-#          SHAPES=air-deep SBWARM=1 [PEAK_MODELS=one] (go) servebook's own plan, rehearsal without the routing
-#          simulation and launch of the 8-layer Air, inside the call: the launch loads the rehearsal's compile cache;
+#          SHAPES=air-deep SBWARM=1|routed [PEAK_MODELS=one] (go) servebook's own plan, rehearsal (1: without the
+#          routing simulation; routed: with it, then the winner's priming start) and launch of the 8-layer Air,
+#          inside the call: the launch loads a compile cache;
 #          SHAPES=air REPEAT=1 (go) the Air at vLLM's defaults three times (cold DEBUG, INFO, DEBUG);
 #          SHAPES=air PLAIN='batched 2048, 8k context' (go) the Air at those settings, no hook;
 #          SHAPES=air (kit1 and go) GLM-4.5-Air (4 layers, the first dense, + MTP), held out of the GQA fit: the
@@ -101,15 +102,17 @@ go)
     done
     pack; exit 0
   fi
-  if [ -n "${SBWARM:-}" ]; then  # servebook's own plan, rehearsal without the routing simulation, and launch of
-    # one model (PEAK_MODELS): the launch should load the rehearsal's compile cache and be planned as such a start
+  if [ -n "${SBWARM:-}" ]; then  # servebook's own plan, rehearsal and launch of one model (PEAK_MODELS): the
+    # launch should load a compile cache and be planned as such a start. SBWARM=1: the rehearsal without the
+    # routing simulation leaves it; SBWARM=routed: the routed rehearsal, then its priming start of the winner
     rm -rf ~/.cache/vllm/torch_compile_cache ~/.cache/servebook
-    SERVEBOOK_OUTPUTS=$R/sbwarm timeout 450 servebook run $EX/params-glm-air.yaml --stages plan,rehearse,launch \
-      --set model=$MODELS/${PEAK_MODELS:-glm45-air-8l-fp8} --set rehearse_routing=none \
+    ROUTING="--set rehearse_routing=none"; OUTR=$R/sbwarm; [ "$SBWARM" = routed ] && ROUTING="" OUTR=$R/sbwarm-routed
+    SERVEBOOK_OUTPUTS=$OUTR timeout 540 servebook run $EX/params-glm-air.yaml --stages plan,rehearse,launch \
+      --set model=$MODELS/${PEAK_MODELS:-glm45-air-8l-fp8} $ROUTING \
       --set rehearse_skewed_routing=none --set rehearse_layouts=1 2>&1 | tail -12 | cut -c1-300
     servebook stop 2>&1 | tail -1
-    cp ~/.cache/servebook/servers/*.log ~/.cache/servebook/*.jsonl $R/sbwarm/ 2>/dev/null
-    grep -h "compile cache\|KV cache size\|torch peak" ~/.cache/servebook/servers/*.log | cut -c1-220
+    cp ~/.cache/servebook/*.jsonl $OUTR/ 2>/dev/null
+    grep -rh "compile cache\|KV cache size\|torch.compile took" $OUTR --include=*.log | cut -c1-220
     pack; exit 0
   fi
   if [ -n "${REPEAT:-}" ]; then  # the Air at vLLM's defaults three times: cold at DEBUG, warm at INFO, warm at DEBUG

@@ -150,6 +150,8 @@ def run(
             _decide(record)
             _keep(run_dir, record, started, on_candidate)
         _skewed(p, record, specs, runner)
+        _keep(run_dir, record, started, on_candidate)
+        _prime(p, record, specs, runner, started)
     except KeyboardInterrupt:
         record.interrupted = "interrupted; the candidates finished before it are kept"
         _keep(run_dir, record, started, on_candidate)
@@ -159,9 +161,14 @@ def run(
 
 
 def parse_ahead(specs: list[rehearsal.CandidateSpec], routing: str, moe: bool) -> None:
-    """Every candidate's dummy-weight command and its real-weight launch through vLLM's parser at once: one import
-    of the parser (10-15 s a command on an H200 host, before each start) instead of one per command."""
-    commands = [c.serve_args() for s in specs for c in (rehearsal.routing_env(s.config, routing, moe), s.config)]
+    """Every candidate's dummy-weight command, its real-weight launch and, after a routed rehearsal, the priming
+    start's command through vLLM's parser at once: one import of the parser (10-15 s a command on an H200 host,
+    before each start) instead of one per command."""
+    commands = [
+        c.serve_args()
+        for s in specs
+        for c in (rehearsal.routing_env(s.config, routing, moe), s.config, *([s.config.dry()] if routing else []))
+    ]
     if not commands:
         return
     started = time.monotonic()
@@ -218,6 +225,31 @@ def _skewed(
     best.skewed = runner.skewed(spec, best, other)
 
 
+def _prime(
+    p: Params,
+    record: RehearsalRecord,
+    specs: list[rehearsal.CandidateSpec],
+    runner: rehearsal.Runner,
+    started: float,
+) -> None:
+    """The winner once more as stage 03 will start it, where its launch would otherwise compile cold."""
+    chosen = record.chosen
+    if not p.rehearse_primes_compile_cache or chosen is None:
+        return
+    spec = next(s for s in specs if s.name == chosen.name)
+    why_not = rehearsal.priming_not_needed(spec.config, chosen)
+    if not why_not and p.rehearse_budget_s and time.monotonic() - started > p.rehearse_budget_s:
+        why_not = f"over the rehearsal budget ({p.rehearse_budget_s:.0f} s): the launch compiles cold"
+    if why_not:
+        record.primed = rehearsal.Primed(candidate=chosen.name, skipped=why_not)
+        return
+    record.primed = rehearsal.prime(
+        chosen.name, spec.config, runner.out_dir, stop_leftovers=runner.stop_leftovers, on_progress=runner.on_progress
+    )
+    if record.primed.error:
+        print(f"{chosen.name}: the priming start failed, so the launch compiles cold: {record.primed.error[:300]}")
+
+
 def _keep(
     run_dir: Path,
     record: RehearsalRecord,
@@ -263,6 +295,8 @@ def summary(record: RehearsalRecord) -> str:
     chosen = record.chosen
     if chosen and chosen.skewed and chosen.skewed.change_pct is not None:
         parts.append(f"{chosen.skewed.change_pct:+.0f} % with {chosen.skewed.routing} routing")
+    if record.primed and not record.primed.skipped and not record.primed.error:
+        parts.append(f"the launch's compile cache primed in {record.primed.seconds:,.0f} s")
     return "; ".join(parts)
 
 
@@ -347,9 +381,32 @@ def launch_wait(record: RehearsalRecord) -> str:
             "Expert parallelism: uniform routing balances the experts' ranks perfectly; a trained router does not, "
             "so this layout may rehearse optimistic (stage 05 measures the real gap)."
         )
+    if primed := _primed_line(record):
+        lines.append(primed)
     if record.download_overlap_s:
         lines.append(f"{record.download_overlap_s:,.0f} s of the rehearsal ran while the download was running.")
     return "\n\n".join(lines)
+
+
+def _primed_line(record: RehearsalRecord) -> str:
+    """What the launch's compile cache will be, after the priming start or without it."""
+    primed = record.primed
+    if primed is None:
+        return ""
+    if primed.error:
+        return (
+            f"**Compile cache:** the priming start of {primed.candidate} failed, so stage 03 compiles cold: "
+            + (" ".join(primed.error.split())[:300])
+        )
+    if primed.skipped:
+        return f"**Compile cache:** no priming start: {primed.skipped}."
+    compiled = f"compiled in {primed.compile_s:,.1f} s, " if primed.compile_s else ""
+    return (
+        f"**Compile cache:** {primed.candidate} was started once more on dummy weights exactly as stage 03 starts "
+        f"it, without the routing simulation (vLLM hashes that variable into its compile key): {compiled}ready in "
+        f"{primed.seconds_to_ready or 0:,.1f} s. The launch loads that compile instead of compiling cold, and is "
+        "planned as such a start."
+    )
 
 
 def failed_start(record: RehearsalRecord) -> list[str]:
