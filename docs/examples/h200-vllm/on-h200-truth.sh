@@ -21,9 +21,9 @@
 #          SB_PROFILE_GC mode per model, in order);
 #          SHAPES=air-deep WARM=1 PEAK_MODELS="..." (go) each model as servebook starts it: a cold dummy-weight
 #          rehearsal at vLLM's defaults, then the real weights finding its compile cache;
-#          SHAPES=air-deep SBWARM=1|routed [PEAK_MODELS=one] (go) servebook's own plan, rehearsal (1: without the
-#          routing simulation; routed: with it, then the winner's priming start) and launch of the 8-layer Air,
-#          inside the call: the launch loads a compile cache;
+#          SHAPES=air-8l (kit1) the 8-layer Air alone; SBWARM=1|routed [PEAK_MODELS=one] (go) servebook's own
+#          plan, rehearsal (1: without the routing simulation; routed: with it, then the winner's priming start)
+#          and launch of the 8-layer Air, inside the call: the launch loads a compile cache;
 #          SHAPES=air REPEAT=1 (go) the Air at vLLM's defaults three times (cold DEBUG, INFO, DEBUG);
 #          SHAPES=air PLAIN='batched 2048, 8k context' (go) the Air at those settings, no hook;
 #          SHAPES=air (kit1 and go) GLM-4.5-Air (4 layers, the first dense, + MTP), held out of the GQA fit: the
@@ -46,6 +46,9 @@ kit1)
   elif [ "${SHAPES:-}" = peak-layers ]; then  # GLM-4.5 at 4 layers, the Air at 2: does the layer count keep tensors?
     python3 $EX/mkglm.py $MODELS/glm45-4l-fp8 --tokenizer /tmp/tok --layers 4 --mtp 0 2>&1 | tail -1
     python3 $EX/mkglm.py $MODELS/glm45-air-2l-fp8 --tokenizer /tmp/tok --layers 2 --mtp 0 --shape glm-4.5-air \
+      2>&1 | tail -1
+  elif [ "${SHAPES:-}" = air-8l ]; then  # the Air at 8 layers alone (SBWARM's model, 19 GB)
+    python3 $EX/mkglm.py $MODELS/glm45-air-8l-fp8 --tokenizer /tmp/tok --layers 8 --mtp 0 --shape glm-4.5-air \
       2>&1 | tail -1
   elif [ "${SHAPES:-}" = air-deep ]; then  # the Air at 8 and 16 layers: does a deeper model leave more behind?
     for l in 8 16; do
@@ -109,7 +112,8 @@ go)
     ROUTING="--set rehearse_routing=none"; OUTR=$R/sbwarm; [ "$SBWARM" = routed ] && ROUTING="" OUTR=$R/sbwarm-routed
     SERVEBOOK_OUTPUTS=$OUTR timeout 540 servebook run $EX/params-glm-air.yaml --stages plan,rehearse,launch \
       --set model=$MODELS/${PEAK_MODELS:-glm45-air-8l-fp8} $ROUTING \
-      --set rehearse_skewed_routing=none --set rehearse_layouts=1 2>&1 | tail -12 | cut -c1-300
+      --set rehearse_skewed_routing=none --set rehearse_layouts=1 --set rehearse_max_concurrency=16 2>&1 \
+      | tail -12 | cut -c1-300
     servebook stop 2>&1 | tail -1
     cp ~/.cache/servebook/*.jsonl $OUTR/ 2>/dev/null
     grep -rh "compile cache\|KV cache size\|torch.compile took" $OUTR --include=*.log | cut -c1-220
