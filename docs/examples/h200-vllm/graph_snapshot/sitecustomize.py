@@ -14,8 +14,6 @@ truth run, one ``DIR/captures-PID.txt`` per start. Python imports ``sitecustomiz
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 
@@ -81,24 +79,9 @@ def patch(module) -> None:
     runner._warmup_and_capture = recorded
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 if OUT:
     os.makedirs(OUT, exist_ok=True)
-    sys.meta_path.insert(0, _PatchOnImport())
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from patch_on_import import install
+
+    install(TARGET, patch)

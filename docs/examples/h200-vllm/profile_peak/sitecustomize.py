@@ -14,8 +14,6 @@ counters, which vLLM's own figure is read from."""
 from __future__ import annotations
 
 import collections
-import importlib.abc
-import importlib.util
 import os
 import sys
 
@@ -29,7 +27,9 @@ MiB = 1 << 20
 
 def where(entry: dict) -> str:
     """The innermost frames of an allocation that say what asked for it: vLLM's own, or compiled code's."""
-    keep = [f for f in entry.get("frames", []) if any(k in f.get("filename", "") for k in ("vllm", "inductor", "/tmp/"))]
+    keep = [
+        f for f in entry.get("frames", []) if any(k in f.get("filename", "") for k in ("vllm", "inductor", "/tmp/"))
+    ]
     return " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in keep[:5]) or "?"
 
 
@@ -113,24 +113,9 @@ def patch(module) -> None:
     runner.profile_run = recorded
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 if OUT:
     os.makedirs(OUT, exist_ok=True)
-    sys.meta_path.insert(0, _PatchOnImport())
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from patch_on_import import install
+
+    install(TARGET, patch)
