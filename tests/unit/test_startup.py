@@ -589,3 +589,23 @@ def test_the_launch_after_a_rehearsal_without_routing_simulation_loads_its_compi
     assert "loads torch.compile's cache" in check["planned_for"]
     band = check["bands"]["KV tokens"]["band"]
     assert abs(check["kv_tokens_error_pct"]) < 0.3 and abs(check["kv_tokens_error_pct"]) < band * 100
+
+
+def test_after_a_routed_rehearsal_the_priming_start_leaves_the_launch_its_compile_cache():
+    """On the H100 (run-warm-launch/servebook-run-routed, the 8-layer Air at servebook's defaults, fifth session):
+    the routed rehearsal compiled under its own key; the winner's priming start compiled under the launch's, and
+    the launch loaded it (compile 25 s, then 5.9 s), planned as such a start within 0.3 % of vLLM's KV tokens."""
+    run = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-warm-launch"
+    run = run / "servebook-run-routed"
+    rehearsed = json.loads((run / "02_rehearse.json").read_text())
+    launch = json.loads((run / "03_launch.json").read_text())
+    routed, primed, launched = (json.loads(line) for line in (run / "starts.jsonl").read_text().splitlines())
+    assert rehearsed["routing"] == "uniform_random" and routed["compile_key"] != launched["compile_key"]
+    record = rehearsed["primed"]
+    assert record["compile_key"] == primed["compile_key"] == launched["compile_key"] and not record["error"]
+    assert (routed["compile_cache"], primed["compile_cache"], launched["compile_cache"]) == ("miss", "miss", "hit")
+    assert primed["load_strategy"] == "dummy" and "--load-format dummy" in record["command_line"]
+    assert launched["phases"]["compile"] < primed["phases"]["compile"] / 4
+    check = launch["plan_check"]
+    assert "loads torch.compile's cache" in check["planned_for"]
+    assert abs(check["kv_tokens_error_pct"]) < 0.3 < 100 * check["bands"]["KV tokens"]["band"]
