@@ -8,10 +8,15 @@ and the same command on the real weights after it, which loads the compile cache
 activation peak for each, and the plan's KV figure against the warm start three ways: planned as a cold start
 (what the plan said before it knew of the cache), planned as a start that finds its cache (first contact), and
 that plan with the cold start in its history (what stage 03 plans after the rehearsal).
+
+Then servebook's own plan, rehearsal and launch of the 8-layer Air (run-warm-launch/servebook-run-*): each start's
+compile key, compile cache, compile and ready seconds and KV tokens from the start history, what the priming start
+cost the rehearsal, and the launch's plan check.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from servebook import gpus, modelspec, planner
@@ -67,6 +72,26 @@ def main() -> None:
             f"{'':<20} the warm start sized {100 * (kv / cold_log.kv_cache_tokens - 1):+.2f} % the cold one's KV; "
             f"plan's warm activation {warm.reserve.activation / 2**30 if warm.reserve else 0:.2f} GiB"
         )
+
+    for run in sorted((RUNS / "run-warm-launch").glob("servebook-run-*")):
+        servebook_run(run)
+
+
+def servebook_run(run: Path) -> None:
+    """One of servebook's own runs: its starts in order, the priming start's cost, the launch against the plan."""
+    rehearsed = json.loads((run / "02_rehearse.json").read_text())
+    check = json.loads((run / "03_launch.json").read_text())["plan_check"]
+    print(f"\n{run.name}: rehearsal routing {rehearsed['routing'] or 'none'}, {rehearsed['seconds']:.0f} s in all")
+    for line in (run / "starts.jsonl").read_text().splitlines():
+        start = json.loads(line)
+        print(f"  {start['load_strategy']:<8} key {start['compile_key']}  compile cache {start['compile_cache']:<5} "
+              f"compile {start['phases'].get('compile', 0):5.1f} s  ready {start['total_s']:6.1f} s")  # fmt: skip
+    primed = rehearsed.get("primed")
+    if primed and not primed["skipped"]:
+        print(f"  priming start: {primed['seconds']:.0f} s of the rehearsal, KV {primed['kv_cache_tokens']:,}")
+    band = check["bands"]["KV tokens"]["band"]
+    print(f"  launch: KV {check['reported_kv_tokens']:,}, plan {check['predicted_kv_tokens']:,} "
+          f"({check['kv_tokens_error_pct']:+.2f} % ±{100 * band:.1f}), planned for {check['planned_for']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -272,7 +272,7 @@ class Runner:
                 cfg, self.out_dir / spec.slug, stop_leftovers=self.stop_leftovers, on_progress=self.on_progress
             )
         except (LaunchError, PreflightError) as exc:  # vLLM refused the command, or it died loading
-            found.status, found.error = "failed", getattr(exc, "cause", "") or str(exc)
+            found.status, found.error = "failed", _cause(exc)
             found.stopped_clean = server.stop(port=cfg.port).summary
             found.seconds = round(time.monotonic() - started, 1)
             self.log(f"{spec.name}: did not start: {found.error.splitlines()[0] if found.error else ''}")
@@ -328,7 +328,7 @@ class Runner:
         try:
             server.launch(cfg, self.out_dir / f"{spec.slug}-{routing}", stop_leftovers=self.stop_leftovers)
         except (LaunchError, PreflightError) as exc:
-            result.error = getattr(exc, "cause", "") or str(exc)
+            result.error = _cause(exc)
             server.stop(port=cfg.port)
             return result
         try:
@@ -344,6 +344,45 @@ class Runner:
         finally:
             server.stop(port=cfg.port)
         return result
+
+    def prime(self, name: str, config: ServerConfig) -> Primed:
+        """Start the launch's own command on dummy weights until it serves, and stop it: the compile it runs (a
+        cold one, whose garbage costs this start KV) is saved under the launch's compile key, which the load format
+        is not part of; the start joins the start history, so the launch stage plans the real start as one that
+        finds it."""
+        started = time.monotonic()
+        dry = config.dry()
+        primed = Primed(
+            candidate=name, command_line=" ".join(dry.command()),
+            compile_key=startup.compile_key(dry, vllm_compat.vllm_version()),
+        )  # fmt: skip
+        self.log(f"{name} once more on dummy weights, as stage 03 starts it: its launch then loads this compile")
+        try:
+            launch = server.launch(
+                dry, self.out_dir / f"{slug_of(name)}-primed", stop_leftovers=self.stop_leftovers,
+                on_progress=self.on_progress,
+            )  # fmt: skip
+        except (LaunchError, PreflightError) as exc:
+            primed.error = _cause(exc)
+            server.stop(port=dry.port)
+            primed.seconds = round(time.monotonic() - started, 1)
+            return primed
+        try:
+            v = launch.values
+            primed.compile_cache, primed.kv_cache_tokens = v.compile_cache, v.kv_cache_tokens
+            primed.seconds_to_ready = round(launch.seconds_to_ready, 1)
+            if launch.timeline and not launch.reused:
+                primed.compile_s = round(launch.timeline.seconds("compile"), 1)
+                startup.remember_launch(dry, launch.timeline, v.vllm_version or vllm_compat.vllm_version())
+        finally:
+            server.stop(port=dry.port)
+            primed.seconds = round(time.monotonic() - started, 1)
+        return primed
+
+
+def _cause(exc: LaunchError | PreflightError) -> str:
+    """vLLM's root cause of a start that failed, else the error's own message."""
+    return getattr(exc, "cause", "") or str(exc)
 
 
 class Primed(BaseModel):
@@ -373,47 +412,6 @@ def priming_not_needed(config: ServerConfig, rehearsed: Rehearsed) -> str:
         why = " (the winner was rehearsed without the routing simulation)" if not rehearsed.routing else ""
         return f"a start with the launch's compile key ran before and its cache is there{why}"
     return ""
-
-
-def prime(
-    name: str,
-    config: ServerConfig,
-    out_dir: Path,
-    *,
-    stop_leftovers: bool = False,
-    on_progress: Callable[[str, float], None] | None = None,
-    log: Callable[[str], None] = print,
-) -> Primed:
-    """Start the launch's own command on dummy weights until it serves, and stop it: the compile it runs (a cold
-    one, whose garbage costs this start KV) is saved under the launch's compile key, which the load format is not
-    part of; the start joins the start history, so the launch stage plans the real start as one that finds it."""
-    started = time.monotonic()
-    dry = config.dry()
-    primed = Primed(
-        candidate=name, command_line=" ".join(dry.command()),
-        compile_key=startup.compile_key(dry, vllm_compat.vllm_version()),
-    )  # fmt: skip
-    log(f"{name} once more on dummy weights, as stage 03 starts it: its launch then loads this compile")
-    try:
-        launch = server.launch(
-            dry, out_dir / f"{slug_of(name)}-primed", stop_leftovers=stop_leftovers, on_progress=on_progress
-        )
-    except (LaunchError, PreflightError) as exc:
-        primed.error = getattr(exc, "cause", "") or str(exc)
-        server.stop(port=dry.port)
-        primed.seconds = round(time.monotonic() - started, 1)
-        return primed
-    try:
-        v = launch.values
-        primed.compile_cache, primed.kv_cache_tokens = v.compile_cache, v.kv_cache_tokens
-        primed.seconds_to_ready = round(launch.seconds_to_ready, 1)
-        if launch.timeline and not launch.reused:
-            primed.compile_s = round(launch.timeline.seconds("compile"), 1)
-            startup.remember_launch(dry, launch.timeline, v.vllm_version or vllm_compat.vllm_version())
-    finally:
-        server.stop(port=dry.port)
-        primed.seconds = round(time.monotonic() - started, 1)
-    return primed
 
 
 def ceiling_at(ceilings: dict[int, float], concurrency: int) -> float | None:

@@ -5,6 +5,7 @@ import pytest
 
 from servebook import loadpath, models, params, rehearsal, server, startup, vllm_compat
 from servebook.errors import ServebookError
+from servebook.levels import SweepConfig
 from servebook.stages import launch as launch_stage
 
 from .conftest import config, ours_left
@@ -28,8 +29,8 @@ def test_the_shared_start_is_timed_phase_by_phase(shared_server):
 
 
 def test_a_relaunch_finds_its_compile_cache_or_says_why_not(tmp_path, monkeypatch):
-    """torch.compile on and one VLLM_CACHE_ROOT: the rehearsal's priming start (the launch's command on dummy
-    weights) compiles, saves its artefact and joins the start history under the launch's compile key, stopped
+    """torch.compile on and one VLLM_CACHE_ROOT: the rehearsal's priming start (``Runner.prime``: the launch's command
+    on dummy weights) compiles, saves its artefact and joins the start history under the launch's compile key, stopped
     with nothing left; the real launch then loads that artefact (a hit) or, where this vLLM cannot load it, says
     why, and Inductor's own cache shortens it."""
     cache = tmp_path / "vllm-cache"
@@ -38,7 +39,8 @@ def test_a_relaunch_finds_its_compile_cache_or_says_why_not(tmp_path, monkeypatc
     cfg = config(8137, enforce_eager=False, extra_env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CACHE_ROOT": str(cache)})
     key = startup.compile_key(cfg, vllm_compat.vllm_version())
     assert not startup.compile_cache_expected(key)
-    primed = rehearsal.prime("TP=1", cfg, tmp_path / "rehearsal", log=print)
+    runner = rehearsal.Runner(SweepConfig(), tmp_path / "rehearsal", routing="uniform_random", moe=True)
+    primed = runner.prime("TP=1", cfg)
     assert not primed.error and primed.compile_cache == "miss" and primed.compile_key == key
     assert "--load-format dummy" in primed.command_line and primed.kv_cache_tokens == 2_097_152
     assert primed.compile_s and primed.compile_s > 0  # its end is the artefact being saved

@@ -243,9 +243,7 @@ def _prime(
     if why_not:
         record.primed = rehearsal.Primed(candidate=chosen.name, skipped=why_not)
         return
-    record.primed = rehearsal.prime(
-        chosen.name, spec.config, runner.out_dir, stop_leftovers=runner.stop_leftovers, on_progress=runner.on_progress
-    )
+    record.primed = runner.prime(chosen.name, spec.config)
     if record.primed.error:
         print(f"{chosen.name}: the priming start failed, so the launch compiles cold: {record.primed.error[:300]}")
 
