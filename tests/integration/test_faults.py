@@ -94,6 +94,8 @@ def test_an_interrupted_launch_stops_the_loading_server_and_says_so(tmp_path, si
     assert manifest["status"] == "interrupted" and "03_launch" in manifest["interrupted"], manifest
     assert [s["status"] for s in manifest["stages"]] == ["interrupted"]
     assert any("interrupted: " in line and "03_launch" in line for line in run.lines)
+    # stopped where it was starting, with the grace of a start that never served
+    assert any("stopped the server that was still starting: " in line and "nothing left" in line for line in run.lines)
     assert "Run interrupted" in (run.run_dir / "report.html").read_text()
     nothing_left(port, before)
 

@@ -260,3 +260,39 @@ def test_command_lines_parsed_ahead_in_one_subprocess_then_pass_their_preflights
     again = vllm_compat.parse_serve_args(model, refused)
     assert not again.ok and not again.from_cache and "four" in again.message
     assert vllm_compat.parse_ahead(model, good) == 0  # nothing left to parse
+
+
+@pytest.mark.parametrize(
+    ("ready", "grace_s", "waited"),
+    [(None, 0.5, "0.5 s"), (False, server.STOP_GRACE_S, "5 s")],
+    ids=["a server that served: the grace it is given", "one still starting: the grace of a start"],
+)
+def test_a_stop_says_which_processes_ignored_sigterm_and_were_killed(tmp_path, monkeypatch, ready, grace_s, waited):
+    """A server group whose process ignores SIGTERM (as vLLM's API server does while its engine compiles) is killed
+    after its grace, and the stop says so; nothing is left and the registration is gone. A start that never served
+    has nothing to finish: it waits the workers' shutdown timeout, not the full grace."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    monkeypatch.setenv("SERVEBOOK_CACHE", str(tmp_path))
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"],
+        start_new_session=True, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert stubborn.stdout is not None and stubborn.stdout.readline()  # its handler is set
+    server.register(
+        server.Registration(pid=stubborn.pid, pgid=stubborn.pid, port=9011, host="127.0.0.1", url="", fingerprint="",
+                            command=[], log_path="", model="m", served_model_name="m", device="cpu", gpu_ids=[], started_at="",
+                            ready=ready)
+    )  # fmt: skip
+    try:
+        outcome = server.stop(port=9011, grace_s=grace_s)
+        stubborn.wait(timeout=10)  # psutil reaped it: its status is lost to Popen, the stop's summary has it
+        assert outcome.summary.startswith("1 process(es) stopped, nothing left"), outcome.summary
+        assert f"(1 ignored SIGTERM for {waited} and were killed)" in outcome.summary
+        assert server.registered(9011) is None
+    finally:
+        if psutil.pid_exists(stubborn.pid) and stubborn.poll() is None:
+            stubborn.kill()
