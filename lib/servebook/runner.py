@@ -428,11 +428,13 @@ def run(
             log(f"interrupted: {manifest.interrupted}; stopping what this run started")
             seconds = round(time.monotonic() - pipeline.current_start, 2) if n else 0.0
             answer = mask(stage_summary(selected[n - 1], run_dir), pipeline.secrets) if n else ""  # what it kept
+            began = round(pipeline.current_start - pipeline.run_start, 1) if n else None
             manifest.stages.append(
                 StageRun(
-                    name=current, status="interrupted", error=manifest.interrupted, seconds=seconds, summary=answer
+                    name=current, status="interrupted", error=manifest.interrupted, seconds=seconds, summary=answer,
+                    started_s=began,
                 )
-            )
+            )  # fmt: skip
             manifest.stages += [StageRun(name=rest.record.FILE, status="skipped") for rest in selected[n:]]
         finally:  # whatever happened, the servers this run started do not outlive it
             with signals_deferred():

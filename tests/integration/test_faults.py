@@ -93,6 +93,7 @@ def test_an_interrupted_launch_stops_the_loading_server_and_says_so(tmp_path, si
     manifest = manifest_of(run)
     assert manifest["status"] == "interrupted" and "03_launch" in manifest["interrupted"], manifest
     assert [s["status"] for s in manifest["stages"]] == ["interrupted"]
+    assert manifest["stages"][0]["started_s"] is not None  # the report's "began at" for the interrupted stage
     assert any("interrupted: " in line and "03_launch" in line for line in run.lines)
     # stopped where it was starting, with the grace of a start that never served
     assert any("stopped the server that was still starting: " in line and "nothing left" in line for line in run.lines)

@@ -160,7 +160,7 @@ def test_the_report_says_which_stages_ran_side_by_side():
     from servebook import report
 
     manifest = Manifest.model_construct(
-        run_name="r", run_dir="/r", started_at="t", versions={}, status="ok", interrupted="",
+        run_name="r", run_dir="/r", started_at="t", versions={}, status="ok", interrupted="", git_commit=None,
         host=type("H", (), {"hostname": "h"})(),
         stages=[StageRun(name="02_download", status="ok", started_s=10.0, seconds=300.0),
                 StageRun(name="02_rehearse", status="ok", started_s=10.5, seconds=200.0),
@@ -169,6 +169,12 @@ def test_the_report_says_which_stages_ran_side_by_side():
     text = report._summary_markdown(manifest)
     assert "02_download and 02_rehearse ran side by side for 200 s" in text
     assert "03_launch" not in text.split("side by side")[0].split("\n")[-1]
+    assert "servebook from source," in text  # no installed distribution and no git checkout: never "None"
+    at_commit = report._summary_markdown(manifest.model_copy(update={"git_commit": "bf7e5c4d0a1b2c3d"}))
+    assert "servebook at commit bf7e5c4d0a1b," in at_commit
+    assert "servebook 1.2.0," in report._summary_markdown(
+        manifest.model_copy(update={"versions": {"servebook": "1.2.0"}})
+    )
 
 
 def test_the_compile_cache_states_travel_from_vllms_logs_to_the_launchs_check():
