@@ -24,7 +24,7 @@
 #          SHAPES=air-8l (kit1) the 8-layer Air alone; SBWARM=1|routed [PEAK_MODELS=one] (go) servebook's own
 #          plan, rehearsal (1: without the routing simulation; routed: with it, then the winner's priming start)
 #          and launch of the 8-layer Air, inside the call: the launch loads a compile cache;
-#          SBINT=1 (go, after SHAPES=air-8l) interrupt_check.py on the 8-layer Air: Ctrl-C while the priming start
+#          SBINT=1 (go, after SHAPES=air-8l) benchmarks/interrupted_start.py on the 8-layer Air: Ctrl-C while the priming start
 #          compiles, SIGTERM while the launch loads; seconds to exit, GPU memory and vLLM processes left;
 #          SHAPES=air REPEAT=1 (go) the Air at vLLM's defaults three times (cold DEBUG, INFO, DEBUG);
 #          SHAPES=air PLAIN='batched 2048, 8k context' (go) the Air at those settings, no hook;
@@ -121,10 +121,10 @@ go)
     grep -rh "compile cache\|KV cache size\|torch.compile took" $OUTR --include=*.log | cut -c1-220
     pack; exit 0
   fi
-  if [ -n "${SBINT:-}" ]; then  # interrupts where a start has not served (interrupt_check.py): Ctrl-C to the job
+  if [ -n "${SBINT:-}" ]; then  # interrupts where a start has not served (benchmarks/interrupted_start.py): Ctrl-C to the job
     # while the routed rehearsal's priming start compiles, SIGTERM to servebook while the launch loads real weights
     rm -rf ~/.cache/vllm/torch_compile_cache ~/.cache/servebook
-    timeout 560 python3 $EX/interrupt_check.py $R/sbint $EX/params-glm-air.yaml $MODELS/${PEAK_MODELS:-glm45-air-8l-fp8} \
+    timeout 560 python3 benchmarks/interrupted_start.py $R/sbint $EX/params-glm-air.yaml $MODELS/${PEAK_MODELS:-glm45-air-8l-fp8} \
       2>&1 | tail -3 | cut -c1-900
     servebook stop 2>&1 | tail -1
     pack; exit 0
