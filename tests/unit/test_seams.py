@@ -123,6 +123,66 @@ def test_a_stage_that_writes_no_record_fails_the_run_by_name(tmp_path, monkeypat
     assert "stage reconnaissance finished without writing 00_reconnaissance.json" in entry.error
 
 
+CLEANING_STAGE = """
+import pathlib, signal, time
+if {ignores}:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+pathlib.Path(run_dir, "started").touch()
+try:
+    time.sleep(120)
+except KeyboardInterrupt:
+    time.sleep(6)  # as long as a stage's own stop of a server that never served
+    pathlib.Path(run_dir, "its except ran").touch()
+    raise
+"""
+
+
+@pytest.mark.parametrize(
+    ("ignores", "grace_s"), [(False, 60.0), (True, 4.0)], ids=["the stage acts on it", "the stage ignores it"]
+)
+def test_a_signal_to_servebook_reaches_the_running_stage_first(tmp_path, monkeypatch, ignores, grace_s):
+    """SIGTERM to servebook interrupts the stage's kernel (a session of its own, which no signal to servebook
+    reaches), and the run ends when the stage's own clean-up has (papermill's shutdown of the kernel gives it a
+    second or two); a stage that does not act on it is ended by the run after the grace."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import nbformat
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    kernel = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    nb = nbformat.v4.new_notebook(metadata=kernel)
+    nb.cells = [
+        nbformat.v4.new_code_cell(params.parameters_cell(["run_dir"]), metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(CLEANING_STAGE.format(ignores=ignores)),
+    ]
+    nbformat.write(nb, notebooks / "00_reconnaissance.ipynb")
+    monkeypatch.setenv("SERVEBOOK_NOTEBOOKS", str(notebooks))
+    monkeypatch.setenv("SERVEBOOK_OUTPUTS", str(tmp_path / "outputs"))
+    monkeypatch.setattr(runner, "KERNEL_INTERRUPT_GRACE_S", grace_s)
+    sent: list[float] = []
+
+    def terminate_once_started() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list((tmp_path / "outputs").glob("*/started")):
+            time.sleep(0.1)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_once_started, daemon=True).start()
+    run_dir, code = runner.run(REPO / "params" / "ci.yaml", wanted="reconnaissance", log=lambda _: None)
+    took = time.monotonic() - sent[0]
+    assert code == 143
+    assert (run_dir / "its except ran").exists() is not ignores
+    manifest = results.Manifest.model_validate_json((run_dir / "manifest.json").read_text())
+    assert manifest.status == "interrupted" and manifest.interrupted == "SIGTERM during 00_reconnaissance"
+    assert 6 <= took < 30 if not ignores else grace_s <= took < grace_s + 20, took
+    assert signal.getsignal(signal.SIGTERM) is not runner._Interrupt.received  # the run's handlers are gone
+
+
 # ---------------------------------------------------------------- which parameters a stage reads
 
 
