@@ -276,7 +276,8 @@ def fetch(
     started = time.monotonic()
     report = on_progress or (lambda s: None)
     with Progress(target, need, report, progress_every_s) as progress:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers))
+        try:
             # A file on disk with the wrong size is refetched whole; a missing one may resume from a partial download.
             futures = {
                 pool.submit(
@@ -295,6 +296,11 @@ def fetch(
                     fut.result()
                 except Exception as exc:
                     errors.append(f"{futures[fut].path}: {type(exc).__name__}: {exc}")
+        except KeyboardInterrupt:
+            # an interrupt must not wait for the files in flight (hours of a large checkpoint): they resume next run
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         final = progress.snapshot()
     report(final)
     if errors:

@@ -609,3 +609,36 @@ def test_after_a_routed_rehearsal_the_priming_start_leaves_the_launch_its_compil
     check = launch["plan_check"]
     assert "loads torch.compile's cache" in check["planned_for"]
     assert abs(check["kv_tokens_error_pct"]) < 0.3 < 100 * check["bands"]["KV tokens"]["band"]
+
+
+def test_an_interrupted_download_does_not_wait_for_the_files_in_flight(tmp_path, monkeypatch):
+    """Ctrl-C during the fetch ends it at once: the files still downloading (a large checkpoint's would take hours)
+    are left to resume on the next run, and the queue behind them is cancelled."""
+    import threading
+    import time
+
+    import huggingface_hub
+
+    from servebook import download
+
+    release, started = threading.Event(), []
+
+    def fake_download(repo: str, path: str, **_: object) -> str:
+        started.append(path)
+        if path == "interrupted":
+            raise KeyboardInterrupt  # what the main thread gets from a Ctrl-C, handed over by the pool as its result
+        release.wait(60)  # a shard that keeps downloading
+        return path
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    names = ["shard-1", "interrupted", *(f"queued-{i}" for i in range(4))]
+    listing = download.Listing("o/m", "main", "c" * 40, [download.RemoteFile(n, 10) for n in names])
+    began = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            download.fetch(listing, tmp_path, workers=2, progress_every_s=0.1)
+        assert time.monotonic() - began < 5
+        # the worker freed by the interrupt may take the next file before the queue is cancelled; no other starts
+        assert len([n for n in started if n.startswith("queued")]) <= 1, started
+    finally:
+        release.set()
