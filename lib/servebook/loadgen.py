@@ -628,11 +628,33 @@ def _run_loop(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
+INTERRUPTED_WINDOW_WAIT_S = 5.0  # how long an interrupted window may take to close its streams
+
+
 def _in_own_loop(coro: Any) -> Window:
     """Run a load generator's coroutine in a thread of its own, which gets a fresh event loop also inside
-    Jupyter, whose kernel already runs one."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen") as pool:
-        return pool.submit(_run_loop, coro).result()
+    Jupyter, whose kernel already runs one. An interrupt (Ctrl-C, or the runner's interrupt of the stage) cancels
+    the window's requests rather than waiting for them: a window of long outputs runs for minutes."""
+    running: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
+
+    async def cancellable() -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        running.append((asyncio.get_running_loop(), task))
+        return await coro
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="servebook-loadgen")
+    future = pool.submit(_run_loop, cancellable())
+    try:
+        return future.result()
+    except KeyboardInterrupt:
+        for loop, task in running:
+            loop.call_soon_threadsafe(task.cancel)
+        with contextlib.suppress(BaseException):
+            future.result(timeout=INTERRUPTED_WINDOW_WAIT_S)
+        raise
+    finally:
+        pool.shutdown(wait=False)
 
 
 def run_level(
@@ -707,11 +729,25 @@ def _run_processes(
                 stall_s=loop.stall_s,
             )
             jobs.append((target, workload, [prompts[i] for i in indices], indices, share, barrier))
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-            parts = list(pool.map(_client_process, jobs))
+        parts = _map_in_processes(ctx, _client_process, jobs)
     records = sorted((r for part in parts for r in part.records), key=lambda r: r.index)
     stalled = next((part.stalled for part in parts if part.stalled), "")
     return Window(records, min(part.start for part in parts), max(part.end for part in parts), stalled)
+
+
+def _map_in_processes(ctx: Any, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
+    """``fn`` over ``jobs``, a process each; an interrupt stops the processes rather than waiting for them to finish
+    their window (minutes, at long outputs)."""
+    pool = concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=ctx)
+    try:
+        done = list(pool.map(fn, jobs))
+    except KeyboardInterrupt:
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return done
 
 
 def arrival_offsets(

@@ -529,3 +529,60 @@ def test_a_busy_host_is_measured_apart_from_the_client_and_the_server(monkeypatc
     assert any("the host was busy" in w and "40 % of its CPUs at c=4" in w for w in said)
     monkeypatch.setattr(server, "registered", lambda port: None)  # a server servebook did not start: no split
     assert bench.HostCpu("http://127.0.0.1:8000").others_pct(1.0) is None
+
+
+def test_an_interrupted_window_cancels_its_requests_rather_than_waiting_for_them():
+    """Ctrl-C (or the runner's interrupt of the stage) during a window ends it within seconds: its streams are
+    cancelled and closed, not awaited (a window of long outputs at high concurrency runs for minutes)."""
+    import asyncio
+    import os
+    import signal
+    import threading
+    import time
+
+    closed: list[str] = []
+
+    async def long_window() -> None:
+        try:
+            await asyncio.sleep(120)
+        finally:
+            closed.append("the window's streams")
+
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # a real signal: it wakes a waiting lock
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        loadgen._in_own_loop(long_window())
+    assert time.monotonic() - began < 0.5 + loadgen.INTERRUPTED_WINDOW_WAIT_S
+    assert closed == ["the window's streams"]
+
+
+def test_interrupted_client_processes_are_stopped_rather_than_awaited():
+    """The sweep's client processes (``bench_client_processes``) are stopped at an interrupt, not left to finish
+    their window."""
+    import contextlib
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # after the spawned processes started
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        loadgen._map_in_processes(multiprocessing.get_context("spawn"), time.sleep, [120, 120])
+    assert time.monotonic() - began < 10
+
+    def workers() -> list[psutil.Process]:  # not multiprocessing's resource tracker, which outlives every pool
+        found = []
+        for child in psutil.Process().children():
+            with contextlib.suppress(psutil.Error):
+                if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(child.cmdline()):
+                    found.append(child)
+        return found
+
+    end = time.monotonic() + 5
+    while time.monotonic() < end and workers():
+        time.sleep(0.1)
+    assert workers() == []
