@@ -298,17 +298,24 @@ def run_set(name: str, env: dict[str, str], sweep: Sweep, timeout_s: float = 600
 def _collect(
     procs: list[subprocess.Popen[str]], started: float, timeout_s: float
 ) -> tuple[list[tuple[int | None, str, str]], str]:
-    """Every rank's exit code and output; all are killed when one outlives the set's timeout (a hang)."""
+    """Every rank's exit code and output; all are killed when one outlives the set's timeout (a hang), or when
+    servebook is interrupted: each rank is in a session of its own, which no Ctrl-C reaches."""
     outputs, error = [], ""
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, err = p.communicate()
-            error = f"timed out after {timeout_s:.0f} s (a hang: the set may be unsafe on this topology)"
-        outputs.append((p.returncode, out, err))
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                out, err = p.communicate()
+                error = f"timed out after {timeout_s:.0f} s (a hang: the set may be unsafe on this topology)"
+            outputs.append((p.returncode, out, err))
+    except KeyboardInterrupt:
+        for q in procs:
+            q.kill()
+            q.wait()
+        raise
     return outputs, error
 
 

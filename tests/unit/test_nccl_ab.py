@@ -320,3 +320,31 @@ def test_each_pass_says_what_it_cost_in_starts():
     record = record.model_copy(update={"ab": restarted, "rehearsed": None})
     [said] = nccl_tuning.pass_costs(record)
     assert said.startswith("real weights, before: 1 relaunch") and said.endswith("spent: 0.6 min")
+
+
+def test_an_interrupted_set_kills_its_ranks():
+    """Each rank runs in a session of its own, which no Ctrl-C at the terminal reaches: an interrupt of servebook
+    must stop them itself, or they outlive the run holding the GPUs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(120)"],
+            start_new_session=True,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        nccl._collect(ranks, began, timeout_s=120)
+    assert time.monotonic() - began < 5
+    assert [r.poll() for r in ranks] == [-signal.SIGKILL] * 2
