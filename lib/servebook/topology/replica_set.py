@@ -70,9 +70,11 @@ class ReplicaSet(Topology):
                 replicas.router_config(self.section.replicas, urls),
                 first.config.target(timeout_s=120), self.run_dir / "router", run_dir=str(self.run_dir),
             )  # fmt: skip
-        except BaseException:
+        except BaseException:  # a failed or interrupted launch: the replicas started so far, here and elsewhere
             for port in ports:
-                server.stop(port=port)
+                outcome = server.stop(port=port)
+                if outcome.stopped:
+                    print(f"stopped the replica this launch started on port {port}: {outcome.summary}")
             raise
         where = f" on {len(nodes.nodes)} machines" if nodes else ""
         print(
