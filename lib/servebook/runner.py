@@ -202,9 +202,8 @@ class _Interrupt:
             raise cls.pending or now
         cls.pending = now
         # os.write, not print: the handler may run inside a print of the stage's output
-        os.write(
-            2, f"servebook: {now.how}: the running stage is stopping what it started (again to end at once)\n".encode()
-        )
+        said = f"servebook: {now.how}: the running stage is stopping what it started (a second signal ends the run at once)"
+        os.write(2, (said + "\n").encode())
         try:
             os.kill(kernel, signal.SIGINT)
         except OSError:  # the kernel is gone already
