@@ -531,13 +531,10 @@ def test_a_busy_host_is_measured_apart_from_the_client_and_the_server(monkeypatc
     assert bench.HostCpu("http://127.0.0.1:8000").others_pct(1.0) is None
 
 
-def test_an_interrupted_window_cancels_its_requests_rather_than_waiting_for_them():
+def test_an_interrupted_window_cancels_its_requests_rather_than_waiting_for_them(ctrl_c_after):
     """Ctrl-C (or the runner's interrupt of the stage) during a window ends it within seconds: its streams are
     cancelled and closed, not awaited (a window of long outputs at high concurrency runs for minutes)."""
     import asyncio
-    import os
-    import signal
-    import threading
     import time
 
     closed: list[str] = []
@@ -548,7 +545,7 @@ def test_an_interrupted_window_cancels_its_requests_rather_than_waiting_for_them
         finally:
             closed.append("the window's streams")
 
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # a real signal: it wakes a waiting lock
+    ctrl_c_after(0.5)
     began = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         loadgen._in_own_loop(long_window())
@@ -556,19 +553,16 @@ def test_an_interrupted_window_cancels_its_requests_rather_than_waiting_for_them
     assert closed == ["the window's streams"]
 
 
-def test_interrupted_client_processes_are_stopped_rather_than_awaited():
+def test_interrupted_client_processes_are_stopped_rather_than_awaited(ctrl_c_after):
     """The sweep's client processes (``bench_client_processes``) are stopped at an interrupt, not left to finish
     their window."""
     import contextlib
     import multiprocessing
-    import os
-    import signal
-    import threading
     import time
 
     import psutil
 
-    threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # after the spawned processes started
+    ctrl_c_after(3.0)  # after the spawned processes started
     began = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         loadgen._map_in_processes(multiprocessing.get_context("spawn"), time.sleep, [120, 120])

@@ -322,14 +322,12 @@ def test_each_pass_says_what_it_cost_in_starts():
     assert said.startswith("real weights, before: 1 relaunch") and said.endswith("spent: 0.6 min")
 
 
-def test_an_interrupted_set_kills_its_ranks():
+def test_an_interrupted_set_kills_its_ranks(ctrl_c_after):
     """Each rank runs in a session of its own, which no Ctrl-C at the terminal reaches: an interrupt of servebook
     must stop them itself, or they outlive the run holding the GPUs."""
-    import os
     import signal
     import subprocess
     import sys
-    import threading
     import time
 
     ranks = [
@@ -342,7 +340,7 @@ def test_an_interrupted_set_kills_its_ranks():
         )  # fmt: skip
         for _ in range(2)
     ]
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    ctrl_c_after(0.5)
     began = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         nccl._collect(ranks, began, timeout_s=120)
