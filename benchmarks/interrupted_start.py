@@ -17,7 +17,8 @@ compiling):
     .venv/bin/python benchmarks/interrupted_start.py /tmp/interrupts params/ci.yaml builtin:tiny-qwen3-moe \
         --first-start --set enforce_eager=false --set port=8133
 (2026-12-06, 2 cores: 12.0 s and 12.3 s, 2 and 4 processes killed at the 5 s grace, which at 20 s would have
-taken 15 s more; nothing left.)
+taken 15 s more; nothing left. 2026-12-07, the stage getting the interrupt first: 8.4 s and 7.9 s, the stage
+stopping its start itself (2 processes killed at 5 s each time), the rehearsal record noting "interrupted".)
 On an H100, docs/examples/h200-vllm/on-h200-truth.sh SBINT=1 (run-interrupts-h100-kernel-first/: 8.9 and 7.8 s, 0 MiB
 left, the rehearsal record noting "interrupted"; run-interrupts-h100/ before the stage got the signal first).
 """
