@@ -100,10 +100,9 @@ def test_the_key_travels_from_the_variable_the_params_name(monkeypatch):
         systemd.secret_values(unit)
 
 
-def test_a_stage_that_writes_no_record_fails_the_run_by_name(tmp_path, monkeypatch):
+def reconnaissance_stage_of(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 00's notebook replaced by one code cell after its parameters, for this test's runs."""
     import nbformat
-
-    from servebook.records import ReconRecord
 
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
@@ -111,11 +110,17 @@ def test_a_stage_that_writes_no_record_fails_the_run_by_name(tmp_path, monkeypat
     nb = nbformat.v4.new_notebook(metadata=kernel)
     nb.cells = [
         nbformat.v4.new_code_cell(params.parameters_cell(["run_dir"]), metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell("print('looked, wrote nothing')"),
+        nbformat.v4.new_code_cell(code),
     ]
     nbformat.write(nb, notebooks / "00_reconnaissance.ipynb")
     monkeypatch.setenv("SERVEBOOK_NOTEBOOKS", str(notebooks))
     monkeypatch.setenv("SERVEBOOK_OUTPUTS", str(tmp_path / "outputs"))
+
+
+def test_a_stage_that_writes_no_record_fails_the_run_by_name(tmp_path, monkeypatch):
+    from servebook.records import ReconRecord
+
+    reconnaissance_stage_of("print('looked, wrote nothing')", tmp_path, monkeypatch)
     run_dir, code = runner.run(REPO / "params" / "ci.yaml", wanted="reconnaissance", log=lambda _: None)
     assert code != 0 and results.read(run_dir, ReconRecord) is None
     (entry,) = results.Manifest.model_validate_json((run_dir / "manifest.json").read_text()).stages
@@ -149,19 +154,7 @@ def test_a_signal_to_servebook_reaches_the_running_stage_first(tmp_path, monkeyp
     import threading
     import time
 
-    import nbformat
-
-    notebooks = tmp_path / "notebooks"
-    notebooks.mkdir()
-    kernel = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
-    nb = nbformat.v4.new_notebook(metadata=kernel)
-    nb.cells = [
-        nbformat.v4.new_code_cell(params.parameters_cell(["run_dir"]), metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell(CLEANING_STAGE.format(ignores=ignores)),
-    ]
-    nbformat.write(nb, notebooks / "00_reconnaissance.ipynb")
-    monkeypatch.setenv("SERVEBOOK_NOTEBOOKS", str(notebooks))
-    monkeypatch.setenv("SERVEBOOK_OUTPUTS", str(tmp_path / "outputs"))
+    reconnaissance_stage_of(CLEANING_STAGE.format(ignores=ignores), tmp_path, monkeypatch)
     monkeypatch.setattr(runner, "KERNEL_INTERRUPT_GRACE_S", grace_s)
     sent: list[float] = []
 
