@@ -8,6 +8,7 @@ each stage's record, a manifest and one HTML report, also when a stage fails.
 from __future__ import annotations
 
 import ast
+import asyncio
 import atexit
 import contextlib
 import gc
@@ -260,10 +261,34 @@ def kernel_clients_logged_to(path: Path) -> Iterator[None]:
     try:
         yield
     finally:
+        _settle_abandoned_tasks()
         gc.collect()  # an abandoned task reports its exception when it is collected: while the handler listens
         for lg, (handlers, propagate) in zip(loggers, before, strict=True):
             lg.handlers, lg.propagate = handlers, propagate
         handler.close()
+
+
+SETTLE_TASKS_S = 5.0  # a cancelled nbclient task ends at once; the bound keeps a stuck one from holding the exit
+
+
+def _settle_abandoned_tasks() -> None:
+    """A run interrupted from outside a cell (a second signal, the grace run out) leaves papermill's tasks for that
+    cell pending in this thread's event loop: its poll of the kernel's life, the cell's execution. They would fail
+    the next time that loop runs, with nothing left to talk to, and be reported when collected, long after the run
+    (in a test process, after pytest's summary). Cancelled and awaited now, they end while kernels.log listens."""
+    from jupyter_core.utils import ensure_event_loop
+
+    loop = ensure_event_loop()
+    if loop.is_running() or loop.is_closed():
+        return
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if not pending:
+        return
+    ended, _ = loop.run_until_complete(asyncio.wait(pending, timeout=SETTLE_TASKS_S))
+    for task in ended:  # retrieved: their errors are the interrupt's, said already
+        _ = task.cancelled() or task.exception()
 
 
 @contextlib.contextmanager

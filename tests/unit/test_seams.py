@@ -149,6 +149,7 @@ def test_a_signal_to_servebook_reaches_the_running_stage_first(tmp_path, monkeyp
     """SIGTERM to servebook interrupts the stage's kernel (a session of its own, which no signal to servebook
     reaches), and the run ends when the stage's own clean-up has (papermill's shutdown of the kernel gives it a
     second or two); a stage that does not act on it is ended by the run after the grace."""
+    import asyncio
     import os
     import signal
     import threading
@@ -174,6 +175,10 @@ def test_a_signal_to_servebook_reaches_the_running_stage_first(tmp_path, monkeyp
     assert manifest.status == "interrupted" and manifest.interrupted == "SIGTERM during 00_reconnaissance"
     assert 6 <= took < 30 if not ignores else grace_s <= took < grace_s + 20, took
     assert signal.getsignal(signal.SIGTERM) is not runner._Interrupt.received  # the run's handlers are gone
+    # papermill's tasks for the abandoned cell ended with the run, not at the next notebook this process runs
+    from jupyter_core.utils import ensure_event_loop
+
+    assert not [task for task in asyncio.all_tasks(ensure_event_loop()) if not task.done()]
 
 
 # ---------------------------------------------------------------- which parameters a stage reads
