@@ -488,6 +488,7 @@ def run(
     declare_secret(params.api_key_env)  # its value is masked in every notebook, record and report, as the key it is
     selected = stages.select(wanted)
     require_key(params, selected)
+    stages.require_upstream(selected)
     if any(stage.record.FILE == "03_launch" for stage in selected):
         topology.shape_of(params, str(params_path))  # a shape servebook's own launch cannot start is refused now
     declared = {stage.name: declared_parameters(notebook_of(stage)) for stage in selected}

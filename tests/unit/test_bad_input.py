@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from servebook import stages
+
 REPO = Path(__file__).resolve().parents[2]
 CI = str(REPO / "params" / "ci.yaml")
 
@@ -147,6 +149,22 @@ def test_check_says_a_hub_model_out_of_reach(tmp_path):
         capture_output=True, text=True, cwd=REPO, timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     refused(proc, "model:", "nobody-here/no-such-model", "HF_HUB_OFFLINE")
+
+
+def test_stages_that_read_the_launch_without_it_are_refused_with_the_selection_that_works(tmp_path):
+    """Each run starts in a folder of its own, so ``--stages benchmark`` alone once started a kernel, failed on the
+    missing launch record and wrote a report of that failure. It is refused now, before any folder exists, with the
+    selection that works (the launch reuses a server already serving)."""
+    import os
+
+    env = os.environ | {"SERVEBOOK_OUTPUTS": str(tmp_path / "out")}
+    proc = subprocess.run([sys.executable, "-m", "servebook.cli", "run", CI, "--stages", "07,smoke_test,benchmark"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)  # fmt: skip
+    refused(proc, "--stages:", "smoke_test, benchmark, deploy need the launch stage", "--stages launch,smoke_test,"
+            "benchmark,deploy", "reuses a server already serving")  # fmt: skip
+    assert not (tmp_path / "out").exists()
+    stages.require_upstream(stages.select("launch,benchmark"))  # with it, the selection stands
+    stages.require_upstream(stages.select("reconnaissance,plan"))  # and so does one that reads no launch
 
 
 def test_a_key_variable_that_is_not_set_is_named_before_the_first_stage_and_a_plan_needs_none(tmp_path):

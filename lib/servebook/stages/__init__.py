@@ -109,3 +109,22 @@ def select(wanted: str | None) -> list[Stage]:
         raise ParamsError("--stages", [f"unknown stage '{u}'; known stages: {names}" for u in unknown])
     picked = {stage.name for item in items for stage in known[item]}
     return [stage for stage in STAGES if stage.name in picked]
+
+
+def require_upstream(selected: list[Stage]) -> None:
+    """Refuse a selection with a stage whose required stage is not in it: every run starts in a folder of its own, so
+    such a stage would start only to find no record to read. The fix names the whole selection, in pipeline order."""
+    names = {stage.name for stage in selected}
+    missing = {needed for stage in selected for needed in stage.requires if needed not in names}
+    if not missing:
+        return
+    lacking = [stage.name for stage in selected if set(stage.requires) & missing]
+    whole = ",".join(stage.name for stage in STAGES if stage.name in names | missing)
+    said = " and ".join(sorted(missing))
+    raise ParamsError(
+        "--stages",
+        [
+            f"{', '.join(lacking)} need{'s' if len(lacking) == 1 else ''} the {said} stage in the same run (each run "
+            f"starts in an empty folder): --stages {whole} ({said} reuses a server already serving on the port)"
+        ],
+    )
