@@ -234,6 +234,21 @@ def test_compare_warns_when_the_runs_sent_different_requests():
 def test_compare_refuses_a_folder_that_is_not_a_run(tmp_path):
     with pytest.raises(ServebookError, match="holds no 05_benchmark.json and no `vllm bench serve` result"):
         benchmark.load_run(tmp_path)
+    with pytest.raises(ServebookError, match="no such file or folder"):
+        benchmark.load_run(tmp_path / "typo")
+
+
+def test_compare_says_what_a_run_without_a_benchmark_ran(tmp_path):
+    """A run folder whose run ended before the benchmark, named as such rather than as a stray JSON file."""
+    from servebook import params, runner
+
+    ci = runner.repo_root() / "params" / "ci.yaml"
+    manifest = runner._manifest(params.load(ci, []), ci, [], tmp_path)
+    manifest.status = "failed"
+    manifest.stages = [results.StageRun(name="04_smoke_test", status="failed", error="MissingRecord")]
+    (tmp_path / "manifest.json").write_text(manifest.model_dump_json())
+    with pytest.raises(ServebookError, match=r"a servebook run without a benchmark \(failed: 04_smoke_test failed\)"):
+        benchmark.load_run(tmp_path)
 
 
 def stream(events):

@@ -403,6 +403,10 @@ def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:
             f"({str(exc).splitlines()[0]}); it is cut or from another tool: pass run folders `servebook run` wrote"
         ) from None
     if record is None:
+        if not path.exists():
+            raise ServebookError(f"{path}: no such file or folder; pass run folders or `vllm bench serve` result files")
+        if (path / "manifest.json").is_file():
+            raise ServebookError(f"{path}: {_run_without_benchmark(path)}; pass runs that measured a sweep")
         found = sorted(path.glob("*.json")) if path.is_dir() else []
         if not found:
             raise ServebookError(
@@ -413,6 +417,16 @@ def load_run(path: str | Path) -> tuple[str, pd.DataFrame]:
     launch = results.read(path, LaunchRecord)
     label = f"{launch.layout.name} ({path.name})" if launch else path.name
     return label, levels(record)
+
+
+def _run_without_benchmark(path: Path) -> str:
+    """What a servebook run folder with no benchmark record ran instead, from its manifest."""
+    try:
+        manifest = results.Manifest.model_validate_json((path / "manifest.json").read_text())
+    except (ValueError, OSError):
+        return f"a servebook run folder without {BenchmarkRecord.FILE}.json"
+    ran = ", ".join(f"{s.name} {s.status}" for s in manifest.stages) or "no stage"
+    return f"a servebook run without a benchmark ({manifest.status}: {ran})"
 
 
 def _layout_of(path: Path) -> str:
