@@ -152,6 +152,9 @@ class _Indented:
         self.target.flush()
 
 
+NOTHING_KEPT = "no record: interrupted before the stage had a result to keep"
+
+
 def stage_summary(stage: Stage, run_dir: Path) -> str:
     """The stage's one-line answer from its record; empty when it wrote none."""
     try:
@@ -519,6 +522,7 @@ def run(
             log(f"interrupted: {manifest.interrupted}; stopping what this run started")
             seconds = round(time.monotonic() - pipeline.current_start, 2) if n else 0.0
             answer = mask(stage_summary(selected[n - 1], run_dir), pipeline.secrets) if n else ""  # what it kept
+            answer = answer or (NOTHING_KEPT if n else "")
             began = round(pipeline.current_start - pipeline.run_start, 1) if n else None
             manifest.stages.append(
                 StageRun(

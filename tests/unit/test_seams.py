@@ -173,6 +173,7 @@ def test_a_signal_to_servebook_reaches_the_running_stage_first(tmp_path, monkeyp
     assert (run_dir / "its except ran").exists() is not ignores
     manifest = results.Manifest.model_validate_json((run_dir / "manifest.json").read_text())
     assert manifest.status == "interrupted" and manifest.interrupted == "SIGTERM during 00_reconnaissance"
+    assert manifest.stages[0].summary == runner.NOTHING_KEPT  # the report's row says why it has no answer
     assert 6 <= took < 30 if not ignores else grace_s <= took < grace_s + 20, took
     assert signal.getsignal(signal.SIGTERM) is not runner._Interrupt.received  # the run's handlers are gone
     # papermill's tasks for the abandoned cell ended with the run, not at the next notebook this process runs
