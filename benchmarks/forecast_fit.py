@@ -150,6 +150,11 @@ def refit(found: list[Level], runs: set[str], per_active: bool, form=None) -> np
     return solution
 
 
+def capped(lv: Level, tok_s: float) -> float:
+    """A refit's figure under the plan's cap: the share of the ceiling a measured step has reached."""
+    return min(tok_s, sizing.FORECAST_CEILING_REACH * lv.ceiling)
+
+
 def show(name: str, found: list[Level], predict) -> None:  # noqa: ANN001
     print(name)
     for run in dict.fromkeys(lv.run for lv in found):
@@ -176,7 +181,7 @@ def main() -> None:
             c = refit(found, runs, per_active)
             form = "per active parameter" if per_active else "per token"
             show(f"refit, compute {form}, on {len(runs)} sweeps: {c[0]:.3g} s, {c[1]:.3f}, {c[2]:.3g}", found,
-                 lambda lv, c=c, a=per_active: min(lv.batch / float(np.dot(c, features(lv, a))), sizing.FORECAST_CEILING_REACH * lv.ceiling))  # fmt: skip
+                 lambda lv, c=c, a=per_active: capped(lv, lv.batch / float(np.dot(c, features(lv, a)))))  # fmt: skip
     held_out(found)
 
 
@@ -194,7 +199,7 @@ def held_out(found: list[Level]) -> None:
         worst = []
         for out in runs:
             c = refit(found, set(runs) - {out}, False, form)
-            errors = [min(lv.batch / float(np.dot(c, form(lv))), sizing.FORECAST_CEILING_REACH * lv.ceiling) / lv.measured - 1
+            errors = [capped(lv, lv.batch / float(np.dot(c, form(lv)))) / lv.measured - 1
                       for lv in found if lv.run == out]  # fmt: skip
             worst.append(f"{out} {max(abs(e) for e in errors):.0%}")
         print(f"held out, compute {name}: worst per sweep " + ", ".join(worst))
