@@ -22,7 +22,7 @@ levels within 15 % (today's form 74 %), held out 62 % (67 %); the H100's 4-, 8- 
 with the layers, and the H200's, which hardly do, pull it apart: what differs is the host, not the model.
 Every forecast here, refits included, is capped at sizing.FORECAST_CEILING_REACH (0.89) of the bandwidth ceiling,
 the most any of these levels reached (2026-12-07: the H100's 16-layer sweep, 0.887 at 32 streams); the cap took
-that sweep's worst miss from 13 % to 11 % and the median over all 94 levels from 7.8 % to 7.2 %.
+that sweep's worst miss from 12 % to 11 % and the median over all 94 levels from 7.8 % to 7.2 %.
 """
 
 from __future__ import annotations
