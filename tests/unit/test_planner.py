@@ -1269,6 +1269,10 @@ def test_a_forecast_that_only_the_ceiling_bounds_says_so():
     line = bands_text(record)
     assert f"forecast tok/s ±40.0 % {forecast.provenance}" in line and chosen.provenance == "calibrated"
     assert f"Forecast {forecast.basis}." in line
+    # a reserve term's band in GiB: a small term's relative band (several times itself) would read as an alarm
+    graphs = chosen.bands["cuda_graphs_gib"]
+    assert f"cuda graphs {graphs.value:.2f} ± {graphs.value * graphs.band:.2f} GiB" in line
+    assert "cuda graphs ±" not in line and "activation ±" not in line
     small = planner.plan(spec("q3moe-30b-a3b-shapes-8l-bf16"), h200s(1), max_model_len=4096).recommended
     assert small is not None and "ceiling" not in small.bands["forecast_tok_s"].basis
 

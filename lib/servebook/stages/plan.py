@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from servebook import gpus, hardware, loadpath, multinode, planner, raycluster, results, server_config, startplan
 from servebook.errors import LayoutRejected, ServebookError
 from servebook.params import Params
+from servebook.planner import truth
 from servebook.records import PlanRecord, ReconRecord
 from servebook.units import GiB
 
@@ -257,6 +258,18 @@ def _band_pct(layout: planner.Layout, figure: str) -> float | None:
     return round(100 * band.band, 1) if band and band.band < 9 else None
 
 
+RESERVE_TERMS = ("activation_gib", "cuda_graphs_gib", "non_torch_gib")
+
+
+def _band_shown(name: str, band: truth.Band) -> str:
+    """A figure's band as a person weighs it: a reserve term's in GiB, since a band of several times a term of a
+    few MiB (the CUDA graphs of a small model) is a few MiB of KV memory, not a warning; the others' in percent."""
+    label = name.removesuffix("_gib").replace("_", " ").replace("tok s", "tok/s")
+    if name in RESERVE_TERMS:
+        return f"{label} {band.value:.2f} ± {band.value * band.band:.2f} GiB"
+    return f"{label} ±{100 * band.band:.1f} %"
+
+
 def bands_text(record: planner.Plan) -> str:
     """How sure the plan is of the launch's layout, in one line: each figure's band and where it comes from."""
     chosen = record.layout_for_launch if isinstance(record, PlanRecord) else None
@@ -265,8 +278,7 @@ def bands_text(record: planner.Plan) -> str:
     if layout is None or not layout.bands:
         return ""
     shown = ", ".join(
-        f"{name.removesuffix('_gib').replace('_', ' ').replace('tok s', 'tok/s')} ±{100 * band.band:.1f} %"
-        + ("" if band.provenance == layout.provenance else f" {band.provenance}")
+        _band_shown(name, band) + ("" if band.provenance == layout.provenance else f" {band.provenance}")
         for name, band in layout.bands.items()
     )
     basis = f" KV {layout.kv_basis}." if layout.kv_basis else ""
