@@ -149,7 +149,7 @@ display(Markdown(
 # ## Every layout
 
 # %%
-display(stage.table(planned))
+display(stage.styled(planned))
 
 # %% [markdown]
 # ## Across nodes

@@ -1348,12 +1348,16 @@ def test_measured_levels_are_read_between_and_beyond_the_sweep():
 def test_the_terminal_table_fits_a_terminal_and_the_forecast_stays_under_its_ceiling():
     """Issue #41 point 9: `servebook plan`'s table was 250 columns wide; the forecast is a share of the bandwidth
     ceiling and never above it (on 8 GPUs the model's fixed part made it 1.2x the ceiling)."""
-    from servebook.stages.plan import terminal_table
+    from servebook.stages.plan import styled, table, terminal_table
 
     planned = planner.plan(spec("minimax-m2.5"), h200s(8))
     shown = terminal_table(planned).to_string(index=False)
     assert max(len(line) for line in shown.splitlines()) <= 120, shown
     assert {"accepted", "KV tokens", "forecast tok/s", "ceiling tok/s"} <= set(terminal_table(planned).columns)
+    # the notebook's whole table and the terminal's say yes or no, not pandas' True and False
+    assert set(table(planned)["fits"]) | set(terminal_table(planned)["accepted"]) <= {"yes", "no"}
+    html = styled(planned).to_html()
+    assert f"{planned.layouts[0].max_kv_tokens:,}" in html and 'class="row_heading' not in html
     for layout in planned.layouts:
         assert layout.forecast_tok_s_batch <= layout.decode_tok_s_batch + 1e-6, layout.name
 

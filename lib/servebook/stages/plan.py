@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
+from pandas.io.formats.style import Styler
 
 from servebook import gpus, hardware, loadpath, multinode, planner, raycluster, results, server_config, startplan
 from servebook.errors import LayoutRejected, ServebookError
@@ -205,7 +206,10 @@ def table(record: planner.Plan) -> pd.DataFrame:
     nodes = record.device.nodes > 1
     rows = []
     for layout in record.layouts:
-        row: dict[str, object] = {"layout": layout.name, "vLLM accepts": layout.accepted, "fits": layout.fits}
+        yes_no = {True: "yes", False: "no"}
+        row: dict[str, object] = {
+            "layout": layout.name, "vLLM accepts": yes_no[layout.accepted], "fits": yes_no[layout.fits]
+        }  # fmt: skip
         if nodes:  # where the layout's groups fall, next to its name
             row["crosses nodes"] = "+".join(layout.crosses) or "none"
             row["launch"] = layout.strategy
@@ -234,6 +238,22 @@ def table(record: planner.Plan) -> pd.DataFrame:
     return pd.DataFrame(rows).dropna(axis=1, how="all")  # e.g. no reserve or ceilings on the CPU
 
 
+def styled(record: planner.Plan) -> Styler:
+    """The notebook's table as a person reads it: no index column, thousands separated (5,217,024 KV tokens),
+    blanks where a figure does not apply."""
+    frame = table(record)
+    counts = [
+        c for c in frame if c.endswith("tok/s") or c in ("KV bytes/token/GPU", "KV tokens/engine", "batch ranked at")
+    ]
+    tenths = [c for c in ("KV ± %", "forecast ± %", "max concurrency") if c in frame]
+    return (
+        frame.style.hide(axis="index")
+        .format(na_rep="", precision=2, thousands=",")
+        .format("{:,.0f}", subset=counts, na_rep="")
+        .format("{:,.1f}", subset=tenths, na_rep="")
+    )
+
+
 # the terminal's table: the columns a choice rests on, under short headers (the notebook and --wide show all)
 TERMINAL_COLUMNS = {
     "layout": "layout", "vLLM accepts": "accepted", "fits": "fits", "crosses nodes": "crosses",
@@ -246,11 +266,7 @@ TERMINAL_COLUMNS = {
 def terminal_table(record: planner.Plan) -> pd.DataFrame:
     """The plan's table narrowed to what fits a terminal (about 120 columns)."""
     full = table(record)
-    narrow = full[[c for c in TERMINAL_COLUMNS if c in full.columns]].rename(columns=TERMINAL_COLUMNS)
-    for column in ("accepted", "fits"):
-        if column in narrow:
-            narrow[column] = narrow[column].map({True: "yes", False: "no"})
-    return narrow
+    return full[[c for c in TERMINAL_COLUMNS if c in full.columns]].rename(columns=TERMINAL_COLUMNS)
 
 
 def _band_pct(layout: planner.Layout, figure: str) -> float | None:
