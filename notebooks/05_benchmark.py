@@ -24,6 +24,7 @@
 # Concurrency doubles from 1 until output throughput gains less than `bench_plateau_gain` over two
 # doublings (a plateau), a latency objective breaks, or `bench_max_concurrency` is reached. The record says
 # which: only the first is called a plateau; reaching the limit while throughput still rises is "not saturated".
+# A plateau whose gains lie inside the levels' own repeat spread is not one: the sweep goes on to the next level.
 #
 # What makes the numbers trustworthy:
 # - every prompt is exactly `bench_input_len` tokens of the served model's tokenizer and unique, so no

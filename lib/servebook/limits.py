@@ -170,6 +170,19 @@ def declined(levels: list[Level], gain: float) -> Level | None:
     return best if newest.output_throughput_max < floor * (1 - gain) else None
 
 
+def unresolved_plateau(measured: list[Level], cfg: SweepConfig) -> bool:
+    """Whether either of the last two doublings' gains lies inside its level's own repeat spread: on two CPU cores
+    (a fresh server stalls the first time it meets a batch shape) 2, 4 and 8 streams once read 620, 651 and 523
+    tok/s with repeats 34 to 57 % apart, and the sweep stopped on a "plateau" its own levels called noise. Such a
+    sweep goes on: the next doubling (up to max_concurrency) costs one level, a plateau called too early the
+    rest of the curve."""
+    throughputs = [lv.output_throughput for lv in measured]
+    return any(
+        inside_noise(measured[i], doubling_gain(throughputs[: i + 1]), cfg)
+        for i in range(max(len(measured) - 2, 0), len(measured))
+    )
+
+
 def doubling_gain(throughputs: list[float]) -> float | None:
     """The last doubling's gain in output throughput (0.05: 5 % more); None before two levels."""
     return throughputs[-1] / throughputs[-2] - 1 if len(throughputs) >= 2 and throughputs[-2] > 0 else None
@@ -193,7 +206,8 @@ def stop_rule(measured: list[Level], cfg: SweepConfig) -> Stop | None:
             f"{level.concurrency}, {1 - level.output_throughput / peak.output_throughput:.0%} below its best "
             f"({peak.output_throughput:,.0f} tok/s at {peak.concurrency}) in every repeat",
         )
-    if plateau_reached([lv.output_throughput for lv in measured], cfg.plateau_gain):
+    throughputs = [lv.output_throughput for lv in measured]
+    if plateau_reached(throughputs, cfg.plateau_gain) and not unresolved_plateau(measured, cfg):
         return Stop(
             "plateau",
             f"plateau: under {cfg.plateau_gain:.0%} gain over the last two doublings "

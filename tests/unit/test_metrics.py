@@ -106,6 +106,31 @@ def test_plateau_rule():
     assert limits.plateau_level([1, 2, 4, 8, 16], [100, 190, 360, 370, 372], 0.05) == 4
 
 
+def test_a_plateau_inside_its_levels_noise_does_not_stop_the_sweep():
+    """The main job on two CPU cores: 2, 4 and 8 streams read 620, 651 and 523 tok/s (medians of three repeats 34 to
+    57 % apart) and the sweep stopped on a "plateau" that each level's own line called noise."""
+    cfg = levels.SweepConfig(plateau_gain=0.05)
+
+    def sweep(spreads):
+        return [
+            _level(c, output_throughput=t, output_throughput_min=t * (1 - s / 200), output_throughput_max=t * (1 + s / 200),
+                   spread_pct=s, repeats=3)
+            for c, t, s in zip([1, 2, 4, 8], [420.5, 620.4, 650.6, 522.9], spreads)
+        ]  # fmt: skip
+
+    noisy = sweep([5.0, 5.0, 88.0, 98.0])
+    assert limits.plateau_reached([lv.output_throughput for lv in noisy], 0.05)
+    assert limits.unresolved_plateau(noisy, cfg) and limits.stop_rule(noisy, cfg) is None
+    steady = sweep([5.0, 5.0, 4.0, 4.0])  # the same medians from tight repeats: a plateau (the decline is 2 repeats)
+    stop = limits.stop_rule(steady, cfg)
+    assert stop is not None and stop.by in ("plateau", "decline")
+    flat = sweep([5.0, 5.0, 4.0, 4.0])
+    flat[-1] = flat[-1].model_copy(update={"output_throughput": 640.0, "output_throughput_min": 627.0,
+                                           "output_throughput_max": 653.0})  # fmt: skip
+    flat_stop = limits.stop_rule(flat, cfg)
+    assert flat_stop is not None and flat_stop.by == "plateau" and not limits.unresolved_plateau(flat, cfg)
+
+
 def test_broken_objective_names_the_metric():
     level = levels.Level(
         concurrency=4,
