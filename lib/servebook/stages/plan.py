@@ -205,8 +205,8 @@ def reserve_text(record: planner.Plan) -> str:
 def table(record: planner.Plan) -> pd.DataFrame:
     nodes = record.device.nodes > 1
     rows = []
+    yes_no = {True: "yes", False: "no"}
     for layout in record.layouts:
-        yes_no = {True: "yes", False: "no"}
         row: dict[str, object] = {
             "layout": layout.name, "vLLM accepts": yes_no[layout.accepted], "fits": yes_no[layout.fits]
         }  # fmt: skip
