@@ -162,7 +162,7 @@ display(stage.styled(planned))
 # the layout it uses, built from the same configuration (each node's, head first, where there are several).
 
 # %%
-print(stage.node_commands_text(planned) if planned.node_commands else "no command: the launch's layout is refused")
+print(stage.commands_or_why(planned, p))
 
 # %% [markdown]
 # ## Memory per GPU

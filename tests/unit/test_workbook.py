@@ -85,8 +85,8 @@ def test_a_layout_of_the_wrong_size_says_the_product_and_the_fix(tmp_path):
     why = plan_stage.refusal(record, p)
     assert why and "uses 4 GPUs (TP × PP × DP)" in why and "plan_gpu_count: 4" in why and "layout_from_plan" in why
     assert "Stage 03 would not start this" in plan_stage.verdict(record, p)  # said, not raised
-    if record.requested is not None and not record.requested.usable:  # the answer line never hides the refusal
-        assert "which stage 03 would not start" in plan_stage.summary(record)
+    assert "which stage 03 would not start" in plan_stage.summary(record)  # the answer line never hides it
+    assert plan_stage.commands_or_why(record, p).startswith("no command: the params' layout TP=4 uses 4 GPUs")
     with pytest.raises(LayoutRejected):
         plan_stage.check(record, p)
 

@@ -119,6 +119,14 @@ def node_commands_text(record: PlanRecord) -> str:
     return "\n".join(lines)
 
 
+def commands_or_why(record: PlanRecord, p: Params) -> str:
+    """The launch's command lines, or why there are none: the refusal with its fix, never a bare "refused"."""
+    if record.node_commands:
+        return node_commands_text(record)
+    why = refusal(record, p)
+    return f"no command: {why}" if why else "no command: no layout fits"
+
+
 def refusal(record: PlanRecord, p: Params) -> str | None:
     """Why stage 03 cannot launch what this plan hands it, with the fix that applies; None when it can."""
     if record.launch_layout != "params":
@@ -127,10 +135,11 @@ def refusal(record: PlanRecord, p: Params) -> str | None:
     rec = f"the plan recommends {record.recommended.name}" if record.recommended else "no layout fits"
     if own is None:
         world, count = p.world_size, record.device.count
+        gpus = f"{world} GPU" + ("s" if world > 1 else "")
         return (
-            f"the params' layout {planner.Parallelism.of(p).name} uses {world} GPUs (TP × PP × DP), the plan is for "
-            f"{count}; set plan_gpu_count: {world} to plan for {world} GPUs"
-            + (f" (or gpu_ids to pick {world} of them)" if world < count else "")
+            f"the params' layout {planner.Parallelism.of(p).name} uses {gpus} (TP × PP × DP), the plan is for "
+            f"{count}; set plan_gpu_count: {world} to plan for {gpus}"
+            + (f" (or gpu_ids to pick {'it' if world == 1 else 'them'})" if world < count else "")
             + f", change the layout to use {count}, or set layout_from_plan: true ({rec})"
         )
     if not own.usable:
@@ -168,6 +177,8 @@ def summary(record: PlanRecord) -> str:
     if launch and not launch.usable:  # never "launch uses X" above X's refusal without saying so
         why = launch.reasons[0] if launch.reasons else "it does not fit"
         used += f", **which stage 03 would not start**: {why}"
+    elif launch is None and record.launch_layout == "params" and record.recommended:
+        used = "; the params' layout is for another GPU count, **which stage 03 would not start**"
     dev = record.device
     where = f"{dev.nodes} nodes of {dev.per_node} × {dev.name}" if dev.nodes > 1 else f"{dev.count} × {dev.name}"
     return (
