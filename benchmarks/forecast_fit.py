@@ -23,6 +23,9 @@ with the layers, and the H200's, which hardly do, pull it apart: what differs is
 Every forecast here, refits included, is capped at sizing.FORECAST_CEILING_REACH (0.89) of the bandwidth ceiling,
 the most any of these levels reached (2026-12-07: the H100's 16-layer sweep, 0.887 at 32 streams); the cap took
 that sweep's worst miss from 12 % to 11 % and the median over all 94 levels from 7.8 % to 7.2 %.
+The H100 rehearsals of the same shape at 40 and 24 layers (2026-12-07, run-reach-h100), held out of every fit,
+are forecast +56 % and +16 % at one stream and +2 % and +5 % at 64: over all 110 levels 73 % are within 15 %,
+and no form here brings the 40-layer sweep within 40 % when it is held out.
 """
 
 from __future__ import annotations
@@ -58,8 +61,13 @@ RUNS = [
     ("run-forecast-h100/q3-8l-again", "q3moe-30b-a3b-shapes-8l-bf16", planner.Parallelism(tp=1), 4096),
     # held out of every fit (one H100, 2026-12-06): GLM-4.5-Air-shaped block FP8, 4 layers (the first dense) + MTP
     ("run-truth-air/sweep", "glm45-air-shapes-4l-mtp1-fp8", planner.Parallelism(tp=1), 4096),
+    # one H100, 2026-12-07 (run-reach-h100): the bf16 shape at 40 and 24 layers, where the weights take the step,
+    # rehearsed on dummy weights with uniform routing, 128 in / 128 out, up to 256 streams
+    ("run-reach-h100/q3-40l-to-256", "run-reach-h100/configs/q3moe-bf16-40l", planner.Parallelism(tp=1), 4096),
+    ("run-reach-h100/q3-24l-to-256", "run-reach-h100/configs/q3moe-bf16-24l", planner.Parallelism(tp=1), 4096),
 ]
-H100_RUNS = ("run-forecast-h100", "run-truth-air")
+REHEARSED_WORKLOAD = {"input_len": 128, "output_len": 128}  # on-h200-reach.sh: params-bf16-tp1.yaml's
+H100_RUNS = ("run-forecast-h100", "run-truth-air", "run-reach-h100")
 H100_NVML_BYTES = 81_559 * 2**20
 
 
@@ -90,12 +98,24 @@ def active_params(spec: modelspec.ModelSpec) -> float:
     return per_token / 2 / 1e9
 
 
+MAX_STREAMS = 128  # the fit's range; the reach sweeps' 256 is read by reach.py
+
+
+def sweep(run: Path) -> tuple[dict[int, float], dict[str, int]]:
+    """A sweep's output tok/s per concurrency and its workload: a benchmark's levels, or a rehearsal's points."""
+    if (run / "05_benchmark.json").exists():
+        record = json.loads((run / "05_benchmark.json").read_text())
+        return {lv["concurrency"]: lv["output_throughput"] for lv in record["levels"]}, record["workload"]
+    candidate = json.loads((run / "02_rehearse.json").read_text())["candidates"][0]
+    return {pt["concurrency"]: pt["output_tok_s"] for pt in candidate["points"]}, REHEARSED_WORKLOAD
+
+
 def levels() -> list[Level]:
     found = []
     for run, config, layout, max_model_len in RUNS:
-        record = json.loads((SWEEPS / run / "05_benchmark.json").read_text())
-        ratio = record["workload"]["input_len"] / record["workload"]["output_len"]
-        spec = modelspec.load(str(CONFIGS / f"{config}.json"))
+        measured, workload = sweep(SWEEPS / run)
+        ratio = workload["input_len"] / workload["output_len"]
+        spec = modelspec.load(str(CONFIGS / f"{config}.json") if "/" not in config else str(SWEEPS / f"{config}.json"))
         h100 = run.startswith(H100_RUNS)
         device = planner.Device.for_gpu(
             gpus.lookup("NVIDIA H100 80GB HBM3" if h100 else "H200"),
@@ -111,10 +131,9 @@ def levels() -> list[Level]:
         ).find(layout)
         assert planned is not None
         found += [
-            Level(run, lv["concurrency"], lv["output_throughput"], planned.decode_ceiling[lv["concurrency"]],
-                  planned.forecast[lv["concurrency"]], ratio, layout.world_size, active_params(spec), spec.layers,
-                  sizing.forecast_compute_scale(spec, device))
-            for lv in record["levels"] if lv["concurrency"] <= 128
+            Level(run, c, tok_s, planned.decode_ceiling[c], planned.forecast[c], ratio, layout.world_size,
+                  active_params(spec), spec.layers, sizing.forecast_compute_scale(spec, device))
+            for c, tok_s in measured.items() if c <= MAX_STREAMS
         ]  # fmt: skip
     return found
 

@@ -1345,6 +1345,48 @@ def test_measured_levels_are_read_between_and_beyond_the_sweep():
     assert planner.truth.tok_s_at({}, 8) == (0.0, False)
 
 
+REACH = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-reach-h100"
+
+
+def test_a_sweep_that_ended_still_rising_is_carried_beyond_its_top_as_the_model_grows(tmp_path, monkeypatch):
+    """The H100 rehearsal of the 40-layer bf16 mini (2026-12-07) stopped at 128 streams, 78 % up on 64; the next
+    rehearsal measured 9,674 tok/s at 256. The history held its top flat beyond the sweep: 5,632, 42 % short."""
+    model = modelspec.load(str(REACH / "configs" / "q3moe-bf16-40l.json"))
+    h100 = planner.Device.for_gpu(gpus.lookup("NVIDIA H100 80GB HBM3"), 1, memory_bytes=81_559 * 2**20)
+
+    def planned(history=()) -> planner.Plan:
+        return planner.plan(
+            model, h100, max_model_len=4096, gpu_memory_utilization=0.92,
+            serving=planner.Serving(vllm_version="0.25.0"), history=history,
+        )  # fmt: skip
+
+    def swept(run: str) -> dict[str, float]:
+        points = json.loads((REACH / run / "02_rehearse.json").read_text())["candidates"][0]["points"]
+        return {str(pt["concurrency"]): pt["output_tok_s"] for pt in points}
+
+    def learned_from(levels: dict[str, float]) -> planner.Layout:
+        fresh = tmp_path / f"{len(list(tmp_path.iterdir()))}.jsonl"
+        monkeypatch.setattr(planner.truth, "history_path", lambda: fresh)
+        cold = planned()
+        first = cold.find(planner.Parallelism())
+        planner.truth.remember(
+            planner.truth.learned(
+                first, cold.device.name, "0.25.0", "rehearsal", first.max_kv_tokens, throughput=levels,
+                workload=planner.truth.workload_key(1.0),
+            )
+        )  # fmt: skip
+        return planned(planner.truth.history()).find(planner.Parallelism())
+
+    to_128, to_256 = swept("q3-40l"), swept("q3-40l-to-256")
+    after = learned_from(to_128)
+    assert after.bands["forecast_tok_s"].provenance == "measured"
+    assert after.forecast[128] == pytest.approx(to_128["128"])
+    assert abs(after.forecast[256] / to_256["256"] - 1) < 0.15  # held flat: -42 %
+    assert after.forecast[256] <= after.decode_ceiling[256] * 1.1
+    levelled = learned_from({**to_128, "128": to_128["64"] * 1.03})  # a sweep that ended on its plateau
+    assert levelled.forecast[256] == pytest.approx(to_128["64"] * 1.03)
+
+
 def test_the_terminal_table_fits_a_terminal_and_the_forecast_stays_under_its_ceiling():
     """Issue #41 point 9: `servebook plan`'s table was 250 columns wide; the forecast is a share of the bandwidth
     ceiling and never above it (on 8 GPUs the model's fixed part made it 1.2x the ceiling)."""

@@ -660,7 +660,11 @@ FORECAST_FP8_MATH_SPEEDUP = 2.0
 # No step reads its bytes at the HBM's datasheet pace. The most of the bandwidth ceiling any committed sweep reached
 # is 0.887 (the 16-layer bf16 mini on one H100 at 32 streams, run-forecast-h100; the H200's best, 0.80, at 64
 # streams of the same shape): where the weights take the whole step (a full-size model), the step model passes the
-# ceiling and the forecast is this share of it, not the ceiling itself.
+# ceiling and the forecast is this share of it, not the ceiling itself. Rehearsed where the weights do take the step
+# (one H100, 2026-12-07, run-reach-h100: the same shape at 40 and 24 layers), a step reached 0.94 of it at 128
+# streams and passed it at 256 (the ceiling charges each stream min(max_model_len, 2048) tokens of KV, where that
+# workload holds about 192); a cap of 0.94 worsens their levels under 64 streams more than it helps above, so 0.89
+# stays.
 FORECAST_CEILING_REACH = 0.89
 FP8_TENSOR_CORE_GPUS = ("H100", "H200", "H20", "B200", "B300", "GB200", "L40S", "L4", "RTX-PRO-6000")
 
@@ -730,13 +734,15 @@ def _forecast(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing) -
 
 def _measured_forecast(layout: Layout, device: Device, sizing: Sizing, basis: str) -> bool:
     """The forecast from the history, where this command was measured with this workload before: the measured
-    levels stand in for the model's (the ceilings stay, as upper bounds). Whether one was found."""
+    levels stand in for the model's (the ceilings stay, as upper bounds), and carry it beyond the highest one
+    (:func:`truth.tok_s_beyond`). Whether one was found."""
     workload = truth.workload_key(sizing.prompt_ratio)
     entry = truth.throughput_entry(list(sizing.history), layout, device.name, sizing.serving.vllm_version, workload)
     if entry is None or not layout.signature:
         return False
-    layout.forecast = {b: truth.tok_s_at(entry.throughput, b)[0] for b in layout.forecast}
-    value, within = truth.tok_s_at(entry.throughput, layout.batch_fit)
+    model = dict(layout.forecast)  # the step model's, which carries a sweep that ended still rising beyond its top
+    layout.forecast = {b: truth.tok_s_beyond(entry.throughput, b, model)[0] for b in layout.forecast}
+    value, within = truth.tok_s_beyond(entry.throughput, layout.batch_fit, model)
     layout.forecast_tok_s_batch = value
     top = max(int(c) for c in entry.throughput)
     if entry.source == "rehearsal":

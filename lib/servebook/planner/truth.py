@@ -251,9 +251,10 @@ def workload_key(prompt_ratio: float) -> str:
 # a throughput measured for the same command and workload, taken again: the spread of a sweep's level between
 # starts (the H200 table of issue #39: 8,487 to 9,976 tok/s at 64 streams on three real-weight starts)
 MEASURED_FORECAST_BAND = 0.10
-# where the batch the plan ranks at lies beyond the highest concurrency measured: the highest measured stands in
-# (a sweep ends at its plateau or the server's limit), less sure
+# where the batch the plan ranks at lies beyond the highest concurrency measured (tok_s_beyond), less sure
 BEYOND_MEASURED_FORECAST_BAND = 0.20
+# a sweep whose last doubling gained at least this much ended rising (at bench_max_concurrency), not on a plateau
+STILL_RISING_GAIN = 0.10
 # a rehearsal's throughput ran on dummy weights with a routing simulation: the MoE's real routing can differ
 REHEARSED_FORECAST_BAND = 0.25
 
@@ -294,6 +295,23 @@ def tok_s_at(points: dict[str, float], batch: float) -> tuple[float, bool]:
     (c0, v0), (c1, v1) = next((a, b) for a, b in zip(levels, levels[1:], strict=False) if a[0] <= batch <= b[0])
     share = (math.log2(batch) - math.log2(c0)) / (math.log2(c1) - math.log2(c0))
     return v0 + share * (v1 - v0), True
+
+
+def tok_s_beyond(points: dict[str, float], batch: float, model: dict[int, float]) -> tuple[float, bool]:
+    """Output tok/s at ``batch`` streams from measured levels, as :func:`tok_s_at`; beyond a sweep that ended still
+    rising, its highest level grown as the step ``model`` (concurrency -> tok/s) grows from there, not held flat:
+    the H100 rehearsal of 2026-12-07 that stopped at 128 streams, 78 % up on 64, was held at 5,632 tok/s where 256
+    streams measured 9,674; grown as the model it forecasts 8,657. A sweep that levelled off keeps its top."""
+    value, within = tok_s_at(points, batch)
+    levels = sorted((int(c), v) for c, v in points.items() if v > 0)
+    if within or len(levels) < 2 or not model:
+        return value, within
+    (c0, v0), (top, v1) = levels[-2:]
+    curve = {str(c): v for c, v in model.items()}
+    at_top, there = tok_s_at(curve, top)[0], tok_s_at(curve, batch)[0]
+    if v1 < v0 * (1 + STILL_RISING_GAIN) or at_top <= 0:
+        return value, within
+    return v1 * max(there / at_top, 1.0), within
 
 
 def learned(
