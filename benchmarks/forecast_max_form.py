@@ -10,11 +10,11 @@ step while the GPU runs this one, a step should take the longer of the two: the 
 (P large: the maximum, smoothed), is fitted by relative least squares (torch's L-BFGS on the constants' logs) on
 all sweeps and with each held out. 2026-12-07 (P = 8): fitted on all it holds the 40- and 24-layer sweeps within
 15 % and 18 %, which today's form misses by up to 65 %, but the MLA INT4 and FP8 TP=2+EP sweeps go to 32-34 %;
-68 % of 110 levels within 15 % (today's form: 73 %), held out 60 %. A per-layer floor that is one constant for
+68 % of 110 levels within 15 % (the plan's form then: 73 %), held out 60 %. A per-layer floor that is one constant for
 every architecture does not hold: a Kimi layer (hidden 7,168, MLA, Marlin INT4) costs more than a Qwen3 one.
 The second form adds a floor per billion parameters a token activates: fitted on all, 83 % of levels within 15 %
 (median 8.0 %) and both deep sweeps within 11 %; each sweep held out, 74 %, with the Kimi TP=1 and FP8 TP=2+EP
-sweeps 42 % and 41 % off and the H200's 4-layer one 55 %. Today's form, fitted on two sweeps, holds 73 %.
+sweeps 42 % and 41 % off and the H200's 4-layer one 55 %. The plan's form before its GPU floor held 73 %, with it 82 %.
 """
 
 from __future__ import annotations

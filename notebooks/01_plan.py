@@ -38,8 +38,9 @@
 # blocks as vLLM does), decode ceilings from memory bandwidth plus a fixed cost per collective, and a
 # throughput forecast per concurrency for the benchmark's workload (a fixed cost per engine step, a share of
 # the ceiling's time and a compute part per token, fitted on H200 sweeps: ±25 % where fitted, ±40 % elsewhere;
-# never above 89 % of the ceiling, the most a measured step reached; the measured levels instead once a
-# benchmark or rehearsal of the same command has run). The forecast ranks
+# never a step shorter than the GPU's own, every layer's kernels and the bytes at the ceiling's pace; never above
+# 89 % of the ceiling, the most a measured step reached; the measured levels instead once a benchmark or
+# rehearsal of the same command has run, carried beyond their highest where that sweep was still rising). The forecast ranks
 # layouts, each at the batch it can hold: `plan_batch` sequences, or fewer when its KV cache takes fewer
 # requests of `max_model_len` at once. Every figure carries a band and says where it comes from: measured,
 # calibrated or extrapolated. The benchmark stage measures.

@@ -1252,19 +1252,31 @@ def test_fp8_gemms_are_forecast_at_twice_bf16s_pace_where_the_gpu_has_fp8_tensor
     assert sum(fp8_pace) < 0.5 * sum(bf16_pace), (sum(fp8_pace), sum(bf16_pace))
 
 
-def test_a_forecast_that_only_the_ceiling_bounds_says_so():
-    """DeepSeek-V3 on eight H200s: the weights take the whole step, the step model (fitted on minis whose steps are
-    mostly off the weights) passes the bandwidth ceiling, and the plan says that the share of the ceiling a measured
-    step reached (not the ceiling itself, which no step reaches) is its forecast, with the model's own figure; the one-line summary names the forecast's provenance where it is not the layout's."""
+REACH = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-reach-h100"
+
+
+def test_a_forecast_that_the_gpu_or_the_ceiling_bounds_says_so():
+    """DeepSeek-V3 on eight H200s: the weights take the whole step, and the step model (fitted on minis whose steps
+    are the host's) would pass the bandwidth ceiling; the GPU's own step (every layer's kernels, the bytes at the
+    ceiling's pace) bounds it, and the plan says so. Where that floor still leaves more than the share of the ceiling
+    a measured step reached (the 24-layer Qwen3-shaped mini at 128 streams), that share is the forecast, with the
+    model's own figure. The one-line summary names the forecast's provenance where it is not the layout's."""
     from servebook.stages.plan import bands_text
 
     record = planner.plan(spec("deepseek-v3"), h200s(8), max_model_len=8192)
     chosen = record.recommended
     assert chosen is not None
     forecast = chosen.bands["forecast_tok_s"]
-    assert chosen.forecast_tok_s_batch == pytest.approx(sizing.FORECAST_CEILING_REACH * chosen.decode_tok_s_batch)
+    floor = sizing.gpu_step_floor(chosen.batch_fit, chosen.decode_tok_s_batch, 61)
+    assert chosen.forecast_tok_s_batch == pytest.approx(chosen.batch_fit / floor)
+    assert chosen.forecast_tok_s_batch < sizing.FORECAST_CEILING_REACH * chosen.decode_tok_s_batch
+    assert "the GPU's own step: 61 layers' kernels (61.5 us each" in forecast.basis
+    deep = modelspec.load(str(REACH / "configs" / "q3moe-bf16-24l.json"))
+    h100 = planner.Device.for_gpu(gpus.lookup("NVIDIA H100 80GB HBM3"), 1, memory_bytes=81_559 * 2**20)
+    at_128 = planner.plan(deep, h100, max_model_len=4096, batch=128).find(planner.Parallelism())
+    assert at_128.forecast_tok_s_batch == pytest.approx(sizing.FORECAST_CEILING_REACH * at_128.decode_tok_s_batch)
     assert "89% of the bandwidth ceiling, the most a measured sweep reached: the step model's own figure" in (
-        forecast.basis
+        at_128.bands["forecast_tok_s"].basis
     )
     line = bands_text(record)
     assert f"forecast tok/s ±40.0 % {forecast.provenance}" in line and chosen.provenance == "calibrated"
@@ -1343,9 +1355,6 @@ def test_measured_levels_are_read_between_and_beyond_the_sweep():
     assert planner.truth.tok_s_at(levels, 8) == (pytest.approx(2700.0), True)  # halfway on log2 from 4 to 16
     assert planner.truth.tok_s_at(levels, 64) == (4000.0, False)  # the highest level stands in beyond the sweep
     assert planner.truth.tok_s_at({}, 8) == (0.0, False)
-
-
-REACH = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-reach-h100"
 
 
 def test_a_sweep_that_ended_still_rising_is_carried_beyond_its_top_as_the_model_grows(tmp_path, monkeypatch):

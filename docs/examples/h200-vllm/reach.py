@@ -17,7 +17,7 @@ for plan_file in sorted(Path(sys.argv[1]).rglob("01_plan.json")):
     candidate = rehearsal["candidates"][0]
     layout = next(lay for lay in plan["layouts"] if lay["name"] == candidate["name"].split(" ")[0])
     print(
-        f"{run.parent.name}: {candidate['name']}, {layout['weight_bytes_per_gpu'] / 1e9:.1f} GB of weights, "
+        f"{run.name}: {candidate['name']}, {layout['weight_bytes_per_gpu'] / 1e9:.1f} GB of weights, "
         f"KV tokens {candidate['kv_cache_tokens']:,} (plan {candidate['predicted_kv_tokens']:,})"
     )
     if not layout["decode_ceiling"]:
