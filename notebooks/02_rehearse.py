@@ -8,7 +8,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.7
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: servebook (.venv)
 #     language: python
@@ -124,8 +124,8 @@ with live.resource_panel(p.interactive, stage.gpus(), "GPUs while the candidates
 # %% [markdown]
 # ## The candidates, ranked
 # One row per candidate: how long its dummy start took, the KV tokens vLLM sized beside the plan's, its best
-# level with the range of its repeats, the plan's throughput forecast and decode ceiling (an upper bound) at
-# that concurrency, and why it stopped.
+# level with the range of its repeats, the plan's throughput forecast and decode ceiling (an upper bound, with the
+# KV this workload's streams hold) at that concurrency, and why it stopped.
 
 # %%
 display(stage.styled(rehearsed))

@@ -143,8 +143,9 @@ display(clocks if not clocks.empty else Markdown("The server's `/metrics` gave n
 # API server kept pace with the engine (the clocks above), on GPUs
 # what NVML saw (SM utilisation, power against its limit, clock slowdowns, PCIe traffic against the link), and
 # the gain over the level before. A CPU server has no GPU evidence, and the line under the table says so. Beside
-# them, the plan's decode ceiling for this layout at this many streams (weights, touched experts and KV read
-# once per step at the GPU's memory bandwidth) and the measured throughput as a share of it.
+# them, the plan's decode ceiling for this layout at this many streams (weights, touched experts and the KV
+# this workload's streams hold, read once per step at the GPU's memory bandwidth) and the measured throughput as
+# a share of it.
 
 # %%
 limits, limits_note = stage.limits_table(levels)

@@ -29,11 +29,17 @@ def plan(p: Params, device: planner.Device, model: str = "") -> planner.Plan:
             kv_cache_dtype=p.kv_cache_dtype, reserve_gib=p.plan_reserve_gib or None, batch=p.plan_batch,
             serving=serving, history=planner.truth.history() if device.kind != "cpu" else (),
             prompt_ratio=p.bench_input_len / p.bench_output_len,  # the workload stage 05 measures, forecast alike
+            context_tokens=workload_context(p),
         )  # fmt: skip
 
     cold = planned(serving)
     warm = warm_layouts(p, cold)
     return (planned(dataclasses.replace(serving, warm_layouts=warm)) if warm else cold).rank_by(p.plan_rank_by)
+
+
+def workload_context(p: Params) -> int:
+    """The KV a stream of stage 05's workload holds on average while it decodes: its prompt and half its output."""
+    return p.bench_input_len + p.bench_output_len // 2
 
 
 def warm_layouts(p: Params, planned: planner.Plan) -> frozenset[str]:

@@ -182,10 +182,10 @@ def test_the_limits_table_is_rounded_under_readable_headers_with_shared_notes_be
     assert shown.index.name == "streams" and list(shown.index) == [1, 256]
     assert list(shown.columns) == [
         "client CPU, % of a core", "running (peak)", "waiting (peak)", "KV cache used, %", "SM busy, %",
-        "clock slowdowns", "plan's decode ceiling, tok/s", "what limits it",
+        "clock slowdowns", "plan's ceiling for this workload, tok/s", "what limits it",
     ]  # fmt: skip
     assert shown.loc[256, "KV cache used, %"] == 0.84 and shown.loc[256, "client CPU, % of a core"] == 43
-    assert shown.loc[1, "plan's decode ceiling, tok/s"] == 4997 and shown.loc[1, "clock slowdowns"] == ""
+    assert shown.loc[1, "plan's ceiling for this workload, tok/s"] == 4997 and shown.loc[1, "clock slowdowns"] == ""
     assert note == "NVML sampled each measurement 10–25 times"
 
     cpu = levels.assign(gpu_note="no GPU evidence: no GPU serves this model", gpu_samples="").drop(

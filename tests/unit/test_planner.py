@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
-from servebook import gpus, levels, limits, modelspec, planner
+from servebook import gpus, levels, limits, modelspec, params, planner, startplan
 from servebook.errors import PlanInputError
 from servebook.modelspec import ModelConfigError
 from servebook.planner import sizing
@@ -1264,6 +1264,25 @@ def test_fp8_gemms_are_forecast_at_twice_bf16s_pace_where_the_gpu_has_fp8_tensor
 
 
 REACH = Path(__file__).resolve().parents[2] / "docs" / "examples" / "h200-vllm" / "run-reach-h100"
+
+
+def test_a_sweep_is_read_against_a_ceiling_for_its_own_workload():
+    """The 40-layer H100 rehearsal (128 in / 128 out) measured 9,674 tok/s at 256 streams, 5 % above the ceiling
+    that charges every stream a long request's KV (2,048 tokens); charged the ~192 tokens a stream of that
+    workload holds, the ceiling bounds every level, and it is the one the benchmark and rehearsal read against."""
+    deep = modelspec.load(str(REACH / "configs" / "q3moe-bf16-40l.json"))
+    h100 = planner.Device.for_gpu(gpus.lookup("NVIDIA H100 80GB HBM3"), 1, memory_bytes=81_559 * 2**20)
+    points = json.loads((REACH / "q3-40l-to-256" / "02_rehearse.json").read_text())["candidates"][0]["points"]
+    measured = {pt["concurrency"]: pt["output_tok_s"] for pt in points}
+    bare = planner.plan(deep, h100, max_model_len=4096).find(planner.Parallelism())
+    assert bare.workload_ceiling == {} and bare.decode_ceiling[256] < measured[256]
+    p = params.Params(model=str(REACH / "configs"), bench_input_len=128, bench_output_len=128, max_model_len=4096)
+    assert startplan.workload_context(p) == 192
+    planned = planner.plan(deep, h100, max_model_len=4096, context_tokens=startplan.workload_context(p)).find(
+        planner.Parallelism()
+    )
+    assert all(measured[c] < planned.workload_ceiling[c] for c in measured)
+    assert planned.decode_ceiling == bare.decode_ceiling and planned.forecast == bare.forecast  # the ranking's own
 
 
 def test_a_forecast_that_the_gpu_or_the_ceiling_bounds_says_so():

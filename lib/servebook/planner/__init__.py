@@ -131,7 +131,7 @@ class Plan(BaseModel):
         return self.model_copy(update={"recommended": best, "why": why})
 
 
-def plan(
+def plan(  # noqa: PLR0913  (keyword-only beyond the device: each a setting vLLM or the workload sizes by)
     spec: ModelSpec,
     device: Device,
     *,
@@ -143,6 +143,7 @@ def plan(
     serving: Serving | None = None,
     history: Sequence[truth.Measured] = (),
     prompt_ratio: float = 1.0,
+    context_tokens: int | None = None,
 ) -> Plan:
     """Every TP x PP x DP = G layout, with and without expert parallelism, checked, sized and ranked; what is
     not given (``gpu_memory_utilization`` None, zeros in ``serving``) is vLLM's default for
@@ -166,6 +167,7 @@ def plan(
         serving=serving,
         history=tuple(history),
         prompt_ratio=prompt_ratio,
+        context_tokens=context_tokens,
     )
     layouts = []
     for tp, pp, dp in enumerate_layouts(device.count):

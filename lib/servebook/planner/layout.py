@@ -402,6 +402,9 @@ class Layout:
     decode_tok_s_batch: float = 0.0
     # the bandwidth ceiling on decode tok/s with this many sequences in the batch (powers of two)
     decode_ceiling: dict[int, float] = Field(default_factory=dict)
+    # the same ceiling for the benchmark's workload, each stream holding its mean context (prompt and half the
+    # output) rather than a long request's: the bound a sweep's levels are read against (empty: no workload given)
+    workload_ceiling: dict[int, float] = Field(default_factory=dict)
     # what the layout is forecast to deliver at those batches (planner.sizing.forecast_tok_s), and at its batch
     forecast: dict[int, float] = Field(default_factory=dict)
     forecast_tok_s_batch: float = 0.0

@@ -54,7 +54,7 @@ def run(p: Params, run_dir: str | Path, on_level: Callable[[bench.SweepResult], 
     plan = results.read(run_dir, PlanRecord)
     cfg = sweep_config(p, admitted_sequences(launch, plan))
     planned = plan.find(launch.config.layout) if plan else None
-    cfg.decode_ceiling = dict(planned.decode_ceiling) if planned else {}
+    cfg.decode_ceiling = dict(planned.workload_ceiling or planned.decode_ceiling) if planned else {}
     cfg.dataset = dataset.prompts if dataset else None
     cfg.gpu_ids = list(launch.gpu_ids) if launch.config.device == "cuda" else []
     target = launch.target(p.bench_request_timeout_s)
@@ -251,7 +251,7 @@ LIMIT_COLUMNS: dict[str, tuple[str, int | None]] = {
     "gpu_nvlink_pct": ("NVLink, % of capacity", 0),
     "gpu_slowdowns": ("clock slowdowns", None),
     "gpu_note": ("GPU note", None),
-    "plan_ceiling_tok_s": ("plan's decode ceiling, tok/s", 0),
+    "plan_ceiling_tok_s": ("plan's ceiling for this workload, tok/s", 0),
     "plan_ceiling_pct": ("% of that ceiling", 0),
     "limit": ("what limits it", None),
 }
