@@ -231,6 +231,12 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
     batch: int = typer.Option(
         _vocabulary_default("plan_batch"), help="concurrent sequences for the throughput ranking"
     ),
+    input_len: int = typer.Option(
+        _vocabulary_default("bench_input_len"), min=1, help="prompt tokens per request, for the forecast"
+    ),
+    output_len: int = typer.Option(
+        _vocabulary_default("bench_output_len"), min=2, help="output tokens per request, for the forecast"
+    ),
     nodes: int = typer.Option(1, min=1, help="machines the server spans (then --gpus counts GPUs per node)"),
     interconnect: str = typer.Option(
         "", help="network between the nodes, e.g. '8x400Gb/s InfiniBand' or '100GbE' (needed with --nodes)"
@@ -268,7 +274,7 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
              "kv_cache_dtype": kv_cache_dtype, "plan_batch": batch, "nodes": nodes, "node_interconnect": interconnect,
              "device": "cuda", "plan_gpu": gpu, "plan_gpu_count": gpus_ * nodes, "layout_from_plan": True,
              "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-             "enforce_eager": enforce_eager},
+             "enforce_eager": enforce_eager, "bench_input_len": input_len, "bench_output_len": output_len},
             source="servebook plan",
         )  # fmt: skip
         link = planner.parse_interconnect(interconnect) if nodes > 1 else None

@@ -212,6 +212,26 @@ def test_cli_json_shape_and_speed():
     assert isinstance(data["layouts"][0]["ep"], bool)
 
 
+def test_cli_forecasts_the_workload_it_is_given():
+    """`servebook plan --input-len --output-len`: the forecast is for that workload (a prompt 8 times the output
+    costs each output token 8 prompt tokens of compute; MiniMax-M2.5's full-size step is the GPU's, which the
+    prompts do not move), says so, and so is the ceiling its levels would be read against."""
+
+    def recommended(*workload: str) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-m", "servebook.cli", "plan", str(CONFIGS / "minimax-m2.5.json"), "--json", *workload],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["recommended"]
+
+    even, long_prompts = recommended(), recommended("--input-len", "1024", "--output-len", "128")
+    assert "1 prompt token per output token" in even["bands"]["forecast_tok_s"]["basis"]
+    assert "8 prompt tokens per output token" in long_prompts["bands"]["forecast_tok_s"]["basis"]
+    assert long_prompts["forecast_tok_s_batch"] <= even["forecast_tok_s_batch"]
+    assert long_prompts["workload_ceiling"]["64"] < even["workload_ceiling"]["64"]  # 1,088 tokens of KV, not 192
+
+
 def test_cli_unknown_gpu_lists_the_known_ones():
     out = subprocess.run(
         [sys.executable, "-m", "servebook.cli", "plan", str(CONFIGS / "minimax-m2.5.json"), "--gpu", "V100"],
