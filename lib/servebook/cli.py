@@ -6,12 +6,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, List, NoReturn
+from typing import TYPE_CHECKING, Any, List, NoReturn
 
 import typer
 
 from servebook.errors import ServebookError
 from servebook.gpus import GPUS
+
+if TYPE_CHECKING:
+    from servebook.records import PlanRecord
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
 
@@ -253,7 +256,7 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
     """
     from servebook import gpus as gpu_specs
     from servebook import params, planner
-    from servebook.stages.plan import bands_text, defaults_text, make_plan, node_commands_text, table, terminal_table
+    from servebook.stages.plan import make_plan
 
     if model.endswith((".yaml", ".yml")):
         _fail(
@@ -286,6 +289,13 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
         typer.echo(result.model_dump_json(indent=2, exclude={"schema_version", "written_at"}))
         return
     where = f"{nodes} nodes of {gpus_} x {g.name} ({interconnect})" if nodes > 1 else f"{gpus_} x {g.name}"
+    _echo_plan(result, where, wide)
+
+
+def _echo_plan(result: PlanRecord, where: str, wide: bool) -> None:
+    """`servebook plan`'s terminal answer: the table, each refusal, the recommendation, the bands, the command."""
+    from servebook.stages.plan import bands_text, defaults_text, node_commands_text, table, terminal_table
+
     typer.echo(f"{result.model.architecture} on {where}; weights {result.weights_total_bytes / 1e9:,.1f} GB")
     shown = table(result).drop(columns=["why not"]) if wide else terminal_table(result)
     typer.echo(shown.to_string(index=False))
@@ -297,7 +307,7 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
     if bands := bands_text(result):
         typer.echo(bands)
     best = result.recommended
-    for warning in best.warnings if best and nodes > 1 else []:
+    for warning in best.warnings if best and result.device.nodes > 1 else []:
         typer.echo(f"  note: {warning}")
     if result.node_commands:
         typer.echo("  " + node_commands_text(result).replace("\n", "\n  "))
