@@ -293,8 +293,7 @@ class Runner:
                 found.status, found.error = "failed", swept.fault
             best = found.best
             if best and spec.predicted and spec.predicted.decode_ceiling:
-                bound = spec.predicted.workload_ceiling or spec.predicted.decode_ceiling
-                found.predicted_ceiling_tok_s = ceiling_at(bound, best.concurrency)
+                found.predicted_ceiling_tok_s = ceiling_at(spec.predicted.sweep_ceiling, best.concurrency)
                 found.predicted_forecast_tok_s = ceiling_at(spec.predicted.forecast, best.concurrency)
         except KeyboardInterrupt:
             found.status, found.error = "interrupted", "interrupted during its sweep"

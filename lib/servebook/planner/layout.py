@@ -428,6 +428,11 @@ class Layout:
     bands: dict[str, Band] = field(default_factory=dict)
 
     @property
+    def sweep_ceiling(self) -> dict[int, float]:
+        """The ceiling a sweep's levels are read against: the workload's, else the long-request one."""
+        return self.workload_ceiling or self.decode_ceiling
+
+    @property
     def parallelism(self) -> Parallelism:
         return Parallelism(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep)
 

@@ -54,7 +54,7 @@ def run(p: Params, run_dir: str | Path, on_level: Callable[[bench.SweepResult], 
     plan = results.read(run_dir, PlanRecord)
     cfg = sweep_config(p, admitted_sequences(launch, plan))
     planned = plan.find(launch.config.layout) if plan else None
-    cfg.decode_ceiling = dict(planned.workload_ceiling or planned.decode_ceiling) if planned else {}
+    cfg.decode_ceiling = dict(planned.sweep_ceiling) if planned else {}
     cfg.dataset = dataset.prompts if dataset else None
     cfg.gpu_ids = list(launch.gpu_ids) if launch.config.device == "cuda" else []
     target = launch.target(p.bench_request_timeout_s)
