@@ -38,8 +38,12 @@
 #   router's), and the spread is shown. Expert-parallel layouts may still rehearse optimistic: uniform routing
 #   balances their ranks perfectly.
 # - **Ranking:** goodput within the objectives where any is set, else the best output tok/s; each figure with its
-#   repeats' range. A candidate that is behind the leader beyond that range once the leader has levelled off is
-#   dropped early. A candidate that fails to start is a result with vLLM's root cause, not a crash.
+#   repeats' range. A setting (`rehearse_variants`) ranks above its own layout "as set" only where it is ahead
+#   beyond the baseline's range, at loads where its change acts (a `max_num_seqs` cap runs the very engine "as set"
+#   runs until more streams arrive than it admits, so a lead there is launch-to-launch noise, and that noise is
+#   added to the margin); the "why" column says so where it applies. A candidate that is behind the leader beyond
+#   that range once the leader has levelled off is dropped early. A candidate that fails to start is a result with
+#   vLLM's root cause, not a crash.
 # - **The winner** goes to stage 03, which launches it with real weights and checks that its KV cache matches the
 #   rehearsal's (`rehearse_picks_launch: false` keeps the plan's or the params' choice). In JupyterLab you may pick
 #   another candidate below.

@@ -160,6 +160,7 @@ class Rehearsed(BaseModel):
     rank: int | None = None
     skewed: Skewed | None = None
     stopped_clean: str = ""  # how its stop ended (nothing left, or what was)
+    behind_baseline: str = ""  # why it ranks under its layout's "as set" candidate despite a higher score
 
     @property
     def best(self) -> Point | None:
@@ -187,12 +188,84 @@ class Rehearsed(BaseModel):
 
 
 def rank(found: list[Rehearsed], by_goodput: bool) -> list[Rehearsed]:
-    """Measured candidates by score, best first (rank 1); the others keep no rank."""
+    """Measured candidates by score, best first (rank 1); the others keep no rank.  A setting ranks above its
+    layout's "as set" candidate only where it has shown it beats it (``against_baseline``)."""
     measured = [r for r in found if r.status in ("measured", "dropped") and r.score(by_goodput) is not None]
-    ordered = sorted(measured, key=lambda r: -(r.score(by_goodput) or 0.0))
+    by_score = sorted(measured, key=lambda r: -(r.score(by_goodput) or 0.0))
+    ordered: list[Rehearsed] = []
+    held: dict[int, list[Rehearsed]] = {}  # variants waiting for their baseline, keyed by its id
+    for r in by_score:
+        r.behind_baseline = ""
+        baseline = _baseline(r, by_score)
+        if (
+            baseline is not None
+            and all(x is not baseline for x in ordered)
+            and (why := against_baseline(r, baseline, by_goodput))
+        ):
+            r.behind_baseline = why
+            held.setdefault(id(baseline), []).append(r)
+            continue
+        ordered += [r, *held.pop(id(r), [])]
     for i, r in enumerate(ordered, 1):
         r.rank = i
     return ordered
+
+
+def _baseline(variant: Rehearsed, measured: list[Rehearsed]) -> Rehearsed | None:
+    if variant.setting == AS_SET:
+        return None
+    return next((r for r in measured if r.setting == AS_SET and r.layout == variant.layout), None)
+
+
+def same_engine_up_to(variant: Rehearsed, baseline: Rehearsed) -> int:
+    """The highest concurrency at which a setting runs the very engine its layout's "as set" candidate runs: a
+    ``max_num_seqs`` cap (when it is the only change) admits every request until more arrive than it holds, so up
+    to there the two differ by launch-to-launch noise alone.  0 where the setting may matter at any load."""
+    cap = variant.changes.get("max_num_seqs") if set(variant.changes) == {"max_num_seqs"} else None
+    if not isinstance(cap, int) or cap <= 0:
+        return 0
+    own = re.search(r"--max-num-seqs[= ](\d+)", baseline.command_line)
+    return min(cap, int(own.group(1))) if own else cap
+
+
+def against_baseline(variant: Rehearsed, baseline: Rehearsed, by_goodput: bool) -> str:
+    """Why a setting that scores above its layout's "as set" candidate has not shown that it beats it ("" where it
+    has).  Its lead counts only at loads where its change acts, and only beyond both the baseline's band and the
+    launch-to-launch difference measured where the two run the same engine: on the CPU build one 4-stream level
+    of a max_num_seqs=4 setting measured 801-1,288 tok/s against 424-439 for the same engine launched "as set"."""
+    up_to = same_engine_up_to(variant, baseline)
+    base_score, base_band = baseline.score(by_goodput), baseline.band(by_goodput)
+    if base_score is None or base_band is None:
+        return ""
+    acting = [pt for pt in variant.points if pt.concurrency > up_to]
+    noise = _launch_noise(variant, baseline, up_to, by_goodput)
+    unit = "requests/s" if by_goodput else "tok/s"
+    same = (f"up to {up_to} streams its cap admits every request, so it runs the engine {baseline.name} runs"
+            + (f" (the two launches differed by up to {noise * 100:.0f} % there)" if noise else ""))  # fmt: skip
+    if not acting:
+        return f"{variant.name} never ran past {up_to} streams: {same}, and its lead is launch-to-launch noise"
+    top = max(acting, key=lambda pt: _point_score(pt, by_goodput))
+    score = _point_score(top, by_goodput)
+    low = score * top.low / top.output_tok_s if top.output_tok_s else score
+    if low > base_band[1] and score > base_score * (1 + noise):
+        return ""
+    high = score * top.high / top.output_tok_s if top.output_tok_s else score
+    reached = f"at {top.concurrency} streams its repeats ran {low:,.1f}-{high:,.1f} {unit}"
+    where = f"{same}; past them, {reached}" if up_to else reached
+    return (f"{where}, not beyond {baseline.name}'s {base_score:,.1f} (repeats {base_band[0]:,.1f}-{base_band[1]:,.1f})"
+            + (f" and the {noise * 100:.0f} % between launches" if noise else ""))  # fmt: skip
+
+
+def _point_score(pt: Point, by_goodput: bool) -> float:
+    return (pt.goodput or 0.0) if by_goodput else pt.output_tok_s
+
+
+def _launch_noise(variant: Rehearsed, baseline: Rehearsed, up_to: int, by_goodput: bool) -> float:
+    """The largest relative difference between two launches of the same engine at one concurrency."""
+    theirs = {pt.concurrency: _point_score(pt, by_goodput) for pt in baseline.points}
+    gaps = [abs(_point_score(pt, by_goodput) - theirs[pt.concurrency]) / theirs[pt.concurrency]
+            for pt in variant.points if pt.concurrency <= up_to and theirs.get(pt.concurrency)]  # fmt: skip
+    return max(gaps, default=0.0)
 
 
 def within_noise(leader: Rehearsed, other: Rehearsed, by_goodput: bool) -> bool:

@@ -77,6 +77,38 @@ def test_a_candidate_behind_a_levelled_leader_beyond_noise_is_dropped():
     assert behind(close) is None  # within the leader's band: kept
 
 
+def test_a_setting_outranks_its_own_layout_only_where_its_change_acts_and_beyond_noise():
+    # the CPU main job's case: a max_num_seqs=4 setting's 4-stream windows ran 801-1,288 tok/s where its cap admits
+    # every request (the engine "as set" runs, which measured 424-439 there); past its cap it ran 413-447
+    as_set = found("TP=1", [(1, 411, 399, 423), (2, 532, 479, 585), (4, 432, 424, 439)], stopped_by="decline")
+    capped = found("TP=1 · max-4-seqs", [(1, 417, 417, 417), (2, 441, 430, 453), (4, 1044, 801, 1288),
+                                         (8, 430, 413, 447)], stopped_by="decline", changes={"max_num_seqs": 4})  # fmt: skip
+    capped.setting = "max-4-seqs"
+    assert rehearsal.same_engine_up_to(capped, as_set) == 4
+    ranked = rehearsal.rank([capped, as_set], by_goodput=False)
+    assert [r.name for r in ranked] == ["TP=1", "TP=1 · max-4-seqs"] and capped.rank == 2
+    assert "runs the engine TP=1 runs" in capped.behind_baseline and "142 %" in capped.behind_baseline
+    record = RehearsalRecord(model_path="/m", routing="", ranked_by="output tok/s", candidates=[capped, as_set])
+    stages.rehearse._decide(record)
+    assert record.winner == "TP=1" and "max-4-seqs scored higher but has not shown it beats it" in record.why
+
+    # past its cap, clear of the baseline's band and of the launches' difference, the setting leads
+    clear = capped.model_copy(update={"points": [*capped.points[:2], capped.points[2].model_copy(
+        update={"output_tok_s": 430.0, "low": 425.0, "high": 435.0}), rehearsal.Point(
+        concurrency=8, output_tok_s=700, low=680, high=720)]})  # fmt: skip
+    assert [r.name for r in rehearsal.rank([clear, as_set], by_goodput=False)][0] == "TP=1 · max-4-seqs"
+    # a lead inside the launches' difference does not: 600 is over the band but within 17 % (at 2 streams) of 532
+    near = clear.model_copy(update={"points": [*clear.points[:3], rehearsal.Point(
+        concurrency=8, output_tok_s=600, low=590, high=610)]})  # fmt: skip
+    assert [r.name for r in rehearsal.rank([near, as_set], by_goodput=False)][0] == "TP=1"
+    # a setting that may act at any load must still clear the baseline's band; another layout is never held back
+    batched = found("TP=1 · b2048", [(4, 560, 540, 580)], changes={"max_num_batched_tokens": 2048})
+    batched.setting = "b2048"
+    other = found("TP=2", [(4, 600, 590, 610)], layout=Parallelism(tp=2))
+    assert [r.name for r in rehearsal.rank([other, batched, as_set], False)] == ["TP=2", "TP=1", "TP=1 · b2048"]
+    assert rehearsal.same_engine_up_to(batched, as_set) == 0 and "540.0-580.0" in batched.behind_baseline
+
+
 def test_routing_simulation_where_vllm_can_run_it_and_why_not_elsewhere():
     assert rehearsal.routing_for(True, "uniform_random", "cuda") == ("uniform_random", "")
     assert rehearsal.routing_for(False, "uniform_random", "cuda")[0] == ""

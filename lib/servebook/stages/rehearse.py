@@ -199,14 +199,18 @@ def _decide(record: RehearsalRecord) -> None:
     if record.picked_by != "person" or not record.find(record.winner):
         record.winner, record.picked_by = best.name, "measurement"
     top, band = best.best, best.band(by_goodput)
-    tied = [r.name for r in ranked[1:] if rehearsal.within_noise(best, r, by_goodput)]
+    unproven = [
+        r for r in ranked[1:] if r.behind_baseline and (r.score(by_goodput) or 0) > (best.score(by_goodput) or 0)
+    ]
+    tied = [r.name for r in ranked[1:] if r not in unproven and rehearsal.within_noise(best, r, by_goodput)]
     unit = "requests/s within the objectives" if by_goodput else "output tok/s"
     record.why = (
         f"{best.name}: {best.score(by_goodput):,.1f} {unit}"
         + (f" at {top.concurrency} streams" if top and not by_goodput else "")
         + (f" (repeats {band[0]:,.1f}-{band[1]:,.1f})" if band else "")
+        + "".join(f"; {r.name} scored higher but has not shown it beats it: {r.behind_baseline}" for r in unproven)
         + (f"; within noise of it: {', '.join(tied)}" if tied else "; every other candidate is behind beyond noise"
-           if len(ranked) > 1 else "")
+           if len(ranked) > 1 + len(unproven) else "")
     )  # fmt: skip
 
 
@@ -316,7 +320,7 @@ def table(record: RehearsalRecord) -> pd.DataFrame:
             "plan ceiling tok/s": c.predicted_ceiling_tok_s,
             "skewed routing %": c.skewed.change_pct if c.skewed else None,
             "seconds": c.seconds,
-            "why": (c.error.splitlines()[0][:160] if c.error else c.stop_reason),
+            "why": c.behind_baseline or (c.error.splitlines()[0][:160] if c.error else c.stop_reason),
         })  # fmt: skip
     frame = pd.DataFrame(rows)
     if frame.empty:
