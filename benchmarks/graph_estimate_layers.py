@@ -1,0 +1,55 @@
+"""vLLM's CUDA-graph estimate against the layer count, beside the plan's (issue #40, 2026-12-07).
+
+    .venv/bin/python benchmarks/graph_estimate_layers.py [RUN_FOLDER]
+
+RUN_FOLDER (default docs/examples/h200-vllm/run-graphs) holds what on-h200-graphs.sh brought back: per start
+NAME.log.gz (vLLM's log less its DEBUG lines), NAME.log.graphs.gz (its graph lines, DEBUG included) and
+configs/NAME.json. For each start: each mode's first capture and per-graph charge as vLLM logged them, its total,
+the plan's total, and the plan's KV tokens against vLLM's. (The folder does not exist yet: the script has not had
+a machine; checked on a folder built from run-truth-air's DEBUG log, it reads the 4-layer Air's 768 / 150 / 2 MiB.)
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import sys
+from pathlib import Path
+
+from servebook import gpus, modelspec, planner
+from servebook.vllm_log import read_values
+
+ROOT = Path(__file__).resolve().parents[1]
+MODE = re.compile(r"Estimated (FULL|PIECEWISE) CUDA graph memory: ([\d.]+) MiB first-capture \+ \((\d+)-1\) × ([\d.]+)")
+MiB = 2**20
+
+
+def device_of(folder: Path) -> planner.Device:
+    """The GPU the starts ran on, from nvidia-smi's "name, memory.total [MiB]" line in gpu.txt."""
+    name, memory = (part.strip() for part in (folder / "gpu.txt").read_text().splitlines()[0].split(","))
+    return planner.Device.for_gpu(gpus.lookup(name), 1, memory_bytes=int(memory.split()[0]) * MiB)
+
+
+def main(folder: Path) -> None:
+    device = device_of(folder)
+    print(f"on {device.name}, vLLM 0.25 at its defaults, max_model_len 4096")
+    print(f"{'start':<10} {'layers':>6} {'FULL first':>10} {'PW first':>9} {'PW each':>8} {'logged GiB':>10} "
+          f"{'plan GiB':>8} {'KV vLLM':>11} {'KV plan':>11} {'error':>7}")  # fmt: skip
+    for graphs in sorted(folder.glob("*.log.graphs.gz"), key=lambda p: (p.name.split("-")[0], len(p.name), p.name)):
+        name = graphs.name.removesuffix(".log.graphs.gz")
+        modes = {m[0]: (float(m[1]), int(m[2]), float(m[3])) for m in MODE.findall(gzip.open(graphs, "rt").read())}
+        log = gzip.open(folder / f"{name}.log.gz", "rt").read()
+        values = read_values(log)
+        spec = modelspec.load(str(folder / "configs" / f"{name}.json"))
+        planned = planner.plan(spec, device, max_model_len=4096, serving=planner.Serving(vllm_version="0.25.0"))
+        layout = planned.layouts[0]
+        full, pw = modes.get("FULL", (0, 0, 0)), modes.get("PIECEWISE", (0, 0, 0))
+        kv = values.kv_cache_tokens
+        error = f"{100 * (layout.max_kv_tokens / kv - 1):+6.2f}%" if kv else ""
+        print(f"{name:<10} {spec.layers:>6} {full[0]:>10.0f} {pw[0]:>9.0f} {pw[2]:>8.0f} "
+              f"{values.graph_estimate_gib or 0:>10.2f} {layout.reserve.cuda_graphs / 2**30:>8.2f} "
+              f"{kv or 0:>11,} {layout.max_kv_tokens:>11,} {error:>7}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs" / "examples" / "h200-vllm" / "run-graphs")
