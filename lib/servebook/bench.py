@@ -308,6 +308,8 @@ class _Sweep:
             self.on_level()
             if not self.cfg.client_processes and (level.client_cpu_pct or 0) >= CLIENT_SPLIT_PCT:
                 self.processes = min(2 * self.processes, MAX_CLIENT_PROCESSES)
+            if c < self.cfg.reach:
+                continue
             if stop := stop_rule(self.levels, self.cfg):
                 return stop
             if dropped := self.drop_when(self.levels):

@@ -59,6 +59,7 @@ class SweepConfig:
     decode_ceiling: dict[int, float] = field(default_factory=dict)  # the plan's bandwidth ceiling by batch size
     client_processes: int = 0  # 0: start with one, double past CLIENT_SPLIT_PCT of a core; else exactly this many
     dataset: list[Prompt] | None = None  # requests with their own lengths, instead of the workload's synthetic ones
+    reach: int = 0  # no stop rule ends the sweep below this concurrency (another stage reuses its windows)
 
     def levels(self) -> list[int]:
         out, c = [], self.start_concurrency

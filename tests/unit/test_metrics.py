@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from servebook import client, levels, limits, loadgen, metrics, plots, results, server
+from servebook import bench, client, levels, limits, loadgen, metrics, plots, results, server
 from servebook.errors import ServebookError
 from servebook.loadgen import RequestRecord
 from servebook.planner import Parallelism
@@ -620,3 +620,21 @@ def test_interrupted_client_processes_are_stopped_rather_than_awaited(ctrl_c_aft
     while time.monotonic() < end and workers():
         time.sleep(0.1)
     assert workers() == []
+
+
+def test_no_stop_rule_ends_a_sweep_below_the_concurrency_another_stage_reuses():
+    # stage 06's A/B reads the rehearsal's windows at ab_concurrency: on two CPU cores a baseline that "declined"
+    # at 2 streams left none at 4, and the A/B restarted servers on the real weights instead
+    curve = {1: (400, 390, 410), 2: (300, 290, 310), 4: (290, 280, 295), 8: (280, 275, 285), 16: (270, 265, 275)}
+
+    def swept(reach: int, drop: str | None = None, rising: bool = False) -> tuple[str, list[int]]:
+        sweep = object.__new__(bench._Sweep)
+        sweep.cfg, sweep.levels, sweep.processes = levels.SweepConfig(max_concurrency=16, reach=reach), [], 1
+        sweep.log, sweep.on_level, sweep.drop_when = (lambda _said: None), (lambda: None), (lambda _levels: drop)
+        sweep.level = lambda c: level(c, 100 * c) if rising else level(c, *curve[c])
+        return sweep.run().by, [lv.concurrency for lv in sweep.levels]
+
+    assert swept(0) == ("decline", [1, 2])
+    assert swept(8) == ("decline", [1, 2, 4, 8])  # the stop rules still decide, from the reach on
+    assert swept(0, drop="behind the leader", rising=True) == ("dropped", [1])
+    assert swept(4, drop="behind the leader", rising=True) == ("dropped", [1, 2, 4])

@@ -135,7 +135,7 @@ def rehearsed_servers(run_dir: Path, model_path: str) -> list[ab.RehearsedServer
     found = []
     for candidate in record.candidates:
         runs_file = run_dir / RehearsalRecord.FILE / rehearsal.slug_of(candidate.name) / "sweep_runs.parquet"
-        if candidate.status != "measured" or not runs_file.is_file():
+        if candidate.status not in ("measured", "dropped") or not runs_file.is_file():  # a drop keeps its windows
             continue
         runs = pd.read_parquet(runs_file, columns=["concurrency", "output_throughput"])
         samples = {int(c): [float(x) for x in tok_s] for c, tok_s in runs.groupby("concurrency").output_throughput}

@@ -61,7 +61,7 @@ def gpus() -> list[int]:
 
 def rehearsal_sweep(p: Params) -> SweepConfig:
     """A short sweep with the params' workload and objectives: two windows per level (their range is the noise
-    band), doubling to the plateau."""
+    band), doubling to the plateau, and at least to ab_concurrency where stage 06 reuses the windows."""
     return SweepConfig(
         workload=bench.workload_for(p),
         max_concurrency=min(p.rehearse_max_concurrency, p.bench_max_concurrency),
@@ -74,6 +74,8 @@ def rehearsal_sweep(p: Params) -> SweepConfig:
         objectives=bench.objectives_for(p),
         request_timeout_s=p.bench_request_timeout_s,
         client_processes=p.bench_client_processes,
+        # stage 06's A/B reuses these windows for its dummy pass only where every server reached its concurrency
+        reach=p.ab_concurrency if p.ab_variants and p.ab_on_dummy is not False else 0,
     )
 
 
