@@ -2,8 +2,10 @@
 # Issue 40 item 6: the CUDA-graph estimate's first PIECEWISE capture against the layer count. vLLM 0.25's estimate
 # (gpu_model_runner.py, profile_cudagraph_memory) is the larger first capture of the two modes plus each further
 # graph's charge. The plan holds the PIECEWISE one constant per hidden size; the Qwen3-30B-shaped bf16 mini logged
-# 0.40, 0.49, 0.50 and 0.64 GiB at 4, 16, 24 and 40 layers, where the plan says 0.35 at all four (the 40-layer
-# start's KV 1.15 % over). vLLM logs each mode's first capture at DEBUG only: each shape below is started on dummy
+# 0.40, 0.35, 0.49, 0.50 and 0.64 GiB in all at 4, 8, 16, 24 and 40 layers (INFO lines only), where the plan says
+# 0.35 at every count (the 40-layer start's KV 1.15 % over), and the GLM-4.5-Air mini's first PIECEWISE capture
+# was 136, 150, 152 and 152 MiB at 2, 4, 8 and 16 layers: which part grows, and when, needs each mode's first
+# capture and per-graph charge, which vLLM logs at DEBUG only. Each shape below is started on dummy
 # weights (a config and a tokenizer are the checkpoint) at two or three layer counts with VLLM_LOGGING_LEVEL=DEBUG,
 # stopped once its KV cache is sized, and its graph lines kept. Steps as on-h200-reach.sh (kit0 kit1 kit2 go wait).
 # Read the results with benchmarks/graph_estimate_layers.py. Not yet run: on 2026-12-07 no device machine started
