@@ -1,10 +1,13 @@
 """Bandwidth formulas, the gloo path of the micro-benchmark, and the noise-band verdict."""
 
+import pandas as pd
 import pytest
 
-from servebook import ab, loadgen, nccl, params, rehearsal
+from servebook import ab, loadgen, nccl, params, rehearsal, results
 from servebook.errors import ParamsError
 from servebook.params import AbVariant
+from servebook.planner import Parallelism
+from servebook.records import RehearsalRecord
 from servebook.stages import nccl_tuning
 
 
@@ -346,3 +349,27 @@ def test_an_interrupted_set_kills_its_ranks(ctrl_c_after):
         nccl._collect(ranks, began, timeout_s=120)
     assert time.monotonic() - began < 5
     assert [r.poll() for r in ranks] == [-signal.SIGKILL] * 2
+
+
+def test_the_ab_reuses_the_windows_of_measured_and_dropped_candidates_never_a_failed_one(tmp_path):
+    def candidate(name, status):
+        line = f"vllm serve /dummy --max-num-seqs {len(name)} --load-format dummy"
+        return rehearsal.Rehearsed(name=name, layout=Parallelism(), setting=rehearsal.AS_SET, status=status,
+                                   command_line=line)  # fmt: skip
+
+    found = [candidate("TP=1", "measured"), candidate("TP=1 · s4", "dropped"), candidate("TP=2", "failed")]
+    for c in found:
+        folder = tmp_path / RehearsalRecord.FILE / rehearsal.slug_of(c.name)
+        folder.mkdir(parents=True)
+        pd.DataFrame({"concurrency": [1, 1, 4], "output_throughput": [10.0, 11.0, 30.0]}).to_parquet(
+            folder / "sweep_runs.parquet"
+        )
+    record = RehearsalRecord(model_path="/dummy", routing="", ranked_by="output tok/s", candidates=found)
+    results.write(tmp_path, record)
+    servers = nccl_tuning.rehearsed_servers(tmp_path, "/real")
+    # a candidate dropped behind the leader still measured every level up to ab_concurrency (SweepConfig.reach)
+    assert [s.command_line for s in servers] == [
+        "vllm serve /real --max-num-seqs 4 --load-format dummy",
+        "vllm serve /real --max-num-seqs 9 --load-format dummy",
+    ]
+    assert servers[1].samples == {1: [10.0, 11.0], 4: [30.0]}
