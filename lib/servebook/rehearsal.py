@@ -113,6 +113,16 @@ class Point(BaseModel):
             tpot_p50_ms=level.tpot_p50_ms,
         )
 
+    def score(self, by_goodput: bool) -> float:
+        return (self.goodput or 0.0) if by_goodput else self.output_tok_s
+
+    def spread(self, value: float) -> tuple[float, float]:
+        """``value``'s range over this level's repeats: its throughput's range, scaled to ``value`` (a goodput
+        varies with the throughput it is measured from)."""
+        if not self.output_tok_s:
+            return value, value
+        return value * self.low / self.output_tok_s, value * self.high / self.output_tok_s
+
 
 class Skewed(BaseModel):
     """The leader measured again with the other routing simulation, at its best concurrency."""
@@ -171,7 +181,7 @@ class Rehearsed(BaseModel):
         if not self.points:
             return None
         if by_goodput:
-            return max((pt.goodput or 0.0) for pt in self.points)
+            return max(pt.score(True) for pt in self.points)
         best = self.best
         return best.output_tok_s if best else None
 
@@ -180,7 +190,7 @@ class Rehearsed(BaseModel):
         best, score = self.best, self.score(by_goodput)
         if best is None or score is None or not best.output_tok_s:
             return None
-        return score * best.low / best.output_tok_s, score * best.high / best.output_tok_s
+        return best.spread(score)
 
     def launch_changes(self) -> dict[str, object]:
         """The params stage 03 launches this candidate with."""
@@ -244,26 +254,21 @@ def against_baseline(variant: Rehearsed, baseline: Rehearsed, by_goodput: bool) 
             + (f" (the two launches differed by up to {noise * 100:.0f} % there)" if noise else ""))  # fmt: skip
     if not acting:
         return f"{variant.name} never ran past {up_to} streams: {same}, and its lead is launch-to-launch noise"
-    top = max(acting, key=lambda pt: _point_score(pt, by_goodput))
-    score = _point_score(top, by_goodput)
-    low = score * top.low / top.output_tok_s if top.output_tok_s else score
+    top = max(acting, key=lambda pt: pt.score(by_goodput))
+    score = top.score(by_goodput)
+    low, high = top.spread(score)
     if low > base_band[1] and score > base_score * (1 + noise):
         return ""
-    high = score * top.high / top.output_tok_s if top.output_tok_s else score
     reached = f"at {top.concurrency} streams its repeats ran {low:,.1f}-{high:,.1f} {unit}"
     where = f"{same}; past them, {reached}" if up_to else reached
     return (f"{where}, not beyond {baseline.name}'s {base_score:,.1f} (repeats {base_band[0]:,.1f}-{base_band[1]:,.1f})"
             + (f" and the {noise * 100:.0f} % between launches" if noise else ""))  # fmt: skip
 
 
-def _point_score(pt: Point, by_goodput: bool) -> float:
-    return (pt.goodput or 0.0) if by_goodput else pt.output_tok_s
-
-
 def _launch_noise(variant: Rehearsed, baseline: Rehearsed, up_to: int, by_goodput: bool) -> float:
     """The largest relative difference between two launches of the same engine at one concurrency."""
-    theirs = {pt.concurrency: _point_score(pt, by_goodput) for pt in baseline.points}
-    gaps = [abs(_point_score(pt, by_goodput) - theirs[pt.concurrency]) / theirs[pt.concurrency]
+    theirs = {pt.concurrency: pt.score(by_goodput) for pt in baseline.points}
+    gaps = [abs(pt.score(by_goodput) - theirs[pt.concurrency]) / theirs[pt.concurrency]
             for pt in variant.points if pt.concurrency <= up_to and theirs.get(pt.concurrency)]  # fmt: skip
     return max(gaps, default=0.0)
 
