@@ -5,8 +5,8 @@
 RUN_FOLDER (default docs/examples/h200-vllm/run-graphs) holds what on-h200-graphs.sh brought back: per start
 NAME.log.gz (vLLM's log less its DEBUG lines), NAME.log.graphs.gz (its graph lines, DEBUG included) and
 configs/NAME.json. For each start: each mode's first capture and per-graph charge as vLLM logged them, its total,
-the plan's total, and the plan's KV tokens against vLLM's. (The folder does not exist yet: the script has not had
-a machine; checked on a folder built from run-truth-air's DEBUG log, it reads the 4-layer Air's 768 / 150 / 2 MiB.)
+the plan's total, weights and KV memory as vLLM logged them / as planned (GiB), and the plan's KV tokens against
+vLLM's with the plan's band and whether it holds vLLM's figure.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def main(folder: Path) -> None:
     device = device_of(folder)
     print(f"on {device.name}, vLLM 0.25 at its defaults, max_model_len 4096")
     print(f"{'start':<10} {'layers':>6} {'FULL first':>10} {'PW first':>9} {'PW each':>8} {'logged GiB':>10} "
-          f"{'plan GiB':>8} {'KV vLLM':>11} {'KV plan':>11} {'error':>7}")  # fmt: skip
+          f"{'plan GiB':>8} {'weights':>13} {'KV GiB':>13} {'KV vLLM':>11} {'KV plan':>11} {'error':>7} "
+          f"{'band':>7} held")  # fmt: skip
     for graphs in sorted(folder.glob("*.log.graphs.gz"), key=lambda p: (p.name.split("-")[0], len(p.name), p.name)):
         name = graphs.name.removesuffix(".log.graphs.gz")
         modes = {m[0]: (float(m[1]), int(m[2]), float(m[3])) for m in MODE.findall(gzip.open(graphs, "rt").read())}
@@ -46,9 +47,13 @@ def main(folder: Path) -> None:
         full, pw = modes.get("FULL", (0, 0, 0)), modes.get("PIECEWISE", (0, 0, 0))
         kv = values.kv_cache_tokens
         error = f"{100 * (layout.max_kv_tokens / kv - 1):+6.2f}%" if kv else ""
+        band = layout.bands["kv_tokens"]
+        weights = f"{values.model_memory_gib or 0:.2f}/{layout.weight_bytes_per_gpu / 2**30:.2f}"
+        kv_gib = f"{values.kv_cache_memory_gib or 0:.2f}/{layout.available_kv_bytes_per_gpu / 2**30:.2f}"
         print(f"{name:<10} {spec.layers:>6} {full[0]:>10.0f} {pw[0]:>9.0f} {pw[2]:>8.0f} "
               f"{values.graph_estimate_gib or 0:>10.2f} {layout.reserve.cuda_graphs / 2**30:>8.2f} "
-              f"{kv or 0:>11,} {layout.max_kv_tokens:>11,} {error:>7}")  # fmt: skip
+              f"{weights:>13} {kv_gib:>13} {kv or 0:>11,} {layout.max_kv_tokens:>11,} {error:>7} "
+              f"{100 * band.band:>6.2f}% {'yes' if kv and band.contains(kv) else 'NO'}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@
 # capture and per-graph charge, which vLLM logs at DEBUG only. Each shape below is started on dummy
 # weights (a config and a tokenizer are the checkpoint) at two or three layer counts with VLLM_LOGGING_LEVEL=DEBUG,
 # stopped once its KV cache is sized, and its graph lines kept. Steps as on-h200-reach.sh (kit0 kit1 kit2 go wait).
-# Read the results with benchmarks/graph_estimate_layers.py. Not yet run: on 2026-12-07 no device machine started
-# in five tries (the generated run script and the reader were checked here, the reader on run-truth-air's log).
+# Read the results with benchmarks/graph_estimate_layers.py. Run on 2026-12-07 on one H100 (run-graphs/, README:
+# the further PIECEWISE graphs grow with the layers, the first captures do not).
 source "$(dirname "$0")/kit-steps.sh" "$1" graphs
 CONFIGS=tests/fixtures/configs
 SHAPES=${SHAPES:-"q3:q3moe-30b-a3b-shapes-4l-bf16.json:4,40 mm:minimax-m2.5-shapes-2l-fp8.json:2,12"}

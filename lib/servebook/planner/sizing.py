@@ -144,6 +144,14 @@ GRAPH_EXTRA_BYTES = 2**20
 # from. One start at the same captures replaces the point (truth.Measured.measured_terms_gap).
 GRAPH_OWN_SEGMENT_BYTES = 10 * 2**20
 GRAPH_LARGE_OUTPUT_PER_GRAPH_BYTES = 2 * 2**20
+# A PIECEWISE "graph" is one CUDA graph per piece between the splitting ops (attention and its KV-cache write, so
+# pieces per layer), and what a further one takes grows with the layers: at 40 layers the Qwen3-30B-shaped mini
+# logged 6 MiB per graph in bf16 and in block FP8 and so did a 64-head, 4,096-hidden bf16 shape (7 MiB once, from
+# the 0.64 GiB total of run-reach-h100); 4 MiB at 24 layers, 1-2 MiB at 2-12 (DEBUG lines, one H100, vLLM 0.25,
+# docs/examples/h200-vllm/run-graphs). Over the 14 GQA logs that say, this rate's charge (or the floor) is within
+# 1.6 MiB of vLLM's, which moves in 2 MiB pages (GRAPH_PER_GRAPH_PAGE_SPREAD_BYTES).
+GRAPH_PIECEWISE_BYTES_PER_LAYER = 0.15 * 2**20
+GRAPH_PER_GRAPH_PAGE_SPREAD_BYTES = 2 * 2**20
 # A start that compiles (a torch.compile cache miss) profiles with what the compile's run left for Python's
 # collector still in torch's peak (on GQA, GQA_COMPILE_MISS_HIDDEN_TENSORS): the Kimi-shaped mini at vLLM's
 # defaults logged 5.30 GiB on a miss, 4.21 GiB on a hit (warm relaunch and dummy-weight start), 1.2 % of its KV cache.
@@ -162,11 +170,11 @@ def real_first_start_bytes(spec: ModelSpec, tokens: int) -> float:
 
 
 def graph_estimate(
-    spec: ModelSpec, serving: Serving, seqs: int, tokens: int, max_model_len: int, tp: int
+    spec: ModelSpec, serving: Serving, seqs: int, tokens: int, max_model_len: int, tp: int, *, layers: int = 0
 ) -> tuple[float, int, float]:
     """(bytes, graphs captured, of those bytes the graphs' after each mode's first) of vLLM's CUDA-graph estimate:
     FULL decode graphs up to max_num_seqs requests, PIECEWISE graphs up to the largest capture size, as vLLM 0.25's
-    default FULL_AND_PIECEWISE mode does."""
+    default FULL_AND_PIECEWISE mode does. ``layers``: the GPU's pipeline stage's (all of them where 0)."""
     if serving.enforce_eager:
         return 0.0, 0, 0.0
     piecewise = capture_sizes(seqs, serving.max_capture_size)
@@ -182,16 +190,38 @@ def graph_estimate(
         first_piecewise = GRAPH_PIECEWISE_BYTES_PER_HIDDEN * spec.hidden / tp**GRAPH_TP_EXPONENT
     pool = max(first_full, first_piecewise)
     further_full = GRAPH_EXTRA_BYTES * max(len(full) - 1, 0)
-    further = further_full + piecewise_per_graph(spec, piecewise, tp) * max(len(piecewise) - 1, 0)
+    per_graph = piecewise_per_graph(spec, piecewise, tp, layers or spec.layers)
+    further = further_full + per_graph * max(len(piecewise) - 1, 0)
     return pool + further, len(full) + len(piecewise), further
 
 
-def piecewise_per_graph(spec: ModelSpec, piecewise: list[int], tp: int) -> float:
-    """What vLLM 0.25 charges each PIECEWISE graph after the first (:data:`GRAPH_OWN_SEGMENT_BYTES`)."""
-    if spec.mla or len(piecewise) < 2:
+def piecewise_per_graph(spec: ModelSpec, piecewise: list[int], tp: int, layers: int = 0) -> float:
+    """What vLLM 0.25 charges each PIECEWISE graph after the first: its pieces' own
+    (:data:`GRAPH_PIECEWISE_BYTES_PER_LAYER`) or a segment of the attention output's
+    (:data:`GRAPH_OWN_SEGMENT_BYTES`), at least vLLM's floor."""
+    pieces = GRAPH_PIECEWISE_BYTES_PER_LAYER * (layers or spec.layers)
+    if len(piecewise) < 2:
         return GRAPH_EXTRA_BYTES
-    attention_output = spec.heads / tp * spec.head_dim * 2 * piecewise[-2]
-    return GRAPH_EXTRA_BYTES if attention_output < GRAPH_OWN_SEGMENT_BYTES else GRAPH_LARGE_OUTPUT_PER_GRAPH_BYTES
+    own_segment = not spec.mla and large_attention_output(spec, piecewise, tp)
+    return max(GRAPH_LARGE_OUTPUT_PER_GRAPH_BYTES if own_segment else GRAPH_EXTRA_BYTES, pieces)
+
+
+def large_attention_output(spec: ModelSpec, piecewise: list[int], tp: int) -> bool:
+    """Whether the attention's bf16 output at the second-largest capture needs a segment of its own."""
+    return len(piecewise) >= 2 and spec.heads / tp * spec.head_dim * 2 * piecewise[-2] >= GRAPH_OWN_SEGMENT_BYTES
+
+
+def piecewise_spread(spec: ModelSpec, piecewise: list[int], tp: int, layers: int = 0) -> float:
+    """How far one further PIECEWISE graph's charge has been seen to pass the plan's, bytes: under GQA, PyTorch's
+    2 MiB pages unless the attention output takes a segment of its own (then how the first capture packed decides:
+    truth.GRAPH_PER_GRAPH_SPREAD_BYTES); under block-FP8 MLA, whose first capture frees GiBs the further ones are
+    served from (the floor on all 38 modes logged, at 2-3 layers), the pieces' charge itself, never measured at
+    depth."""
+    if not spec.mla and not large_attention_output(spec, piecewise, tp):
+        return GRAPH_PER_GRAPH_PAGE_SPREAD_BYTES
+    if spec.mla and spec.quant.method == "fp8":
+        return GRAPH_PIECEWISE_BYTES_PER_LAYER * (layers or spec.layers)
+    return truth.GRAPH_PER_GRAPH_SPREAD_BYTES
 
 
 def moe_workspace_bytes(spec: ModelSpec, layout: Layout, tokens: int) -> float:
@@ -295,7 +325,11 @@ def reserve_for(
         forward = max(ACTIVATION_FACTOR * (moe + attention), kept)
         transient, sampler = forward - kept, gqa_sampler_bytes(spec, min(seqs, tokens))
     collective = NON_TORCH_COLLECTIVE_BYTES if tp > 1 else 0.0
-    graphs, captures, further_graphs = graph_estimate(spec, serving, seqs, tokens, max_model_len, tp)
+    stage_layers = max(pp_split(spec.layers, layout.pp))
+    graphs, captures, further_graphs = graph_estimate(
+        spec, serving, seqs, tokens, max_model_len, tp, layers=stage_layers
+    )
+    piecewise = capture_sizes(seqs, serving.max_capture_size) if not serving.enforce_eager else []
     return Reserve(
         cuda_hidden=gpu_memory_utilization * cuda_hidden_bytes(device),
         non_torch=NON_TORCH_BYTES + collective,
@@ -307,7 +341,8 @@ def reserve_for(
         sampler=sampler,
         graph_captures=captures,
         graph_further=further_graphs,
-        graph_piecewise=len(capture_sizes(seqs, serving.max_capture_size)) if not serving.enforce_eager else 0,
+        graph_piecewise=len(piecewise),
+        graph_spread=piecewise_spread(spec, piecewise, tp, stage_layers),
         compile_miss=compile_miss,
         compile_cache_hit=warm,
         max_num_seqs=seqs,
@@ -455,13 +490,14 @@ def _term_bands(spec: ModelSpec, layout: Layout, prov: truth.Provenance) -> dict
     """Each reserve term's relative band for this layout (its CUDA graphs' from their captures)."""
     reserve = layout.reserve
     if reserve is None:
-        return truth.term_bands(prov)
+        return truth.term_bands(prov, kind=(truth.attention_kind(spec), spec.quant.method))
     bands = truth.term_bands(
         prov,
         reserve.cuda_graphs,
         reserve.graph_piecewise,
         (truth.attention_kind(spec), spec.quant.method),
         further=reserve.graph_further,
+        spread=reserve.graph_spread,
     )
     sampler_peak = prov == "calibrated" and not spec.mla and reserve.sampler >= reserve.transient
     if sampler_peak and reserve.compile_miss:
@@ -554,7 +590,8 @@ def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
     prov = layout.provenance or truth.provenance(spec, device.name)
     weights = layout.weight_bytes_per_gpu
     bands = _term_bands(spec, layout, prov)
-    layout.bands = {"weights_gib": truth.Band(value=weights / GiB, band=bands["weights"], provenance=prov)}
+    weights_band = bands["weights"] + (truth.WEIGHTS_LOG_ROUNDING_GIB * GiB / weights if weights else 0.0)
+    layout.bands = {"weights_gib": truth.Band(value=weights / GiB, band=weights_band, provenance=prov)}
     if device.kind == "cpu":
         layout.bands["kv_tokens"] = truth.Band(
             value=layout.max_kv_tokens, band=truth.CPU_KV_BAND, provenance="calibrated", basis="a fixed KV space"
