@@ -48,7 +48,7 @@ probe() {
   kill -- -\$pid 2>/dev/null; sleep 5; kill -9 -- -\$pid 2>/dev/null
   for i in \$(seq 1 60); do nvidia-smi --query-compute-apps=pid --format=csv,noheader | grep -q . || break; sleep 2; done
   grep -h "Estimated\|Profiling CUDA graph\|Model loading took\|Available KV\|GPU KV cache size\|Error" \$log | cut -c1-240
-  grep -v "DEBUG" \$log | gzip > \$log.gz; grep "Estimated\|CUDA graph" \$log | gzip > \$log.graphs.gz; rm \$log
+  grep -v "DEBUG" \$log | gzip > \$log.gz; grep "Estimated\|CUDA graph\|torch peak memory increase" \$log | gzip > \$log.graphs.gz; rm \$log
 }
 for shape in $SHAPES; do
   IFS=: read -r name config counts <<< "\$shape"
