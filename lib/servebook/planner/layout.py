@@ -261,9 +261,7 @@ class Reserve(BaseModel):
     graph_captures: int = 0  # CUDA graphs vLLM captures (decode FULL and mixed PIECEWISE sizes)
     graph_further: float = 0.0  # of cuda_graphs, what the graphs after each mode's first are charged
     graph_piecewise: int = 0  # of graph_captures, the PIECEWISE ones (a FULL graph after the first takes 1 MiB)
-    graph_spread: float = (
-        0.0  # how far a further PIECEWISE graph's charge may pass the plan's (sizing.piecewise_spread)
-    )
+    graph_spread: float = 0.0  # how far a further PIECEWISE graph may pass its charge (sizing.piecewise_spread)
     compile_miss: float = 0.0  # of activation, what a start that compiles is taken to keep beyond a warm one
     compile_cache_hit: bool = False  # sized for a start that loads its torch.compile artefacts
     real_first_start: float = 0.0  # what a cold start on real weights keeps beyond a dummy-weight one (rehearsal)

@@ -148,8 +148,9 @@ GRAPH_LARGE_OUTPUT_PER_GRAPH_BYTES = 2 * 2**20
 # pieces per layer), and what a further one takes grows with the layers: at 40 layers the Qwen3-30B-shaped mini
 # logged 6 MiB per graph in bf16 and in block FP8 and so did a 64-head, 4,096-hidden bf16 shape (7 MiB once, from
 # the 0.64 GiB total of run-reach-h100); 4 MiB at 24 layers, 1-2 MiB at 2-12 (DEBUG lines, one H100, vLLM 0.25,
-# docs/examples/h200-vllm/run-graphs). Over the 14 GQA logs that say, this rate's charge (or the floor) is within
-# 1.6 MiB of vLLM's, which moves in 2 MiB pages (GRAPH_PER_GRAPH_PAGE_SPREAD_BYTES).
+# docs/examples/h200-vllm/run-graphs). On 13 of the 14 GQA logs that say, this rate's charge (or the floor) is
+# within 1.6 MiB of vLLM's, which moves in 2 MiB pages (GRAPH_PER_GRAPH_PAGE_SPREAD_BYTES); GLM-4.5's 2-layer mini
+# took 12 MiB (its attention output's own segment, above).
 GRAPH_PIECEWISE_BYTES_PER_LAYER = 0.15 * 2**20
 GRAPH_PER_GRAPH_PAGE_SPREAD_BYTES = 2 * 2**20
 # A start that compiles (a torch.compile cache miss) profiles with what the compile's run left for Python's
@@ -190,7 +191,7 @@ def graph_estimate(
         first_piecewise = GRAPH_PIECEWISE_BYTES_PER_HIDDEN * spec.hidden / tp**GRAPH_TP_EXPONENT
     pool = max(first_full, first_piecewise)
     further_full = GRAPH_EXTRA_BYTES * max(len(full) - 1, 0)
-    per_graph = piecewise_per_graph(spec, piecewise, tp, layers or spec.layers)
+    per_graph = piecewise_per_graph(spec, piecewise, tp, layers)
     further = further_full + per_graph * max(len(piecewise) - 1, 0)
     return pool + further, len(full) + len(piecewise), further
 
@@ -199,10 +200,10 @@ def piecewise_per_graph(spec: ModelSpec, piecewise: list[int], tp: int, layers: 
     """What vLLM 0.25 charges each PIECEWISE graph after the first: its pieces' own
     (:data:`GRAPH_PIECEWISE_BYTES_PER_LAYER`) or a segment of the attention output's
     (:data:`GRAPH_OWN_SEGMENT_BYTES`), at least vLLM's floor."""
-    pieces = GRAPH_PIECEWISE_BYTES_PER_LAYER * (layers or spec.layers)
     if len(piecewise) < 2:
         return GRAPH_EXTRA_BYTES
     own_segment = not spec.mla and large_attention_output(spec, piecewise, tp)
+    pieces = GRAPH_PIECEWISE_BYTES_PER_LAYER * (layers or spec.layers)
     return max(GRAPH_LARGE_OUTPUT_PER_GRAPH_BYTES if own_segment else GRAPH_EXTRA_BYTES, pieces)
 
 
@@ -214,9 +215,8 @@ def large_attention_output(spec: ModelSpec, piecewise: list[int], tp: int) -> bo
 def piecewise_spread(spec: ModelSpec, piecewise: list[int], tp: int, layers: int = 0) -> float:
     """How far one further PIECEWISE graph's charge has been seen to pass the plan's, bytes: under GQA, PyTorch's
     2 MiB pages unless the attention output takes a segment of its own (then how the first capture packed decides:
-    truth.GRAPH_PER_GRAPH_SPREAD_BYTES); under block-FP8 MLA, whose first capture frees GiBs the further ones are
-    served from (the floor on all 38 modes logged, at 2-3 layers), the pieces' charge itself, never measured at
-    depth."""
+    truth.GRAPH_PER_GRAPH_SPREAD_BYTES); under block-FP8 MLA, the pieces' charge itself: the floor on all 38 modes
+    logged at 2-3 layers, 6 MiB at 24 layers where the charge is 3.6 (run-graphs/mla)."""
     if not spec.mla and not large_attention_output(spec, piecewise, tp):
         return GRAPH_PER_GRAPH_PAGE_SPREAD_BYTES
     if spec.mla and spec.quant.method == "fp8":

@@ -36,7 +36,8 @@ CALIBRATED_KINDS = {("gqa", "none"), ("gqa", "fp8"), ("mla", "int4"), ("mla", "f
 CALIBRATED_GPUS = ("H200", "H100")  # the same Hopper kernels and graph sizes
 # One side's relative uncertainty of each term, by provenance: weights within 1.1 % of what vLLM logs on every
 # committed log (the 2-layer, 2,048-hidden block-FP8 MLA mini of run-truth-small is 16 MiB short; under GQA see
-# GQA_CALIBRATED_WEIGHTS_BAND), and the log's two decimals on top (WEIGHTS_LOG_ROUNDING_GIB); each reserve term checked against every term vLLM logged at DEBUG
+# GQA_CALIBRATED_WEIGHTS_BAND), and the log's two decimals on top (WEIGHTS_LOG_ROUNDING_GIB); each reserve term
+# checked against every term vLLM logged at DEBUG
 # (docs/examples/h200-vllm/run-truth-h100: three never-fitted block-FP8 shapes at three settings): the activation
 # peak missed by up to 12 % where calibrated (the GLM-4.5 mini at vLLM's defaults) and by up to 43 % where
 # extrapolated (FP8 MLA at 128 requests: the plan's 5.27 GiB against vLLM's 2.99, both minis).
@@ -369,7 +370,8 @@ def graph_band(
 # cold compile leaves for the collector widens the band (sizing._term_bands, gqa_compile_garbage_bound)
 GQA_CALIBRATED_ACTIVATION_BAND = 0.15
 # GQA's weights: within 0.11 % of what vLLM logged on every committed GQA log the tests and benchmarks read (bf16 and
-# block FP8, with and without an MTP layer, 2 to 40 layers, H200 and H100; the widest the GLM-4.5-Air mini's -0.10 %) (2026-12-07: the loader's RoPE cache and skipped MTP layers counted)
+# block FP8, with and without an MTP layer, 2 to 40 layers, H200 and H100; the widest the GLM-4.5-Air mini's
+# -0.10 %), since the loader's RoPE cache and skipped MTP layers are counted (2026-12-07)
 GQA_CALIBRATED_WEIGHTS_BAND = 0.005
 
 
