@@ -590,8 +590,7 @@ def _bands(spec: ModelSpec, layout: Layout, device: Device) -> None:
     prov = layout.provenance or truth.provenance(spec, device.name)
     weights = layout.weight_bytes_per_gpu
     bands = _term_bands(spec, layout, prov)
-    weights_band = bands["weights"] + (truth.WEIGHTS_LOG_ROUNDING_GIB * GiB / weights if weights else 0.0)
-    layout.bands = {"weights_gib": truth.Band(value=weights / GiB, band=weights_band, provenance=prov)}
+    layout.bands = {"weights_gib": truth.Band(value=weights / GiB, band=bands["weights"], provenance=prov)}
     if device.kind == "cpu":
         layout.bands["kv_tokens"] = truth.Band(
             value=layout.max_kv_tokens, band=truth.CPU_KV_BAND, provenance="calibrated", basis="a fixed KV space"

@@ -36,8 +36,7 @@ CALIBRATED_KINDS = {("gqa", "none"), ("gqa", "fp8"), ("mla", "int4"), ("mla", "f
 CALIBRATED_GPUS = ("H200", "H100")  # the same Hopper kernels and graph sizes
 # One side's relative uncertainty of each term, by provenance: weights within 1.1 % of what vLLM logs on every
 # committed log (the 2-layer, 2,048-hidden block-FP8 MLA mini of run-truth-small is 16 MiB short; under GQA see
-# GQA_CALIBRATED_WEIGHTS_BAND), and the log's two decimals on top (WEIGHTS_LOG_ROUNDING_GIB); each reserve term
-# checked against every term vLLM logged at DEBUG
+# GQA_CALIBRATED_WEIGHTS_BAND); each reserve term checked against every term vLLM logged at DEBUG
 # (docs/examples/h200-vllm/run-truth-h100: three never-fitted block-FP8 shapes at three settings): the activation
 # peak missed by up to 12 % where calibrated (the GLM-4.5 mini at vLLM's defaults) and by up to 43 % where
 # extrapolated (FP8 MLA at 128 requests: the plan's 5.27 GiB against vLLM's 2.99, both minis).
@@ -46,7 +45,6 @@ TERM_BANDS: dict[Provenance, dict[str, float]] = {
     "calibrated": {"weights": 0.012, "activation": 0.15, "cuda_graphs": 0.20, "non_torch": 0.25},
     "extrapolated": {"weights": 0.02, "activation": 0.50, "cuda_graphs": 0.50, "non_torch": 0.50},
 }
-WEIGHTS_LOG_ROUNDING_GIB = 0.005  # "Model loading took X.XX GiB"
 # The CUDA-graph estimate's two parts (sizing.graph_estimate): the first capture, from vLLM's own rule per request,
 # head and value dimension (within 3.5 % of every FULL first capture logged, 7 % of block-FP8 MLA's PIECEWISE
 # ones), and what each further PIECEWISE graph takes (a further FULL graph took vLLM's 1 MiB floor on all 54 logs
