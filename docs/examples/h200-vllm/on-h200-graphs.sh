@@ -8,6 +8,8 @@
 # capture and per-graph charge, which vLLM logs at DEBUG only. Each shape below is started on dummy
 # weights (a config and a tokenizer are the checkpoint) at two or three layer counts with VLLM_LOGGING_LEVEL=DEBUG,
 # stopped once its KV cache is sized, and its graph lines kept. Steps as on-h200-reach.sh (kit0 kit1 kit2 go wait).
+# THEN="ds-24l:again ds-24l:eager" starts a folder already built once more (its compile cache now warm) or with
+# --enforce-eager (no compile, no graphs), logged as NAME-again and NAME-eager.
 # Read the results with benchmarks/graph_estimate_layers.py. Run on 2026-12-07 on one H100 (run-graphs/, README:
 # the further PIECEWISE graphs grow with the layers, the first captures do not).
 source "$(dirname "$0")/kit-steps.sh" "$1" graphs
@@ -39,10 +41,10 @@ kit2) ls $STAGE ;;
 go)
   start_run <<SCRIPT
 probe() {
-  local log=$R/\$1.log
-  echo "=== \$1 \$(date +%T)"
-  VLLM_LOGGING_LEVEL=DEBUG setsid vllm serve $MODELS/\$1 --load-format dummy --max-model-len 4096 \\
-    --host 127.0.0.1 --port 8011 > \$log 2>&1 < /dev/null &
+  local model=\$1 log=$R/\${2:-\$1}.log; shift; shift 2>/dev/null
+  echo "=== \$model \$(basename \$log .log) \$* \$(date +%T)"
+  VLLM_LOGGING_LEVEL=DEBUG setsid vllm serve $MODELS/\$model --load-format dummy --max-model-len 4096 \\
+    --host 127.0.0.1 --port 8011 "\$@" > \$log 2>&1 < /dev/null &
   local pid=\$!
   for i in \$(seq 1 200); do grep -q "GPU KV cache size\|Traceback\|EngineCore failed" \$log && break; sleep 2; done
   kill -- -\$pid 2>/dev/null; sleep 5; kill -9 -- -\$pid 2>/dev/null
@@ -53,6 +55,13 @@ probe() {
 for shape in $SHAPES; do
   IFS=: read -r name config counts <<< "\$shape"
   for n in \${counts//,/ }; do probe \$name-\${n}l; done
+done
+for then in ${THEN:-}; do
+  IFS=: read -r model how <<< "\$then"
+  case \$how in
+  again) probe \$model \$model-again ;;
+  eager) probe \$model \$model-eager --enforce-eager ;;
+  esac
 done
 SCRIPT
   ;;
