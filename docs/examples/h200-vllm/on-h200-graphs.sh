@@ -8,8 +8,8 @@
 # capture and per-graph charge, which vLLM logs at DEBUG only. Each shape below is started on dummy
 # weights (a config and a tokenizer are the checkpoint) at two or three layer counts with VLLM_LOGGING_LEVEL=DEBUG,
 # stopped once its KV cache is sized, and its graph lines kept. Steps as on-h200-reach.sh (kit0 kit1 kit2 go wait).
-# THEN="ds-24l:again ds-24l:eager" starts a folder already built once more (its compile cache now warm) or with
-# --enforce-eager (no compile, no graphs), logged as NAME-again and NAME-eager.
+# THEN="ds-24l:again ds-24l:eager ds-12l:first" starts a folder already built once more (its compile cache now
+# warm) or with --enforce-eager (no compile, no graphs), logged as NAME-again and NAME-eager, or for the first time.
 # Read the results with benchmarks/graph_estimate_layers.py. Run on 2026-12-07 on one H100 (run-graphs/, README:
 # the further PIECEWISE graphs grow with the layers, the first captures do not).
 source "$(dirname "$0")/kit-steps.sh" "$1" graphs
@@ -59,6 +59,7 @@ done
 for then in ${THEN:-}; do
   IFS=: read -r model how <<< "\$then"
   case \$how in
+  first) probe \$model ;;
   again) probe \$model \$model-again ;;
   eager) probe \$model \$model-eager --enforce-eager ;;
   esac
