@@ -109,6 +109,17 @@ MLA_FP8_KEPT_BYTES = -0.116 * GiB
 MLA_FP8_TRANSIENT_BYTES = 2.153 * GiB
 MLA_FP8_TRANSIENT_BYTES_PER_TOKEN = -146_800.0  # the GPU's own batched tokens: attention is not gathered over DP
 MLA_FP8_TRANSIENT_BYTES_PER_REQUEST_AT_128_HEADS = 2.066e6
+# A block-FP8 MLA start that compiles cold keeps more at depth than the 2-layer minis above showed: the DeepSeek-V3-
+# shaped mini at 24 layers (23 MoE, 16 experts, dummy weights, vLLM's defaults, one H100, run-graphs/mla) profiled
+# 3.43 GiB above this fit, its KV 10.2 % short of the plan. A 2-layer mini has no piece from one MoE layer to the
+# next: under GQA that piece's set of tensors is what a cold compile leaves for Python's collector, once for the
+# whole model whatever its depth (the GLM-4.5-Air mini at 8 and at 16 layers, run-profile-peak), and a warm start
+# leaves none. The 3.43 GiB is taken as that set under MLA, 31.4 hidden-sized bf16 tensors per batched token (its
+# 128-head queries are 3.4 hidden states each). One start showed it; whether it is the compile's (gone warm) or
+# grows with depth is not yet measured (on-h200-graphs.sh THEN="ds-24l:again ds-24l:eager ds-12l:first" tells). So
+# a cold start is charged half of it and the activation's band reaches from none to all of it.
+MLA_FP8_COMPILE_GARBAGE_HIDDEN_TENSORS = 31.4
+MLA_FP8_COMPILE_MISS_SHARE = 0.5
 # The transient part at the hidden size it was fitted on; it moves with the hidden size (the forward's activations
 # are tokens x hidden): the Moonlight-like mini (hidden 2048, held out, run-truth-small, 2026-12-05) peaked at
 # 0.81 GiB at 128 requests, what the transient scaled by 2048 / 7168 gives (0.29 GiB beside 0.52 kept); unscaled
@@ -261,6 +272,19 @@ def gqa_compile_miss_bytes(spec: ModelSpec, tokens: int) -> float:
     return GQA_COMPILE_MISS_HIDDEN_TENSORS * tokens * spec.hidden * 2
 
 
+def compile_garbage_bound(spec: ModelSpec, layout: Layout, tokens: int) -> float:
+    """Per GPU, the most a start that compiles cold was seen to leave for Python's collector at its profile peak:
+    under GQA one set of tensors per distinct compiled piece (:func:`gqa_compile_garbage_bound`); under block-FP8
+    MLA the set :data:`MLA_FP8_COMPILE_GARBAGE_HIDDEN_TENSORS` stands for, where a GPU's stage has a piece from one
+    MoE layer to the next; 0 where none was seen (MLA with INT4 experts: its fit holds it, MLA_COMPILE_MISS_BYTES)."""
+    if not spec.mla:
+        return gqa_compile_garbage_bound(spec, layout, tokens)
+    if spec.quant.method != "fp8":
+        return 0.0
+    moe_on_a_stage = max(min(layers, spec.moe_layers) for layers in pp_split(spec.layers, layout.pp))
+    return MLA_FP8_COMPILE_GARBAGE_HIDDEN_TENSORS * tokens * spec.hidden * 2 if moe_on_a_stage >= 2 else 0.0
+
+
 def gqa_compile_garbage_bound(spec: ModelSpec, layout: Layout, tokens: int) -> float:
     """Per GPU, the most a GQA MoE start that compiles was seen to leave for Python's collector at its sampler:
     one set of tensors for each distinct compiled piece between two attentions, as the four-layer GLM-4.5 and the
@@ -305,7 +329,8 @@ def reserve_for(
     logits = min(seqs, tokens) * spec.vocab
     compile_miss = 0.0
     if spec.mla and spec.quant.method == "fp8":
-        kept = MLA_FP8_KEPT_BYTES + MLA_FP8_KEPT_PER_MOE * moe
+        compile_miss = 0.0 if warm else MLA_FP8_COMPILE_MISS_SHARE * compile_garbage_bound(spec, layout, tokens)
+        kept = MLA_FP8_KEPT_BYTES + MLA_FP8_KEPT_PER_MOE * moe + compile_miss
         transient = max(
             MLA_FP8_TRANSIENT_BYTES
             + MLA_FP8_TRANSIENT_BYTES_PER_TOKEN * tokens
@@ -500,10 +525,11 @@ def _term_bands(spec: ModelSpec, layout: Layout, prov: truth.Provenance) -> dict
         spread=reserve.graph_spread,
     )
     sampler_peak = prov == "calibrated" and not spec.mla and reserve.sampler >= reserve.transient
-    if sampler_peak and reserve.compile_miss:
-        bound = gqa_compile_garbage_bound(spec, layout, reserve.tokens)
+    if (sampler_peak or spec.mla) and prov != "measured" and reserve.compile_miss:
+        bound = compile_garbage_bound(spec, layout, reserve.tokens)
         spread = max(bound - reserve.compile_miss, reserve.compile_miss)
-        read = GQA_CODE_READ_ACTIVATION_BAND * (reserve.activation - reserve.compile_miss)
+        share = GQA_CODE_READ_ACTIVATION_BAND if sampler_peak else bands["activation"]
+        read = share * (reserve.activation - reserve.compile_miss)
         bands["activation"] = max(bands["activation"], (read + spread) / reserve.activation)
     elif sampler_peak and reserve.compile_cache_hit:
         # nothing left for the collector: the terms read off vLLM's code are the peak (the six GLM-4.5-shaped
@@ -515,14 +541,16 @@ def _term_bands(spec: ModelSpec, layout: Layout, prov: truth.Provenance) -> dict
 
 
 def _varies_between_starts(spec: ModelSpec, layout: Layout) -> float:
-    """Bytes of the profile peak no earlier start of the same command fixes: under GQA, where the sampler sets the
-    peak, what a cold compile leaves for Python's collector (none to gqa_compile_garbage_bound). On the H100 the
-    GLM-4.5-Air mini at 8 layers left none on a dummy-weight rehearsal and 1.42 GiB on the real launch after it,
-    both cold (2.8 % of its KV: docs/examples/h200-vllm/run-warm-launch)."""
+    """Bytes of the profile peak no earlier start of the same command fixes: what a cold compile leaves for Python's
+    collector (none to compile_garbage_bound), under GQA where the sampler sets the peak, and under block-FP8 MLA at
+    depth. On the H100 the GLM-4.5-Air mini at 8 layers left none on a dummy-weight rehearsal and 1.42 GiB on the
+    real launch after it, both cold (2.8 % of its KV: docs/examples/h200-vllm/run-warm-launch)."""
     reserve = layout.reserve
-    if reserve is None or spec.mla or not reserve.compile_miss or reserve.sampler < reserve.transient:
+    if reserve is None or not reserve.compile_miss:
         return 0.0
-    return gqa_compile_garbage_bound(spec, layout, reserve.tokens)
+    if not spec.mla and reserve.sampler < reserve.transient:
+        return 0.0
+    return compile_garbage_bound(spec, layout, reserve.tokens)
 
 
 def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, available: float) -> float:
@@ -539,7 +567,13 @@ def _learned(spec: ModelSpec, layout: Layout, device: Device, sizing: Sizing, av
     if entry is None:
         return 0.0
     how = "the same command" if same else f"{entry.layout} at other settings"
-    if layout.reserve and layout.reserve.compile_cache_hit and not spec.mla and entry.compiled_cold:
+    reserve = layout.reserve
+    if (
+        reserve
+        and reserve.compile_cache_hit
+        and entry.compiled_cold
+        and compile_garbage_bound(spec, layout, reserve.tokens)
+    ):
         # its rest holds what its compile left for Python's collector (none to 1.5 GiB on the same command), which
         # this start, loading the compile cache, will not keep
         layout.learned_bytes = entry.measured_terms_gap(weights, terms)
