@@ -1688,7 +1688,7 @@ def test_a_start_that_finds_its_compile_cache_is_planned_without_what_a_cold_com
                                   weight_gib=cold_log.model_memory_gib, graph_gib=cold_log.graph_estimate_gib)  # fmt: skip
     assert entry.compiled_cold
     relaunch = glm(frozenset({"TP=1"}), (entry,))
-    assert relaunch.graphs_measured_by == entry and "set aside" in relaunch.kv_basis, relaunch.kv_basis
+    assert relaunch.graphs_measured_by == entry and "finds its compile cache" in relaunch.kv_basis, relaunch.kv_basis
     assert abs(relaunch.max_kv_tokens / warm_log.kv_cache_tokens - 1) < 0.003
     assert relaunch.bands["kv_tokens"].contains(warm_log.kv_cache_tokens)
     taken_whole = cold.max_kv_tokens + round(entry.kv_gap_bytes / cold.kv_bytes_per_token_per_gpu)
@@ -1746,3 +1746,16 @@ def test_block_fp8_mla_at_depth_is_charged_its_cold_compiles_garbage_and_its_ban
     # INT4 MLA's fit already holds its cold compile (MLA_COMPILE_MISS_BYTES): nothing more
     kimi = spec("kimi-k2.5-shapes-3l-int4")
     assert sizing.compile_garbage_bound(kimi, planner.plan(kimi, device).layouts[0], 8192) == 0
+    # that cold start in the history: a warm launch after it takes only the weights and graphs vLLM logged (its rest
+    # holds the garbage the launch will not keep); the same cold command again, whose garbage may differ, too
+    cold_log = read_values(gzip.open(folder / "ds-24l.log.gz", "rt").read())
+    entry = planner.truth.learned(layout, device.name, "0.25.0", "rehearsal", cold_log.kv_cache_tokens,
+                                  weight_gib=cold_log.model_memory_gib, graph_gib=cold_log.graph_estimate_gib)  # fmt: skip
+    assert entry.compiled_cold
+    relaunch = planner.plan(deep, device, max_model_len=4096, history=(entry,),
+                            serving=planner.Serving(vllm_version="0.25.0", compile_cache_hit=True)).layouts[0]  # fmt: skip
+    assert relaunch.graphs_measured_by == entry and "finds its compile cache" in relaunch.kv_basis, relaunch.kv_basis
+    again = planner.plan(deep, device, max_model_len=4096, history=(entry,),
+                         serving=planner.Serving(vllm_version="0.25.0")).layouts[0]  # fmt: skip
+    assert not again.same_command_measured and again.graphs_measured_by == entry
+    assert again.bands["kv_tokens"].contains(cold_log.kv_cache_tokens)

@@ -525,8 +525,8 @@ def _term_bands(spec: ModelSpec, layout: Layout, prov: truth.Provenance) -> dict
         spread=reserve.graph_spread,
     )
     sampler_peak = prov == "calibrated" and not spec.mla and reserve.sampler >= reserve.transient
-    if (sampler_peak or spec.mla) and prov != "measured" and reserve.compile_miss:
-        bound = compile_garbage_bound(spec, layout, reserve.tokens)
+    bound = _varies_between_starts(spec, layout)
+    if bound and (sampler_peak or (spec.mla and prov != "measured")):
         spread = max(bound - reserve.compile_miss, reserve.compile_miss)
         share = GQA_CODE_READ_ACTIVATION_BAND if sampler_peak else bands["activation"]
         read = share * (reserve.activation - reserve.compile_miss)

@@ -406,8 +406,8 @@ def kv_band(
     the unmodelled part, taken as independent (root sum of squares); learned from an earlier start, vLLM's
     run-to-run spread, plus (at other settings) half of what the terms moved since and the unmodelled part
     that moves with the settings, added up, plus ``varies_bytes``, what differs from start to start of the very
-    command (a cold compile's garbage, under GQA and block-FP8 MLA). ``bands``: each term's (:func:`term_bands`), else the
-    provenance's."""
+    command (a cold compile's garbage, under GQA and block-FP8 MLA). ``bands``: each term's
+    (:func:`term_bands`), else the provenance's."""
     if kv_bytes <= 0:
         return math.inf
     if learned_from is not None and same_command:
