@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, NoReturn
@@ -247,6 +248,9 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
     max_num_seqs: int = typer.Option(0, min=0, help="sequences per engine (CUDA-graph captures, sampler); 0: vLLM's"),
     max_num_batched_tokens: int = typer.Option(0, min=0, help="tokens per step (the profile run's size); 0: vLLM's"),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="no torch.compile and no CUDA graphs"),
+    vllm_version: str = typer.Option(
+        "", help="the vLLM the GPUs will run (its defaults size the plan, e.g. 0.25); empty: the one installed here"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON, with each node's command"),
     wide: bool = typer.Option(False, "--wide", help="every column of the table (about 300 characters wide)"),
 ) -> None:
@@ -272,12 +276,18 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
                 f"--nodes {nodes} needs --interconnect, the network between the nodes "
                 "(e.g. --interconnect '8x400Gb/s InfiniBand'): the ranking charges what crosses it"
             )
+        if vllm_version and not re.fullmatch(r"\d+\.\d+(\.\d+)?", vllm_version):
+            raise ServebookError(
+                f"--vllm-version {vllm_version!r} is not a version number: give the one the GPUs will run, "
+                "e.g. --vllm-version 0.25 (or 0.25.0)"
+            )
         p = params.validate(
             {"model": model, "max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
              "kv_cache_dtype": kv_cache_dtype, "plan_batch": batch, "nodes": nodes, "node_interconnect": interconnect,
              "device": "cuda", "plan_gpu": gpu, "plan_gpu_count": gpus_ * nodes, "layout_from_plan": True,
              "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-             "enforce_eager": enforce_eager, "bench_input_len": input_len, "bench_output_len": output_len},
+             "enforce_eager": enforce_eager, "bench_input_len": input_len, "bench_output_len": output_len,
+             "plan_vllm_version": vllm_version},
             source="servebook plan",
         )  # fmt: skip
         link = planner.parse_interconnect(interconnect) if nodes > 1 else None
@@ -289,10 +299,10 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
         typer.echo(result.model_dump_json(indent=2, exclude={"schema_version", "written_at"}))
         return
     where = f"{nodes} nodes of {gpus_} x {g.name} ({interconnect})" if nodes > 1 else f"{gpus_} x {g.name}"
-    _echo_plan(result, where, wide)
+    _echo_plan(result, where, wide, version_named=bool(vllm_version))
 
 
-def _echo_plan(result: PlanRecord, where: str, wide: bool) -> None:
+def _echo_plan(result: PlanRecord, where: str, wide: bool, version_named: bool) -> None:
     """`servebook plan`'s terminal answer: the table, each refusal, the recommendation, the bands, the command."""
     from servebook.stages.plan import bands_text, defaults_text, node_commands_text, table, terminal_table
 
@@ -303,7 +313,10 @@ def _echo_plan(result: PlanRecord, where: str, wide: bool) -> None:
         if layout.reasons:
             typer.echo(f"{layout.name}: {layout.reasons[0]}")
     typer.echo(f"recommended: {result.why}")
-    typer.echo(defaults_text(result))
+    typer.echo(
+        defaults_text(result)
+        + ("" if version_named else " (the vLLM installed here; --vllm-version names the one the GPUs will run)")
+    )
     if bands := bands_text(result):
         typer.echo(bands)
     best = result.recommended

@@ -77,8 +77,9 @@ def test_compare_on_a_cut_record_names_the_file(tmp_path):
         (["gpu-check", "--port", "8000", "--gpus", "a,b"], ["--gpus 'a,b'", "as numbers"]),
         (["wait-ready", "--url", "notaurl", "--timeout", "1"], ["--url 'notaurl'", "http://127.0.0.1:8000"]),
         (["plan", "builtin:tiny-qwen3-moe", "--gpus", "0"], ["--gpus"]),
+        (["plan", "builtin:tiny-qwen3-moe", "--vllm-version", "latest"], ["--vllm-version 'latest'", "0.25"]),
     ],
-    ids=["gpu-check --gpus a,b", "wait-ready --url notaurl", "plan --gpus 0"],
+    ids=["gpu-check --gpus a,b", "wait-ready --url notaurl", "plan --gpus 0", "plan --vllm-version latest"],
 )
 def test_cli_entry_points_refuse_bad_values_in_one_line(args, words):
     refused(servebook(*args), *words)

@@ -1759,3 +1759,24 @@ def test_block_fp8_mla_at_depth_is_charged_its_cold_compiles_garbage_and_its_ban
                          serving=planner.Serving(vllm_version="0.25.0")).layouts[0]  # fmt: skip
     assert not again.same_command_measured and again.graphs_measured_by == entry
     assert again.bands["kv_tokens"].contains(cold_log.kv_cache_tokens)
+
+
+def test_cli_names_the_vllm_it_sized_for_and_the_layouts_its_forecast_cannot_order():
+    """On a CPU machine the installed vLLM is not the GPUs' one: the answer says which it sized for and how to
+    name the other; and where runners-up are forecast inside the leader's band, the recommendation says the
+    forecast cannot order them and how many to rehearse."""
+
+    def answer(*extra: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "servebook.cli", "plan", str(CONFIGS / "deepseek-v3.json"), "--gpus", "8", *extra],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    installed, named = answer(), answer("--vllm-version", "0.25")
+    assert "the vLLM installed here; --vllm-version names the one the GPUs will run" in installed
+    assert "sized for vLLM 0.25," in named and "installed here" not in named
+    why = next(line for line in named.splitlines() if line.startswith("recommended: "))
+    assert "forecast within its ±40 %" in why and "the forecast cannot order them" in why
+    assert "(rehearse_layouts: 4)" in why

@@ -256,6 +256,27 @@ def _why(recommended: Layout | None, usable: list[Layout], batch: int, device: D
         f"({recommended.forecast_tok_s_batch:,.0f} tok/s ± {100 * _forecast_band(recommended):.0f} %; bandwidth "
         f"ceiling {recommended.decode_tok_s_batch:,.0f}) among {len(usable)} layouts that vLLM accepts and that fit"
         + held
+        + _within_band(recommended, usable)
+    )
+
+
+def _within_band(recommended: Layout, usable: list[Layout]) -> str:
+    """The runners-up whose forecast lies inside the leader's band: the forecast alone cannot order them, a
+    rehearsal (``rehearse_layouts``) or a launch of each can."""
+    band = _forecast_band(recommended)
+    if not band or not recommended.forecast_tok_s_batch:
+        return ""
+    floor = recommended.forecast_tok_s_batch * (1 - band)
+    close = [c for c in usable if c is not recommended and c.forecast_tok_s_batch >= floor]
+    if not close:
+        return ""
+    listed = ", ".join(f"{c.name} {c.forecast_tok_s_batch:,.0f}" for c in close[:4]) + (
+        ", ..." if len(close) > 4 else ""
+    )
+    return (
+        f"; {len(close)} other layout(s) forecast within its ±{100 * band:.0f} % ({listed}): the forecast cannot "
+        f"order them, so rehearse the first {min(len(close) + 1, 4)} on dummy weights "
+        f"(rehearse_layouts: {min(len(close) + 1, 4)}) and launch the one measured best"
     )
 
 
