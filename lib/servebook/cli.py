@@ -276,7 +276,7 @@ def plan(  # noqa: PLR0913, PLR0917  (a Typer command: one parameter per option)
                 f"--nodes {nodes} needs --interconnect, the network between the nodes "
                 "(e.g. --interconnect '8x400Gb/s InfiniBand'): the ranking charges what crosses it"
             )
-        if vllm_version and not re.fullmatch(r"\d+\.\d+(\.\d+)?", vllm_version):
+        if vllm_version and not re.fullmatch(params.VLLM_VERSION, vllm_version):
             raise ServebookError(
                 f"--vllm-version {vllm_version!r} is not a version number: give the one the GPUs will run, "
                 "e.g. --vllm-version 0.25 (or 0.25.0)"

@@ -33,6 +33,7 @@ from servebook.errors import DatasetError, ParamsError, PlanInputError
 from servebook.planner import GPU_MEMORY_UTILIZATION, Parallelism, nodes_rule, parse_interconnect
 from servebook.secrets import is_secret_name
 
+VLLM_VERSION = r"\d+\.\d+(\.\d+)?"  # a release as vLLM numbers it: 0.25 or 0.25.0
 KV_CACHE_DTYPES = Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
@@ -325,7 +326,7 @@ class Params(BaseModel):
     plan_gpu_count: int = Field(0, ge=0, le=64, description="GPUs to plan for; 0 means all GPUs reconnaissance found")
     plan_vllm_version: str = Field(
         "",
-        pattern=r"^(\d+\.\d+(\.\d+)?)?$",
+        pattern=rf"^({VLLM_VERSION})?$",
         description="the vLLM version whose defaults the plan sizes with (e.g. 0.25); empty: the installed one",
     )
     plan_rank_by: Literal["throughput", "latency", "concurrency"] = Field(

@@ -12,7 +12,7 @@ whole blocks, as ``kv_cache_utils`` does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel
 
@@ -247,7 +247,7 @@ def _why(recommended: Layout | None, usable: list[Layout], batch: int, device: D
     if len(short) == len(usable):
         held = f"; none holds {batch} requests of max_model_len in KV cache, so each was ranked at what it holds"
     elif short:
-        listed = ", ".join(f"{c.name}: {c.batch_fit}" for c in short[:4]) + (", ..." if len(short) > 4 else "")
+        listed = _first_four(f"{c.name}: {c.batch_fit}" for c in short)
         held = f"; {len(short)} hold fewer than {batch} requests of max_model_len and were ranked at that ({listed})"
     else:
         held = ""
@@ -270,14 +270,18 @@ def _within_band(recommended: Layout, usable: list[Layout]) -> str:
     close = [c for c in usable if c is not recommended and c.forecast_tok_s_batch >= floor]
     if not close:
         return ""
-    listed = ", ".join(f"{c.name} {c.forecast_tok_s_batch:,.0f}" for c in close[:4]) + (
-        ", ..." if len(close) > 4 else ""
-    )
+    listed = _first_four(f"{c.name} {c.forecast_tok_s_batch:,.0f}" for c in close)
+    to_rehearse = min(len(close) + 1, 4)
     return (
         f"; {len(close)} other layout(s) forecast within its ±{100 * band:.0f} % ({listed}): the forecast cannot "
-        f"order them, so rehearse the first {min(len(close) + 1, 4)} on dummy weights "
-        f"(rehearse_layouts: {min(len(close) + 1, 4)}) and launch the one measured best"
+        f"order them, so rehearse the first {to_rehearse} on dummy weights (rehearse_layouts: {to_rehearse}) "
+        "and launch the one measured best"
     )
+
+
+def _first_four(names: Iterable[str]) -> str:
+    shown = list(names)
+    return ", ".join(shown[:4]) + (", ..." if len(shown) > 4 else "")
 
 
 __all__ = [
